@@ -1,0 +1,170 @@
+"""The built-in task: an offline tiny model, its tokenizer, a prompt dataset and a reward.
+
+Nothing here touches a model hub, so the demo and every test run on a laptop with HF_HUB_OFFLINE=1.
+The model and tokenizer are saved with `save_pretrained` and load from a directory exactly like a
+hub model (`AutoModelForCausalLM.from_pretrained(dir)`), so the rest of the project never knows it
+is talking to a toy:
+
+    python toy.py --save /tmp/toy          # config.json, model.safetensors, tokenizer.json, chat_template.jinja
+    python serve_local.py --model /tmp/toy # or --model toy, which builds it in a cache directory
+
+The task ("add two small numbers")
+----------------------------------
+    prompt      [{"role": "user", "content": "3+4="}]          answer "7"   (a, b in 0..4, so one digit)
+    rendered    <|im_start|>user\\n3+4=<|im_end|>\\n<|im_start|>assistant\\n
+    completion  "7<|im_end|>"                                            reward 1.0
+
+`sum_reward` is shaped so that a random-init policy already sees a signal:
+
+    completion text        reward   chance under a uniform random policy (vocab ~105)
+    exactly the answer       1.0    ~1e-3 per rollout (right digit, then end of turn)
+    starts with the answer   0.5    ~1e-2
+    starts with any digit    0.2    ~0.1  -> most groups of 8 have unequal rewards, so GRPO has
+    anything else            0.0            a gradient from the first step
+
+Why a random-init model learns it: the tokenizer is character level over printable ASCII, so the
+answer is one token out of ~105 and "start with a digit" is a marginal preference the LM head learns
+in a few dozen steps; picking the right digit needs attention from the answer position to the two
+operand positions (fixed offsets in a short prompt), which a 2-layer model represents easily; ending
+the turn is one more token. The reward rises from ~0.02 to above 0.2 within a few minutes of CPU
+training, which is what the demo shows.
+
+Departures: the spec trains hub models; this file exists because our machines have no hub. The chat
+template follows Qwen's layout (`<|im_start|>role ... <|im_end|>`, `<tools>` in the system turn,
+`<tool_call>{json}</tool_call>` in assistant turns, tool results as `<tool_response>` in a user turn).
+"""
+import argparse
+import os
+import random
+
+import torch
+from datasets import Dataset
+from tokenizers import AddedToken, Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+CHARS = [chr(c) for c in range(32, 127)] + ["\n", "\t"]  # printable ASCII, newline, tab
+
+CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
+    'Call a tool with <tool_call>{"name": <name>, "arguments": <json>}</tool_call><|im_end|>\n'
+    "{% elif messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role == 'assistant' %}"
+    "<|im_start|>assistant\n{{ message.content or '' }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{% set fn = call.function if call.function is defined else call %}"
+    '<tool_call>{"name": "{{ fn.name }}", "arguments": {{ fn.arguments | tojson }}}</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level BPE (no merges) over printable ASCII, plus Qwen's special and tool tokens."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()  # characters join without separators
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE, padding_side="left", model_max_length=1024,
+    )
+
+
+def build_model(vocab_size: int, seed: int = 0) -> Qwen3ForCausalLM:
+    """A Qwen3-shaped causal LM with ~0.3M parameters, random init (deterministic for a seed)."""
+    cfg = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=SPECIAL.index("<|im_end|>"),
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg)
+
+
+def save(path: str, seed: int = 0) -> str:
+    """Write the toy model and tokenizer to `path`; returns the path."""
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer), seed)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def ensure_saved(path: str | None = None) -> str:
+    """The toy model directory, built on first use (default: ~/.cache/async_grpo/toy)."""
+    path = path or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "async_grpo", "toy")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tmp = f"{path}.tmp{os.getpid()}"
+        save(tmp)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            os.rename(tmp, path)  # atomic: a concurrent builder either wins or finds it done
+        except OSError:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def make_dataset(n: int = 64, seed: int = 0) -> Dataset:
+    """`n` addition prompts (a, b in 0..4) in conversational form, with an `answer` column."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 4), rng.randint(0, 4)
+        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)})
+    return Dataset.from_list(rows)
+
+
+def _text(completion) -> str:
+    """A completion is a message list (conversational) or a string (standard)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m.get("content") or "" for m in completion if m.get("role") == "assistant")
+
+
+def sum_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 for exactly the answer, 0.5 if it starts with it, 0.2 for any leading digit, else 0."""
+    out = []
+    for completion, ans in zip(completions, answer):
+        text = _text(completion).strip()
+        out.append(1.0 if text == ans else 0.5 if text.startswith(ans) else 0.2 if text[:1].isdigit() else 0.0)
+    return out
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The sum a + b.
+    """
+    return a + b
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--save", metavar="DIR", required=True, help="directory to write the model and tokenizer to")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(save(args.save, args.seed))
