@@ -1,0 +1,282 @@
+"""vllm_client.py against tiny scripted stdlib HTTP servers: retries, timeouts, error messages, parsing.
+
+Each scripted server answers its n-th request with `replies[n]` (the last reply repeats), serves a bounded
+number of requests and stops by itself; "stall" holds the request without answering until the test ends.
+"""
+import asyncio
+import json
+import math
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from vllm_client import VLLMClient, VLLMError, parse_prometheus
+
+FAST = dict(backoff=0.001, max_backoff=0.01)  # keep retries quick
+
+
+class Scripted(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, replies, max_requests: int):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.replies, self.max_requests = replies, max_requests
+        self.requests: list[tuple[str, str, object]] = []  # (method, path with query, JSON body or None)
+        self.released = threading.Event()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self.timeout = 0.05
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        deadline = time.monotonic() + 20
+        while len(self.requests) < self.max_requests and not self.released.is_set() and time.monotonic() < deadline:
+            self.handle_request()
+        self.server_close()
+
+    def reply_for(self, method, path, body):
+        self.requests.append((method, path, body))
+        if callable(self.replies):
+            return self.replies(method, path, body)
+        return self.replies[min(len(self.requests), len(self.replies)) - 1]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _answer(self):
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        reply = self.server.reply_for(self.command, self.path, json.loads(raw) if raw else None)
+        if reply == "stall":
+            self.server.released.wait(10)
+            return
+        status, body = reply
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain" if isinstance(body, str) else "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _answer
+
+
+@pytest.fixture
+def serve():
+    """serve(replies, max_requests=20) -> a started Scripted server; all are released after the test."""
+    servers = []
+
+    def start(replies, max_requests: int = 20) -> Scripted:
+        servers.append(Scripted(replies, max_requests))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.released.set()
+
+
+COMPLETION = {"choices": [{"text": "7", "token_ids": [7], "logprobs": {"token_logprobs": [-0.1]}}]}
+
+
+def test_retries_5xx_then_succeeds(serve):
+    s = serve([(503, {"error": {"message": "paused"}}), (500, "boom"), (200, COMPLETION)])
+    client = VLLMClient(s.url, **FAST)
+    assert client.completions({"prompt": [1, 2]}) == COMPLETION
+    assert client.retry_total == 2 and len(s.requests) == 3
+    assert s.requests[0] == ("POST", "/v1/completions", {"prompt": [1, 2]})
+
+
+def test_control_call_retries_503(serve):
+    s = serve([(503, {"error": "paused"}), (200, {"is_paused": True})])
+    client = VLLMClient(s.url, **FAST)
+    assert client.is_paused() is True and client.retry_total == 1
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"error": {"message": "max_tokens is too large", "type": "BadRequestError"}}, "max_tokens is too large"),
+    ({"error": "Invalid pause mode"}, "Invalid pause mode"),
+    ({"message": "The model `x` does not exist."}, "The model `x` does not exist."),
+    ({"detail": "Not Found"}, "Not Found"),
+    ("plain words", "plain words"),
+])
+def test_4xx_raises_at_once_with_the_servers_message(serve, body, message):
+    s = serve([(400, body), (200, COMPLETION)])
+    client = VLLMClient(s.url, **FAST)
+    with pytest.raises(VLLMError) as info:
+        client.completions({"prompt": [1]})
+    assert info.value.status == 400 and info.value.message == message and message in str(info.value)
+    assert info.value.url == s.url + "/v1/completions"
+    assert len(s.requests) == 1 and client.retry_total == 0
+
+
+def test_control_call_timeout_raises_naming_the_endpoint(serve):
+    s = serve(["stall", (200, {"message": "ok"})])
+    client = VLLMClient(s.url, timeout=0.2, **FAST)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="/start_weight_update"):
+        client.start_weight_update()
+    assert time.monotonic() - start < 1.0 and len(s.requests) == 1 and client.retry_total == 0
+
+
+def test_stalled_generation_is_retried(serve):
+    s = serve(["stall", (200, COMPLETION)])
+    client = VLLMClient(s.url, timeout=0.2, **FAST)
+    assert client.generate({"token_ids": [1]}) == COMPLETION
+    assert client.retry_total == 1 and len(s.requests) == 2
+
+
+def test_collective_call_is_not_retried_after_it_reached_the_server(serve):
+    s = serve([(500, {"error": {"message": "Weight transfer not configured"}}), (200, {})])
+    client = VLLMClient(s.url, **FAST)
+    with pytest.raises(VLLMError, match="Weight transfer not configured"):
+        client.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    assert len(s.requests) == 1
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_connection_refused_is_retried_then_raised():
+    client = VLLMClient(f"http://127.0.0.1:{_closed_port()}", max_retries=2, **FAST)
+    with pytest.raises(VLLMError, match="gave up after 3 attempts.*ConnectError") as info:
+        client.world_size()
+    assert info.value.status is None and info.value.url.endswith("/get_world_size?include_dp=true")
+    assert client.retry_total == 2
+    assert client.health() is False
+
+
+@pytest.mark.parametrize("reply", [(503, ""), "stall"])
+def test_wait_for_health_meets_a_short_deadline(serve, reply):
+    s = serve([reply], max_requests=100)
+    client = VLLMClient(s.url)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"{s.url}/health"):
+        client.wait_for_health(timeout=0.3)
+    assert 0.3 <= time.monotonic() - start < 1.0
+
+
+def test_wait_for_health_returns_once_healthy(serve):
+    s = serve([(503, ""), (503, ""), (200, "")])
+    client = VLLMClient(s.url)
+    client.wait_for_health(timeout=5)
+    assert len(s.requests) == 3 and client.health()
+
+
+def test_lora_replies_are_plain_text(serve):
+    s = serve([(200, "Success: LoRA adapter 'policy-v1' added successfully."),
+               (200, "Success: LoRA adapter 'policy-v0' removed successfully.")])
+    client = VLLMClient(s.url, **FAST)
+    assert client.load_lora_adapter("policy-v1", "/tmp/a") == "Success: LoRA adapter 'policy-v1' added successfully."
+    assert client.unload_lora_adapter("policy-v0").startswith("Success")
+    assert s.requests == [("POST", "/v1/load_lora_adapter", {"lora_name": "policy-v1", "lora_path": "/tmp/a",
+                                                             "load_inplace": False}),
+                          ("POST", "/v1/unload_lora_adapter", {"lora_name": "policy-v0"})]
+
+
+def test_malformed_replies_raise_vllm_error(serve):
+    s = serve([(200, "<html>proxy error</html>"), (200, [1, 2]), (200, {"version": "v3"})])
+    client = VLLMClient(s.url, **FAST)
+    with pytest.raises(VLLMError, match="expected a JSON object.*proxy error"):
+        client.completions({"prompt": [1]})
+    with pytest.raises(VLLMError, match="expected a JSON object"):
+        client.models()
+    with pytest.raises(VLLMError, match="weight_version"):
+        client.weight_info()
+
+
+def test_endpoints_paths_and_bodies(serve):
+    replies = {
+        "/v1/models": {"object": "list", "data": [
+            {"id": "policy-v1", "parent": "toy", "max_model_len": None},
+            {"id": "toy", "parent": None, "max_model_len": 256}]},
+        "/server_info?config_format=json": {"vllm_config": {"model_config": {"dtype": "torch.float32"}}},
+        "/get_world_size?include_dp=false": {"world_size": 2},
+        "/pause?mode=abort&clear_cache=false": {"status": "paused"},
+        "/resume": {"status": "resumed"},
+        "/reset_prefix_cache?reset_running_requests=true": {"success": True},
+        "/init_weight_transfer_engine": {"message": "Weight transfer initialized"},
+        "/finish_weight_update": {"message": "Weight update finished"},
+        "/weight_info": {"weight_version": "v2"},
+        "/weight_checker": {"match": True, "mismatches": []},
+        "/inference/v1/generate": COMPLETION,
+    }
+    s = serve(lambda method, path, body: (200, replies[path]) if path in replies else (404, {"detail": "Not Found"}))
+    client = VLLMClient(s.url, **FAST)
+    assert client.max_model_len() == 256
+    assert client.server_info() == {"model_config": {"dtype": "torch.float32"}}
+    assert client.world_size(include_dp=False) == 2
+    client.pause("abort", clear_cache=False)
+    client.resume()
+    assert client.reset_prefix_cache(reset_running_requests=True) is True
+    client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                        "world_size": 2})
+    client.finish_weight_update("v2")
+    assert client.weight_info() == "v2"
+    assert client.weight_checker("compare", {"w": "ab"}) == {"match": True, "mismatches": []}
+    assert client.generate({"token_ids": [1]}) == COMPLETION
+    assert client.metrics() is None  # no /metrics: 404
+    bodies = {path: body for _, path, body in s.requests}
+    assert bodies["/init_weight_transfer_engine"]["init_info"]["rank_offset"] == 1
+    assert bodies["/finish_weight_update"] == {"weight_version": "v2"}
+    assert bodies["/weight_checker"] == {"action": "compare", "baseline": {"w": "ab"}}
+    assert client.retry_total == 0
+    client.close()
+
+
+PROMETHEUS = r'''# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-0.6B"} 3.0
+vllm:num_requests_running{engine="1",model_name="Qwen/Qwen3-0.6B"} 5.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-0.6B"} 0.42
+vllm:kv_cache_usage_perc{engine="1",model_name="Qwen/Qwen3-0.6B"} NaN
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 7.0
+vllm:num_preemptions_created{engine="0",model_name="Qwen/Qwen3-0.6B"} 1.7e+09
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="Qwen/Qwen3-0.6B"} 12.0
+vllm:cache_config_info{block_size="16",engine="0",note="a \"quoted\", comma, {brace}",num_gpu_blocks="4096"} 1.0
+process_open_fds 17 1712345678000
+python_gc_objects_collected_total{generation="0"} -Inf
+'''
+
+
+def test_parse_prometheus_realistic_text():
+    m = parse_prometheus(PROMETHEUS)
+    assert m["vllm:num_requests_running"] == [({"engine": "0", "model_name": "Qwen/Qwen3-0.6B"}, 3.0),
+                                              ({"engine": "1", "model_name": "Qwen/Qwen3-0.6B"}, 5.0)]
+    usage = dict((labels["engine"], v) for labels, v in m["vllm:kv_cache_usage_perc"])
+    assert usage["0"] == 0.42 and math.isnan(usage["1"])
+    assert m["vllm:num_preemptions_total"][0][1] == 7.0
+    assert m["vllm:e2e_request_latency_seconds_bucket"][0][0]["le"] == "+Inf"
+    labels, value = m["vllm:cache_config_info"][0]
+    assert labels == {"block_size": "16", "engine": "0", "note": 'a "quoted", comma, {brace}', "num_gpu_blocks": "4096"}
+    assert m["process_open_fds"] == [({}, 17.0)]
+    assert m["python_gc_objects_collected_total"][0][1] == -math.inf
+    assert "vllm:num_preemptions" not in m  # comment lines are not samples
+
+
+def test_async_methods_share_the_policy(serve):
+    retried = serve([(503, {"error": {"message": "paused"}}), (200, COMPLETION), (200, PROMETHEUS)])
+    refused = serve([(400, {"error": {"message": "bad logprobs"}}), (200, COMPLETION)])
+    stalled = serve(["stall", (200, COMPLETION)])
+    a, b = VLLMClient(retried.url, **FAST), VLLMClient(refused.url, **FAST)
+    c = VLLMClient(stalled.url, timeout=0.2, **FAST)
+
+    async def run():
+        assert await a.acompletions({"prompt": [1]}) == COMPLETION
+        assert (await a.ametrics())["vllm:num_requests_running"][1][1] == 5.0
+        with pytest.raises(VLLMError, match="bad logprobs"):
+            await b.agenerate({"token_ids": [1]})
+        assert await c.agenerate({"token_ids": [1]}) == COMPLETION
+        for client in (a, b, c):
+            await client.aclose()
+
+    asyncio.run(run())
+    assert (a.retry_total, b.retry_total, c.retry_total) == (1, 0, 1)
+    assert len(refused.requests) == 1 and len(stalled.requests) == 2

@@ -1,0 +1,341 @@
+"""The one place that talks HTTP to a vLLM server: endpoints, timeouts, retries.
+
+Every other module calls a method here instead of building a URL. The contract is vLLM 0.33's HTTP
+API (`serve_local.py` speaks the same subset); one `VLLMClient` talks to one server URL.
+
+    purpose          endpoint                              method(s) here
+    ---------------  ------------------------------------  ------------------------------------------
+    health / info    GET  /health                          health, wait_for_health
+                     GET  /v1/models                       models, max_model_len
+                     GET  /server_info?config_format=json  server_info              (dev mode)
+                     GET  /get_world_size?include_dp=      world_size               (dev mode)
+                     GET  /metrics  (Prometheus text)      metrics, ametrics -> parse_prometheus
+    generation       POST /v1/completions                  completions, acompletions
+                     POST /inference/v1/generate           generate, agenerate      (--enable-scale-out)
+    pause            POST /pause?mode=&clear_cache=        pause
+                     POST /resume,  GET /is_paused         resume, is_paused
+                     POST /reset_prefix_cache?...          reset_prefix_cache
+    weight transfer  POST /init_weight_transfer_engine     init_weight_transfer_engine  (collective)
+                     POST /start_weight_update             start_weight_update
+                     POST /update_weights                  update_weights               (collective)
+                     POST /finish_weight_update            finish_weight_update
+                     GET  /weight_info, POST /weight_checker  weight_info, weight_checker
+    LoRA             POST /v1/load_lora_adapter            load_lora_adapter    (replies plain text)
+                     POST /v1/unload_lora_adapter          unload_lora_adapter  (replies plain text)
+
+Retry policy (spec: `vllm_server_timeout` bounds waiting for the server, each generation request and
+each weight-sync call; waiting and weight sync raise on timeout, generation retries):
+
+    answer / error                         generation       control            collective
+    2xx                                    return           return             return
+    4xx                                    VLLMError now    VLLMError now      VLLMError now
+    5xx (503 = paused server)              retry            retry              VLLMError now
+    connection refused (never sent)        retry            retry              retry
+    connection dropped mid-request         retry            retry              VLLMError now
+    timeout (`timeout` s)                  retry            TimeoutError now   TimeoutError now
+
+    retry k (k = 0, 1, ...) sleeps min(max_backoff, backoff * 2**k) * U(0.9, 1.1); after
+    max_retries retries the last error is raised as VLLMError naming the URL, the attempts and the cause.
+
+Departures from TRL's client (`reference/trl_async_grpo_notes.md` §2, §6.6):
+- 4xx is never retried: a bad request stays bad, and its message reaches the user at once.
+- One library (httpx) and one retry policy for the sync and async paths, instead of nested retry loops.
+- `wait_for_health` caps each probe at the time left, so a short deadline is met to within a poll.
+- "Collective" calls (`init_weight_transfer_engine`, `update_weights`) block inside NCCL on the server,
+  paired with the trainer's own send; once such a request may have reached the server, a retry would
+  wait for a send that already happened, so only a refused connection is retried.
+- Connection pools are unbounded: the rollout's adaptive cap bounds concurrency, not the pool.
+- `timeout` is httpx's per-phase timeout (connect, read, ...). A non-streamed reply sends nothing
+  until it is done, so for our calls it bounds the whole request.
+"""
+import asyncio
+import logging
+import random
+import re
+import time
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+HEALTH_PROBE_S = 2.0  # one /health probe never waits longer than this
+HEALTH_POLL_S = 0.25  # pause between /health probes
+# Unbounded pools (the caller bounds concurrency); idle connections are dropped before uvicorn's 5 s
+# keep-alive closes them under us.
+_POOL = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+class VLLMError(RuntimeError):
+    """A vLLM server refused or failed a call. `message` is the server's message; `status` the HTTP code."""
+
+    def __init__(self, message: str, url: str, status: int | None = None):
+        where = url if status is None else f"{url} -> HTTP {status}"
+        super().__init__(f"{where}: {message}")
+        self.message, self.url, self.status = message, url, status
+
+
+def _server_message(response: httpx.Response) -> str:
+    """The error text out of vLLM's (or FastAPI's, or a proxy's) error body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:1000] or response.reason_phrase
+    if isinstance(body, dict):
+        for key in ("error", "message", "detail"):
+            if key in body:
+                inner = body[key]
+                return str(inner.get("message", inner) if isinstance(inner, dict) else inner)
+    return str(body)
+
+
+def _field(response: httpx.Response, *keys: str):
+    """`response.json()[keys[0]][keys[1]]...`, or a VLLMError that shows what came instead."""
+    try:
+        value = response.json()
+    except ValueError:
+        value = None
+    where, status = str(response.url), response.status_code
+    if not isinstance(value, dict):
+        raise VLLMError(f"expected a JSON object, got {response.text[:200]!r}", where, status)
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            raise VLLMError(f"reply has no {'.'.join(keys)!r}: {response.text[:200]!r}", where, status)
+        value = value[key]
+    return value
+
+
+_SAMPLE = re.compile(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_]\w*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+_ESCAPE = re.compile(r"\\(.)")
+
+
+def parse_prometheus(text: str) -> Samples:
+    """Prometheus text exposition -> {metric name: [(labels, value), ...]}; comments and odd lines skipped.
+
+    >>> parse_prometheus('# TYPE vllm:num_requests_running gauge\\n'
+    ...                  'vllm:num_requests_running{engine="0",model_name="toy"} 3.0\\n')
+    {'vllm:num_requests_running': [({'engine': '0', 'model_name': 'toy'}, 3.0)]}
+    """
+    samples: Samples = {}
+    for line in text.splitlines():
+        line = line.strip()
+        match = None if line.startswith("#") else _SAMPLE.match(line)  # a timestamp may follow the value
+        if match is None:
+            continue
+        name, labels, value = match.groups()
+        try:
+            number = float(value)  # accepts NaN, +Inf, -Inf
+        except ValueError:
+            continue
+        parsed = {k: _ESCAPE.sub(lambda m: "\n" if m[1] == "n" else m[1], v) for k, v in _LABEL.findall(labels or "")}
+        samples.setdefault(name, []).append((parsed, number))
+    return samples
+
+
+class VLLMClient:
+    """HTTP client for one vLLM server: a base URL, a sync and an async connection pool, a retry counter."""
+
+    def __init__(self, base_url: str, timeout: float = 1800.0, max_retries: int = 8,
+                 backoff: float = 0.5, max_backoff: float = 16.0):
+        self.base_url = base_url.rstrip("/")
+        self.timeout, self.max_retries, self.backoff, self.max_backoff = timeout, max_retries, backoff, max_backoff
+        self.retry_total = 0  # retries made so far, sync and async together (rollout/vllm_retry_total)
+        self._client = httpx.Client(timeout=timeout, limits=_POOL)
+        self._async: httpx.AsyncClient | None = None  # made in, and tied to, the event loop that first needs it
+
+    # ---- the retry policy, shared by the sync and async paths ----
+
+    def _next_delay(self, method: str, url: str, kind: str, attempt: int,
+                    response: httpx.Response | None, error: httpx.TransportError | None) -> float | None:
+        """None if `response` is the answer; else the seconds to sleep before retrying; else raise.
+
+        kind: "generation" | "control" | "collective", the columns of the table in the module docstring.
+        """
+        if response is not None:
+            if response.status_code < 400:
+                return None
+            status, message = response.status_code, _server_message(response)
+            if status < 500 or kind == "collective":
+                raise VLLMError(message, url, status)
+            last = f"HTTP {status}: {message}"
+        elif isinstance(error, httpx.TimeoutException) and kind != "generation":
+            raise TimeoutError(f"{method} {url} timed out after {self.timeout:g}s (vllm_server_timeout); "
+                               f"{kind} calls are not retried") from error
+        elif isinstance(error, httpx.ConnectError) or (
+                kind != "collective" and isinstance(error, (httpx.NetworkError, httpx.RemoteProtocolError,
+                                                            httpx.TimeoutException))):
+            status, last = None, f"{type(error).__name__}: {error}"
+        else:
+            raise VLLMError(f"{method} failed: {type(error).__name__}: {error}", url) from error
+        if attempt >= self.max_retries:
+            message = f"{method} gave up after {attempt + 1} attempts; last error: {last}"
+            raise VLLMError(message, url, status) from error
+        self.retry_total += 1
+        delay = min(self.max_backoff, self.backoff * 2 ** attempt) * random.uniform(0.9, 1.1)
+        log.warning("%s %s failed (%s); retry %d/%d in %.2fs", method, url, last, attempt + 1, self.max_retries,
+                    delay)
+        return delay
+
+    def _request(self, method: str, path: str, kind: str = "control", **kwargs) -> httpx.Response:
+        url, attempt = self.base_url + path, 0
+        while True:
+            try:
+                response, error = self._client.request(method, url, **kwargs), None
+            except httpx.TransportError as e:
+                response, error = None, e
+            delay = self._next_delay(method, url, kind, attempt, response, error)
+            if delay is None:
+                return response
+            time.sleep(delay)
+            attempt += 1
+
+    async def _arequest(self, method: str, path: str, kind: str = "control", **kwargs) -> httpx.Response:
+        if self._async is None:
+            self._async = httpx.AsyncClient(timeout=self.timeout, limits=_POOL)
+        url, attempt = self.base_url + path, 0
+        while True:
+            try:
+                response, error = await self._async.request(method, url, **kwargs), None
+            except httpx.TransportError as e:
+                response, error = None, e
+            delay = self._next_delay(method, url, kind, attempt, response, error)
+            if delay is None:
+                return response
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    # ---- health and server info ----
+
+    def health(self) -> bool:
+        """One short probe of GET /health; no retries."""
+        try:
+            response = self._client.get(self.base_url + "/health", timeout=min(HEALTH_PROBE_S, self.timeout))
+            return response.status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def wait_for_health(self, timeout: float | None = None) -> None:
+        """Poll GET /health until it answers 200; TimeoutError after `timeout` s (default: the client's)."""
+        limit = self.timeout if timeout is None else timeout
+        url, deadline, last = self.base_url + "/health", time.monotonic() + limit, "no probe finished"
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                status = self._client.get(url, timeout=min(HEALTH_PROBE_S, left)).status_code
+                if status == 200:
+                    return
+                last = f"HTTP {status}"
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            time.sleep(max(0.0, min(HEALTH_POLL_S, deadline - time.monotonic())))
+        raise TimeoutError(f"vLLM server at {url} was not healthy within {limit:g}s (last probe: {last}); "
+                           "is it running, and is vllm_server_base_url right?")
+
+    def models(self) -> dict:
+        return _field(self._request("GET", "/v1/models"))
+
+    def max_model_len(self) -> int:
+        """The base model card's max_model_len (adapter cards have a `parent` and no length)."""
+        for card in self.models().get("data", []):
+            if card.get("parent") is None and card.get("max_model_len"):
+                return int(card["max_model_len"])
+        raise VLLMError("no base model card with max_model_len in /v1/models", self.base_url + "/v1/models")
+
+    def server_info(self) -> dict:
+        return _field(self._request("GET", "/server_info?config_format=json"), "vllm_config")
+
+    def world_size(self, include_dp: bool = True) -> int:
+        path = f"/get_world_size?include_dp={str(include_dp).lower()}"
+        return int(_field(self._request("GET", path), "world_size"))
+
+    def metrics(self) -> Samples | None:
+        """Parsed GET /metrics, or None when the server has none (404)."""
+        try:
+            return parse_prometheus(self._request("GET", "/metrics").text)
+        except VLLMError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    # ---- generation ----
+
+    def completions(self, body: dict) -> dict:
+        return _field(self._request("POST", "/v1/completions", "generation", json=body))
+
+    def generate(self, body: dict) -> dict:
+        return _field(self._request("POST", "/inference/v1/generate", "generation", json=body))
+
+    # ---- pause / resume / cache ----
+
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        """mode: abort | wait | keep. Note: clear_cache=True preempts running requests even with keep."""
+        self._request("POST", f"/pause?mode={mode}&clear_cache={str(clear_cache).lower()}")
+
+    def resume(self) -> None:
+        self._request("POST", "/resume")
+
+    def is_paused(self) -> bool:
+        return bool(_field(self._request("GET", "/is_paused"), "is_paused"))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        path = f"/reset_prefix_cache?reset_running_requests={str(reset_running_requests).lower()}"
+        return bool(_field(self._request("POST", path), "success"))
+
+    # ---- weight transfer (the order is: init once; then per sync start, update, finish) ----
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Blocks until the trainer (rank 0) joins the group: call it in a thread next to the trainer's init."""
+        self._request("POST", "/init_weight_transfer_engine", "collective", json={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._request("POST", "/start_weight_update")
+
+    def update_weights(self, update_info: dict | list[dict]) -> None:
+        """Blocks until the workers received and loaded the tensors the trainer broadcasts meanwhile."""
+        self._request("POST", "/update_weights", "collective", json={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = None if weight_version is None else {"weight_version": weight_version}
+        self._request("POST", "/finish_weight_update", json=body)
+
+    def weight_info(self) -> str:
+        return str(_field(self._request("GET", "/weight_info"), "weight_version"))
+
+    def weight_checker(self, action: str, baseline: dict | None = None) -> dict:
+        """action: checksum | reset | compare (compare needs `baseline`, a checksum reply's `checksums`)."""
+        body = {"action": action} if baseline is None else {"action": action, "baseline": baseline}
+        return _field(self._request("POST", "/weight_checker", json=body))
+
+    # ---- LoRA (success replies are plain text) ----
+
+    def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> str:
+        body = {"lora_name": name, "lora_path": path, "load_inplace": load_inplace}
+        return self._request("POST", "/v1/load_lora_adapter", json=body).text
+
+    def unload_lora_adapter(self, name: str) -> str:
+        return self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name}).text
+
+    def close(self) -> None:
+        self._client.close()
+
+    # ---- async, for the rollout process's event loop ----
+
+    async def acompletions(self, body: dict) -> dict:
+        return _field(await self._arequest("POST", "/v1/completions", "generation", json=body))
+
+    async def agenerate(self, body: dict) -> dict:
+        return _field(await self._arequest("POST", "/inference/v1/generate", "generation", json=body))
+
+    async def ametrics(self) -> Samples | None:
+        try:
+            return parse_prometheus((await self._arequest("GET", "/metrics")).text)
+        except VLLMError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def aclose(self) -> None:
+        if self._async is not None:
+            await self._async.aclose()
+            self._async = None
