@@ -1,0 +1,162 @@
+"""tree_attention.py: one packed forward equals every sample forwarded alone (log-probs and gradients)."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import MambaConfig, MambaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import tree_attention
+from rollout import RolloutSample
+from trie_pack import TreeRow
+
+VOCAB = 61
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
+
+
+def model(seed=0, **cfg):
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(**{**SMALL, **cfg})).float()
+
+
+def samples(seed: int) -> list:
+    """Two groups sharing a system prompt: rollouts of one prompt, some with a multi-turn fork."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, VOCAB, 6)
+    out = []
+    for g in range(2):
+        prompt = np.concatenate([system, rng.integers(0, VOCAB, rng.integers(3, 12))])
+        for _ in range(3):
+            ids = np.concatenate([prompt, rng.integers(0, VOCAB, rng.integers(2, 12))])
+            forks = [ids]
+            if rng.random() < 0.5:           # a later turn that re-uses part of this one
+                forks.append(np.concatenate([ids[: rng.integers(len(prompt), len(ids))], rng.integers(0, VOCAB, 5)]))
+            for f in forks:
+                mask = np.zeros(len(f), np.int8)
+                mask[len(prompt):] = rng.integers(0, 2, len(f) - len(prompt))
+                out.append(RolloutSample(f, mask, np.zeros(len(f), np.float32), float(rng.normal()), g, 0))
+    return out
+
+
+def packed_logps(m, row):
+    out = m(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
+            **tree_attention.row_kwargs(m, row))
+    return torch.log_softmax(out.logits[0, row.token_index].float(), -1).gather(1, row.targets[:, None])[:, 0]
+
+
+def alone_logps(m, batch):
+    out = []
+    for s in batch:
+        logits = m(input_ids=torch.from_numpy(s.input_ids)[None], use_cache=False).logits[0]
+        t = torch.from_numpy(np.flatnonzero(s.completion_mask[1:]) + 1)
+        out.append(torch.log_softmax(logits[t - 1].float(), -1).gather(1, torch.from_numpy(s.input_ids)[t][:, None])[:, 0])
+    return torch.cat(out)
+
+
+def pack(batch):
+    row = TreeRow()
+    for s in batch:
+        row.add(s)
+    return row.pack()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_packed_equals_unpacked_logprobs_and_gradients(seed):
+    batch = samples(seed)
+    row = pack(batch)
+    assert row.unique_tokens < row.raw_tokens
+    tree, ref = model(seed), model(seed)                  # ref keeps transformers' own sdpa
+    assert tree_attention.install(tree) == "sdpa"
+    lp_tree, lp_ref = packed_logps(tree, row), alone_logps(ref, batch)
+    assert (lp_tree - lp_ref).abs().max().item() <= 1e-5
+    adv = torch.tensor([s.advantage for s in batch])
+    (row.advantages * lp_tree).sum().backward()
+    (adv.repeat_interleave(torch.tensor([int(np.count_nonzero(s.completion_mask[1:])) for s in batch])) * lp_ref).sum().backward()
+    for (name, a), b in zip(tree.named_parameters(), ref.parameters()):
+        assert (a.grad - b.grad).norm() <= 1e-5 * b.grad.norm() + 1e-12, name
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
+    """What flash_attn_varlen_func computes, per segment, with the causal mask aligned bottom-right."""
+    assert causal
+    out = []
+    for s in range(len(cu_q) - 1):
+        qs, ks, vs = (x[a:b].transpose(0, 1) for x, a, b in ((q, cu_q[s], cu_q[s + 1]), (k, cu_k[s], cu_k[s + 1]),
+                                                              (v, cu_k[s], cu_k[s + 1])))
+        n, m = qs.shape[1], ks.shape[1]
+        assert n <= max_q and m <= max_k
+        mask = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale,
+                                                  enable_gqa=True).transpose(0, 1))
+    return torch.cat(out)
+
+
+def test_flash_path_gathers_segment_paths(monkeypatch):
+    """The flash backend's gather and cu_seqlens, with a pure-torch stand-in for the kernel."""
+    monkeypatch.setattr(tree_attention, "_flash_varlen", lambda: reference_varlen)
+    batch = samples(3)
+    row = pack(batch)
+    flash, sdpa = model(3), model(3)
+    assert tree_attention.install(flash, "flash") == "flash"
+    tree_attention.install(sdpa, "sdpa")
+    a, b = packed_logps(flash, row), packed_logps(sdpa, row)
+    assert (a - b).abs().max().item() <= 1e-5
+    a.sum().backward()
+    b.sum().backward()
+    for p, q in zip(flash.parameters(), sdpa.parameters()):
+        assert (p.grad - q.grad).norm() <= 1e-5 * q.grad.norm() + 1e-12
+
+
+def test_flash_without_a_kernel_is_a_clear_error():
+    if tree_attention._flash_varlen() is not None:
+        pytest.skip("a flash-attention kernel is installed here")
+    with pytest.raises(RuntimeError, match="flash_attn"):
+        tree_attention.install(model(), "flash")
+
+
+def test_flex_forward_on_cpu_equals_sdpa():
+    """flex has no CPU backward in torch 2.13; its forward (compiled on first call) must match."""
+    row = pack(samples(4))
+    flex, sdpa = model(4), model(4)
+    tree_attention.install(flex, "flex")
+    tree_attention.install(sdpa, "sdpa")
+    with torch.no_grad():
+        assert (packed_logps(flex, row) - packed_logps(sdpa, row)).abs().max().item() <= 1e-5
+
+
+def test_install_refuses_models_it_cannot_pack():
+    with pytest.raises(ValueError, match="qwen3.*sliding"):
+        tree_attention.install(model(use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    with pytest.raises(ValueError, match="mamba.*non-attention"):
+        tree_attention.install(MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4)))
+    with pytest.raises(ValueError, match="attention_dropout"):
+        tree_attention.install(model(attention_dropout=0.1))
+    with pytest.raises(ValueError, match="unknown"):
+        tree_attention.install(model(), "eager")
+
+
+def test_missing_row_kwargs_is_a_clear_error():
+    m = model()
+    with pytest.raises(ValueError, match="install"):
+        tree_attention.row_kwargs(m, pack(samples(0)))
+    tree_attention.install(m)
+    with pytest.raises(ValueError, match="row_kwargs"):
+        m(input_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_forward_backward_on_cuda_matches_sdpa_bf16():
+    row = pack(samples(5))
+    flex, sdpa = (model(5).cuda().bfloat16() for _ in range(2))
+    assert tree_attention.install(flex) == "flex"
+    tree_attention.install(sdpa, "sdpa")
+    row = dataclasses.replace(row, **{k: v.cuda() for k, v in vars(row).items() if torch.is_tensor(v)})
+    a, b = packed_logps(flex, row), packed_logps(sdpa, row)
+    assert (a - b).abs().max().item() <= 0.05
+    a.sum().backward()
+    b.sum().backward()
+    for p, q in zip(flex.parameters(), sdpa.parameters()):
+        assert (p.grad.float() - q.grad.float()).norm() <= 0.05 * q.grad.float().norm() + 1e-6
