@@ -1,0 +1,340 @@
+"""loss.py: chunked log-probs against full logits, the clipped and masked objective, score centering,
+candidate-set renormalisation, step-wide normalisation, metrics and the MoE router loss."""
+import math
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import loss
+import toy
+from train import AsyncGRPOConfig
+
+V, H = 105, 16
+
+
+def config(**kw):
+    return AsyncGRPOConfig(**kw)
+
+
+def naive(hidden, weight, bias, token_index, targets, T=1.0, top_ids=None, sets=None):
+    """Full [M, V] logits: log-softmax over each term's set (None/empty = vocabulary), gathered."""
+    z = F.linear(hidden[token_index], weight, bias) / T                          # [M, V]
+    if sets is not None:
+        allowed = torch.tensor([[not s or v in s for v in range(weight.shape[0])] for s in sets])
+        z = z.masked_fill(~allowed, float("-inf"))
+    logp = z.log_softmax(-1)                                                     # [M, V]
+    top = logp.gather(1, top_ids.clamp(min=0)) if top_ids is not None else None
+    return logp, logp.gather(1, targets[:, None])[:, 0], top
+
+
+def packed_sets(sets):
+    ids = torch.tensor([v for s in sets for v in s], dtype=torch.long)
+    offsets = torch.tensor([0] + [len(s) for s in sets]).cumsum(0)
+    return ids, offsets
+
+
+def leaves(n=10, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, H, generator=g, dtype=dtype).requires_grad_()
+    weight = torch.randn(V, H, generator=g, dtype=dtype).mul_(0.25).requires_grad_()
+    bias = torch.randn(V, generator=g, dtype=dtype).requires_grad_()
+    return hidden, weight, bias
+
+
+def test_chunked_logprobs_equal_full_logits_values_and_gradients():
+    hidden, weight, bias = leaves()
+    token_index = torch.tensor([0, 1, 1, 3, 4, 4, 4, 7, 8, 9])                   # shared positions repeat
+    targets = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+    top_ids = torch.randint(0, V, (10, 4), generator=torch.Generator().manual_seed(1))
+    top_ids[:, 0], top_ids[2, 3] = targets, -1                                   # the target is a top token; a pad
+    sets = [[], list(range(0, 40)), [], list(range(5, 30)) + [90], [], [9, 10, 11, 50], [], [], list(range(10, 60)), []]
+    top_ids[3, 2] = 95                                                           # a top id outside its set
+    cand_ids, cand_offsets = packed_sets(sets)
+    T = 0.7
+    lp = loss.token_logprobs(hidden, weight, bias, token_index, targets, temperature=T, top_ids=top_ids,
+                             candidate_ids=cand_ids, candidate_offsets=cand_offsets, chunk_size=3)
+    full, ref_t, ref_top = naive(hidden, weight, bias, token_index, targets, T, top_ids, sets)
+    valid = (top_ids >= 0) & torch.isfinite(ref_top)
+    assert torch.equal(lp.top_valid, valid) and not valid[2, 3] and not valid[3, 2]
+    assert (lp.target - ref_t).abs().max() <= 1e-6
+    assert (lp.top - torch.where(valid, ref_top, 0)).abs().max() <= 1e-6
+    p = full.exp()
+    assert (lp.entropy - -(p * full.nan_to_num(neginf=0)).sum(1)).abs().max() <= 1e-5
+    head = torch.zeros(10, V, dtype=torch.bool).scatter_(1, top_ids.clamp(min=0), valid)
+    assert (lp.tail_mass - (p * ~head).sum(1)).abs().max() <= 1e-6
+
+    g = torch.Generator().manual_seed(2)
+    u_t, u_top = torch.randn(10, generator=g), torch.randn(10, 4, generator=g)
+    grads = torch.autograd.grad((lp.target * u_t).sum() + (lp.top * u_top).sum(), (hidden, weight, bias))
+    ref_sum = (ref_t * u_t).sum() + (torch.where(valid, ref_top, 0) * u_top).sum()
+    ref = torch.autograd.grad(ref_sum, (hidden, weight, bias))
+    for a, b in zip(grads, ref):
+        assert (a - b).abs().max() <= 1e-6
+
+
+def test_candidate_set_renormalisation_is_log_softmax_over_masked_logits():
+    hidden, weight, _ = leaves(3)
+    sets = [[3, 4, 5], list(range(20, 70)), []]
+    targets = torch.tensor([4, 21, 99])
+    ids, offsets = packed_sets(sets)
+    lp = loss.token_logprobs(hidden, weight, None, torch.arange(3), targets, candidate_ids=ids,
+                             candidate_offsets=offsets)
+    z = F.linear(hidden, weight)                                                 # [3, V]
+    for t in range(3):
+        s = torch.tensor(sets[t] or range(V))
+        assert abs(lp.target[t] - (z[t, targets[t]] - z[t, s].logsumexp(0))) <= 1e-6
+    vocab = loss.token_logprobs(hidden, weight, None, torch.arange(3), targets).target
+    assert (vocab[:2] < lp.target[:2] - 0.1).all()                               # a smaller set: larger log-prob
+    with pytest.raises(ValueError, match="outside its candidate set"):
+        loss.token_logprobs(hidden, weight, None, torch.arange(3), torch.tensor([9, 21, 99]),
+                            candidate_ids=ids, candidate_offsets=offsets)
+
+
+def test_temperature_divides_logits_in_target_and_top_terms():
+    hidden, weight, bias = leaves(4)
+    targets, top_ids = torch.tensor([1, 2, 3, 4]), torch.tensor([[7, 8]] * 4)
+    for T in (0.5, 2.0):
+        lp = loss.token_logprobs(hidden, weight, bias, torch.arange(4), targets, temperature=T, top_ids=top_ids)
+        _, ref_t, ref_top = naive(hidden, weight, bias, torch.arange(4), targets, T, top_ids)
+        _, t1, top1 = naive(hidden, weight, bias, torch.arange(4), targets, 1.0, top_ids)
+        assert (lp.target - ref_t).abs().max() <= 1e-6 and (lp.top - ref_top).abs().max() <= 1e-6
+        assert (lp.target - t1).abs().max() > 1e-2 and (lp.top - top1).abs().max() > 1e-2
+
+
+def test_backward_holds_no_chunk_logits():
+    hidden, weight, bias = leaves(64)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp = loss.token_logprobs(hidden, weight, bias, torch.arange(64), torch.arange(64) % V, chunk_size=8,
+                                 top_ids=torch.zeros(64, 2, dtype=torch.long))
+    inputs = {hidden.data_ptr(), weight.data_ptr(), bias.data_ptr()}
+    extra = sum(t.numel() for t in saved if t.data_ptr() not in inputs)
+    assert extra < 64 * 16                                                       # O(M·k); M·V would be 6720
+    lp.target.sum().backward()
+
+
+def stats_lp(logp, top=None, valid=None, tail=None):
+    """A TokenLogProbs made by hand, to test the objective alone."""
+    M = logp.numel()
+    return loss.TokenLogProbs(target=logp, top=top if top is not None else torch.zeros(M, 0),
+                              top_valid=valid if valid is not None else torch.zeros(M, 0, dtype=torch.bool),
+                              tail_mass=tail if tail is not None else torch.zeros(M), entropy=torch.zeros(M))
+
+
+def test_ratio_metrics_on_a_hand_computed_example():
+    ratios = torch.tensor([2.0, 0.25, 1.0, 8.0, 0.6, 1.1])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0])
+    sampler = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.5, -0.7])
+    logp = (sampler + ratios.log()).requires_grad_()
+    lp = stats_lp(logp)
+    lp.entropy = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    top_lp = torch.tensor([[0.5, 0.2], [0.9, 0.0], [0.3, 0.3], [1.0, 0.0], [0.25, 0.25], [0.1, 0.2]]).log()  # -inf pads
+    _, m = loss.policy_loss(lp, sampler, adv, 6, config(score_centering=False), top_lp)
+    f = loss.finalize_metrics(m)
+    assert f["sampling/importance_sampling_ratio/mean"] == pytest.approx(12.95 / 6)
+    assert f["sampling/importance_sampling_ratio/min"] == pytest.approx(0.25)
+    assert f["sampling/importance_sampling_ratio/max"] == pytest.approx(8.0)
+    diffs = [math.log(2), math.log(4), 0, math.log(8), -math.log(0.6), math.log(1.1)]
+    assert f["sampling/sampling_logp_difference/mean"] == pytest.approx(sum(diffs) / 6, rel=1e-6)
+    assert f["sampling/sampling_logp_difference/max"] == pytest.approx(math.log(8), rel=1e-6)
+    assert f["sampling/masked_mean"] == pytest.approx(2 / 6)                   # 0.25 < 0.5 and 8 > 5
+    assert f["clip_ratio/high_mean"] == pytest.approx(1 / 6)                   # r=2, A>0
+    assert f["clip_ratio/low_mean"] == pytest.approx(1 / 6)                    # r=0.6, A<0 (r=0.25 is masked)
+    assert f["entropy"] == pytest.approx(3.5)
+    assert f["sampling/sampler_mass"] == pytest.approx((0.7 + 0.9 + 0.6 + 1.0 + 0.5 + 0.3) / 6)
+
+
+def test_an_empty_row_gives_zero_loss_zero_gradients_and_neutral_metrics():
+    hidden, weight, bias = leaves(3)
+    row = row_for(hidden, weight, torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0),
+                  torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    out, m = loss.compute_loss(hidden, weight, bias, row, config(), num_tokens=7)
+    out.backward()                                                               # every rank must run backward
+    assert out.item() == 0 and hidden.grad.abs().sum() == 0 and weight.grad.abs().sum() == 0
+    f = loss.finalize_metrics(m)
+    assert math.isnan(f["entropy"]) and f["sampling/importance_sampling_ratio/min"] == math.inf
+
+
+@pytest.mark.parametrize("r, adv, clipped, value", [
+    (1.5, 1.0, True, -1.28),    # A>0 above the band: clipped, -(1+ε_high)A
+    (0.6, 1.0, False, -0.6),    # A>0 below: -rA, still pushed up
+    (0.6, -1.0, True, 0.8),     # A<0 below: clipped, -(1-ε)A
+    (1.5, -1.0, False, 1.5),    # A<0 above: -rA, still pushed down
+    (1.25, 1.0, False, -1.25),  # inside ε_high = 0.28 (outside ε = 0.2): not clipped
+])
+def test_clipped_surrogate_value_and_gradient(r, adv, clipped, value):
+    logp = torch.tensor([math.log(r) - 1.0], requires_grad=True)
+    out, _ = loss.policy_loss(stats_lp(logp), torch.tensor([-1.0]), torch.tensor([adv]), 1,
+                              config(score_centering=False, epsilon_high=0.28))
+    out.backward()
+    assert out.item() == pytest.approx(value, rel=1e-6)
+    assert logp.grad.item() == pytest.approx(0.0 if clipped else -adv * r, rel=1e-6)   # d(-rA)/dlog π = -rA
+
+
+def row_for(hidden, weight, targets, sampler_lp, adv, top_ids=None, top_lp=None, token_index=None):
+    n = targets.numel()
+    return SimpleNamespace(token_index=token_index if token_index is not None else torch.arange(n), targets=targets,
+                           sampler_logprobs=sampler_lp, advantages=adv, top_ids=top_ids, top_logprobs=top_lp)
+
+
+def test_masked_tokens_contribute_zero_gradient():
+    hidden, weight, bias = leaves(5)
+    targets = torch.tensor([3, 4, 5, 6, 7])
+    lp = loss.token_logprobs(hidden, weight, bias, torch.arange(5), targets).target.detach()
+    sampler = lp - torch.tensor([0.0, math.log(6.0), 0.1, math.log(0.4), -0.1])    # ratios 1, 6, .9, .4, 1.1
+    top_ids = torch.stack([targets, targets + 1], 1)
+    top_lp = torch.full((5, 2), -3.0)
+    row = row_for(hidden, weight, targets, sampler, torch.tensor([1.0, 1.0, -1.0, 1.0, 1.0]), top_ids, top_lp)
+    out, m = loss.compute_loss(hidden, weight, bias, row, config(), num_tokens=5)
+    out.backward()
+    assert (hidden.grad[[1, 3]] == 0).all() and (hidden.grad[[0, 2, 4]].abs().sum(1) > 0).all()
+    assert loss.finalize_metrics(m)["sampling/masked_mean"] == pytest.approx(0.4)
+
+
+def per_token_gradient(hidden, weight, y, log_q, adv, cfg, top_ids):
+    """g(y) = -∇(loss of one sampled token y at position 0), flattened over (hidden, weight)."""
+    row = row_for(hidden, weight, torch.tensor([y]), log_q[y:y + 1], torch.tensor([adv], dtype=hidden.dtype),
+                  top_ids[None], log_q[top_ids][None])
+    out, _ = loss.compute_loss(hidden, weight, None, row, cfg, num_tokens=1)
+    return -torch.cat([g.flatten() for g in torch.autograd.grad(out, (hidden, weight))])
+
+
+def toy_position():
+    """Hidden state and (tied) LM head of the toy model at one position, as float64 leaves."""
+    tok = toy.build_tokenizer()
+    model = toy.build_model(len(tok)).double()
+    ids = torch.tensor([tok.encode("<|im_start|>user\n3+4=<|im_end|>\n")])
+    with torch.no_grad():
+        h = model.model(ids).last_hidden_state[0, -1:]                           # [1, H]
+    return h.clone().requires_grad_(), model.lm_head.weight.detach().clone().requires_grad_()
+
+
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_score_centering_has_zero_mean_under_the_sampler(adv):
+    hidden, weight = toy_position()
+    Vt = weight.shape[0]
+    g = torch.Generator().manual_seed(3)
+    log_pi = (hidden @ weight.T)[0].detach().log_softmax(0)                      # [V]
+    log_q = (log_pi + 1.2 * torch.randn(Vt, generator=g, dtype=log_pi.dtype)).log_softmax(0)  # a far-off sampler
+    r = (log_pi - log_q).exp()
+    eps = 0.2
+    clipped = (r > 1 + eps) if adv > 0 else (r < 1 - eps)
+    assert ((r < 0.5) | (r > 5)).sum() >= 3 and (clipped & (r >= 0.5) & (r <= 5)).sum() >= 3
+    q, all_ids = log_q.exp(), torch.arange(Vt)                                   # the top-k covers the vocabulary
+    for centering, zero in ((True, True), (False, False)):
+        cfg = config(score_centering=centering, num_sampler_logprobs=Vt)
+        drift = sum(q[y] * per_token_gradient(hidden, weight, y, log_q, adv, cfg, all_ids) for y in range(Vt))
+        assert (drift.abs().max() <= 1e-6) == zero, drift.abs().max()
+
+
+@pytest.mark.parametrize("r_tail, adv", [(0.95, 1.0), (3.0, 1.0), (3.0, -1.0), (6.0, -1.0), (0.7, -1.0)])
+def test_score_centering_tail_closed_form(r_tail, adv):
+    """Top-50 of 105 tokens; the sampler's tail is proportional to π_θ, as the estimator assumes, and its ratio
+    r_tail is kept, clipped (A>0 at 3, A<0 at .7) or masked (6): E_q[g] = 0 over all tokens still."""
+    hidden, weight = toy_position()
+    g = torch.Generator().manual_seed(4)
+    log_pi = (hidden @ weight.T)[0].detach().log_softmax(0)                      # [V]
+    pi = log_pi.exp()
+    head = pi.argsort(descending=True)[:50]
+    tail = torch.ones_like(pi, dtype=torch.bool).index_fill_(0, head, False)
+    q = torch.empty_like(pi)
+    q[tail] = pi[tail] / r_tail                                                  # ratio r_tail on every tail token
+    w = pi[head] * (2.0 * torch.rand(50, generator=g, dtype=pi.dtype)).exp()
+    assert q[tail].sum() < 0.9
+    q[head] = w / w.sum() * (1 - q[tail].sum())
+    log_q = q.log()
+    cfg = config(num_sampler_logprobs=50)
+    drift = sum(q[y] * per_token_gradient(hidden, weight, y, log_q, adv, cfg, head) for y in range(len(q)))
+    assert drift.abs().max() <= 1e-6
+
+
+def test_score_centering_changes_gradient_not_loss_and_off_is_the_clipped_objective():
+    hidden, weight, bias = leaves(6, seed=5)
+    targets = torch.tensor([1, 2, 3, 4, 5, 6])
+    lp = loss.token_logprobs(hidden, weight, bias, torch.arange(6), targets).target.detach()
+    sampler = lp - torch.tensor([0.3, -0.3, 0.1, 0.5, -0.05, 0.0])
+    adv = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5, 1.0])
+    top_ids = torch.arange(8).repeat(6, 1)
+    top_lp = torch.full((6, 8), math.log(0.05))
+    results = {}
+    for centering in (True, False):
+        row = row_for(hidden, weight, targets, sampler, adv, top_ids, top_lp)
+        out, _ = loss.compute_loss(hidden, weight, bias, row, config(score_centering=centering), num_tokens=6)
+        results[centering] = out.item(), torch.autograd.grad(out, hidden)[0]
+    r = (lp - sampler).exp()
+    expected = -torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv).sum() / 6
+    assert results[True][0] == pytest.approx(expected.item(), rel=1e-6) == results[False][0]
+    assert (results[True][1] - results[False][1]).abs().max() > 1e-3
+    lp = loss.token_logprobs(hidden, weight, bias, torch.arange(6), targets).target
+    r = (lp - sampler).exp()
+    plain = torch.autograd.grad(-torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv).sum() / 6, hidden)[0]
+    assert (results[False][1] - plain).abs().max() <= 1e-7
+
+
+def test_loss_is_a_token_mean_over_the_step_whatever_the_micro_batches():
+    hidden, weight, bias = leaves(12, seed=6)
+    g = torch.Generator().manual_seed(7)
+    targets = torch.randint(0, V, (12,), generator=g)
+    lp = loss.token_logprobs(hidden, weight, bias, torch.arange(12), targets).target.detach()
+    sampler = lp + 0.4 * torch.randn(12, generator=g)
+    adv = torch.randn(12, generator=g)
+    top_ids = torch.randint(0, V, (12, 4), generator=g)
+    top_lp = torch.randn(12, 4, generator=g) - 4
+    grads, metrics = [], []
+    for bounds in ([0, 12], [0, 5, 12], [0, 2, 5, 8, 12]):
+        for p in (hidden, weight, bias):
+            p.grad = None
+        parts = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            s = slice(lo, hi)
+            row = row_for(hidden, weight, targets[s], sampler[s], adv[s], top_ids[s], top_lp[s], torch.arange(lo, hi))
+            out, m = loss.compute_loss(hidden, weight, bias, row, config(), num_tokens=12)
+            out.backward()
+            parts.append(m)
+        grads.append(torch.cat([hidden.grad.flatten(), weight.grad.flatten(), bias.grad]))
+        metrics.append(loss.finalize_metrics(loss.reduce_metrics(parts)))
+    for other, m in zip(grads[1:], metrics[1:]):
+        assert (other - grads[0]).abs().max() <= 1e-6
+        assert m == pytest.approx(metrics[0], rel=1e-6)
+
+
+def test_vocabulary_normalisation_warns_once_with_the_server_flags():
+    hidden, weight, _ = leaves(2)
+    row = row_for(hidden, weight, torch.tensor([1, 2]), torch.tensor([-4.0, -4.0]), torch.ones(2))
+    cfg = config(top_k=50, score_centering=False)
+    loss._warn_biased_ratios.cache_clear()
+    with pytest.warns(UserWarning, match="--return-sampling-mask --enable-scale-out"):
+        loss.compute_loss(hidden, weight, None, row, cfg, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss.compute_loss(hidden, weight, None, row, cfg, 2)
+    with pytest.raises(ValueError, match="score_centering"):
+        loss.compute_loss(hidden, weight, None, row, config(), 2)
+
+
+def test_router_aux_loss_on_a_tiny_moe_and_error_on_a_dense_model():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    cfg = Qwen3MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    assert loss.router_aux_loss_coef(cfg, None) == 0.02 and loss.router_aux_loss_coef(cfg, 0.5) == 0.5
+    out = model(torch.tensor([[1, 2, 3, 4, 5]]), output_router_logits=True)
+    total = loss.add_router_aux_loss(out.logits.new_zeros(()), out.aux_loss, 0.5, weight=0.5)
+    assert total.item() == pytest.approx(0.25 * out.aux_loss.item())
+    total.backward()
+    gates = [p.grad for n, p in model.named_parameters() if "gate" in n and "proj" not in n]
+    assert gates and all(g is not None and g.abs().sum() > 0 for g in gates)
+    dense = toy.build_model(V).config
+    assert loss.router_aux_loss_coef(dense, None) == 0.0
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
+        loss.router_aux_loss_coef(dense, 0.01)
