@@ -1,7 +1,9 @@
 """AsyncGRPOConfig: the spec's configuration (spec: AsyncGRPOConfig, 非同期ロールアウトパイプライン).
 
 (The FSDP2 training loop, weight-sync cadence, checkpoints and metrics will live here too; for now this
-file holds the configuration that the rollout process, the planner and the loss already read.)
+file holds the configuration that the rollout process, the planner and the loss already read, and
+`python train.py` is a demo of the generation side: it starts `serve_local.py` on the toy model and
+samples completions with their per-token log-probs, scored by the toy reward.)
 
 Only the fields the project implements exist: an option that would be accepted and ignored is not
 declared. Names and defaults are the spec's, so a TRL config reads the same here:
@@ -9,6 +11,7 @@ declared. Names and defaults are the spec's, so a TRL config reads the same here
     config = AsyncGRPOConfig(output_dir="runs/x", top_p=0.95, top_k=512)   # needs a server with
                                                                             # --return-sampling-mask --enable-scale-out
 """
+import os
 from dataclasses import dataclass
 
 
@@ -81,3 +84,45 @@ class AsyncGRPOConfig:
         if self.max_concurrent_rollouts is not None:
             return self.max_concurrent_rollouts
         return max(self.max_staleness, 1) * self.per_device_train_batch_size * self.gradient_accumulation_steps * num_processes
+
+
+def demo(num_prompts: int = 4, num_generations: int = 4) -> None:
+    """Start serve_local.py on the toy model, sample completions, print them with log-probs and rewards."""
+    import socket
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    import toy
+    from vllm_client import VLLMClient
+
+    model_dir = toy.ensure_saved()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "serve_local.py", "--model", model_dir, "--port", str(port),
+                               "--logprobs-mode", "processed_logprobs"], cwd=os.path.dirname(os.path.abspath(__file__)))
+    client = VLLMClient(f"http://127.0.0.1:{port}", timeout=60.0)
+    try:
+        client.wait_for_health(timeout=120.0)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        print(f"serve_local.py on {client.base_url}: toy model, max_model_len={client.max_model_len()}")
+        for i, row in enumerate(toy.make_dataset(num_prompts, seed=1)):
+            prompt_ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)
+            reply = client.completions({"prompt": prompt_ids, "n": num_generations, "max_tokens": 8, "temperature": 1.0,
+                                        "logprobs": 0, "return_token_ids": True, "seed": 1000 * i})
+            texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in reply["choices"]]
+            rewards = toy.sum_reward(None, texts, [row["answer"]] * len(texts))
+            print(f"\nprompt {row['prompt'][0]['content']!r} (answer {row['answer']})")
+            for choice, text, reward in zip(reply["choices"], texts, rewards):
+                logps = " ".join(f"{lp:.2f}" for lp in choice["logprobs"]["token_logprobs"])
+                print(f"  reward {reward:.1f}  {text!r:14}  log-probs [{logps}]")
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(10)
+
+
+if __name__ == "__main__":
+    demo()
