@@ -1,13 +1,108 @@
-"""The rollout process (spec: 概要, 並行性, ロールアウトループのカスタマイズ, ロールアウト/補完/ツール/環境).
+"""The rollout process (spec: 概要, 並行性, ロールアウトループのカスタマイズ, 記録されたメトリクス: ロールアウト/補完/ツール/環境,
+and the AsyncRolloutLoop / Rollout / TurnRecord / RolloutGroup reference).
 
-(skeleton: the records below are the contract between the rollout process, the planner and the loss;
-the process itself is being written.)
+A separate process keeps the vLLM server busy while the trainer trains: it sends prompts, runs tools,
+reconciles each conversation into training sequences, scores groups, computes advantages and queues
+`RolloutSample`s. Tool calling and environments live in `rollout_tools.py` (they stand alone: parsing
+a model's tool calls and running Python callables knows nothing of groups, queues or the server).
+
+    trainer, rank 0                          spawned child (CUDA_VISIBLE_DEVICES="", no torchrun env)
+    ───────────────                          ─────────────────────────────────────────────────────────
+    RolloutWorker.start() ── pickle check ─► _child_main → AsyncRolloutLoop.run()   (one asyncio loop)
+        waits for `ready` (or `failed`)        _connect: server checks, first concurrency cap; setup()
+                                               _generate_loop   prompt_stream → filter_prompt → admit
+    set_model_version(v) ── model_version ─►     (staleness, score queue) → rollouts under the live cap
+                         ── C_v, R ────────►     each rollout: generate_one → reconcile → group slot
+                                                     │ a complete group
+                                                     ▼ score queue (asyncio.Queue, score_queue_maxsize)
+    get() ◄── rollout_buffer (mp.Queue) ────── _score_loop   rewards → compute_advantages → samples
+      consumed ──────────────────────────────►   (None at the end of the prompts)
+    resume_index() ◄── progress (mp.Queue) ──    (prompt index, samples queued) per finished prompt
+    drain_metrics() ◄── metrics (mp.Queue) ──── per group, and every metrics_interval_s from _poll_server
+    get() checks health ◄── heartbeat, failed + traceback ── _heartbeat, _child_main
+    stop() ── stop ──► the loop returns; close(); join → terminate → kill
+
+Reconcile and fork (spec: the ROLLOUT → TURN → reconcile → SEQUENCE diagram). Each turn re-renders the
+whole conversation with the chat template, so a later prompt need not start with the tokens the server
+actually sampled. A worked example (E = end of turn, t = tool result tokens):
+
+    turn 1   prompt  u u a                      sampled  x y E
+    turn 2   prompt  u u a x y' E t t a         sampled  z E    (the template re-rendered y as y')
+    turn 3   prompt  u u a x y' E t t a z E t a sampled  w E
+
+    held after turn 1:  u u a x y E     turn 2's prompt does not extend it: they agree on 4 tokens
+                                        (u u a x), so the boundary is a fork with drift 6 - 4 = 2
+    sequence 0   u u a x y E                     mask 0 0 0 1 1 1
+    sequence 1   u u a x y' E t t a z E t a w E  mask 0 0 0 0 0  0 0 0 0 1 1 0 0 1 1   (turn 3 extends it)
+
+    rollout/fork_frac = 1/2, rollout/drift_tokens_mean = (2 + 0)/2, rollout/samples_per_rollout = 2.
+    Both sequences share `u u a x`, which the trainer's prefix trie forwards once.
+
+Reading order: records → reconcile (turns → sequences → samples) → server replies → ConcurrencyCap →
+prompt_stream (epochs, resume) → AsyncRolloutLoop (hooks, then the machinery) → scoring helpers →
+RolloutWorker (the trainer's handle) and _child_main.
+
+Departures from the spec, and why:
+- Admission by staleness. TRL generates whenever a slot is free and drops stale samples at the trainer;
+  here a group is admitted only if its samples can be consumed before they go stale, so nothing is
+  generated only to be dropped. The trainer consumes samples in queue order, R per model version
+  (R is measured by the parent from get() calls between set_model_version() calls; before that
+  R = per_device_train_batch_size × gradient_accumulation_steps × num_processes × weight_sync_steps).
+  Sample number k (counted from the start) is consumed under version v + ⌊(k − C_v)/R⌋, where C_v is
+  the count consumed when version v began, so a sample started now stays within max_staleness iff
+  k < C_v + (max_staleness + 1)·R. The parent publishes C_v and R with each version; the child admits
+  a group iff  queued + yield·(pending rollouts + num_generations) ≤ C_v + (max_staleness + 1)·R,
+  where yield is the measured samples per rollout (forks raise it, dropped groups lower it). One
+  exception keeps a window smaller than a group from deadlocking: when nothing is pending, every
+  queued sample is consumed and the trainer still lacks samples for this version's steps
+  (consumed < C_v + R), a group is admitted anyway. Time spent waiting for admission is reported as
+  rollout/backpressure_s: it is the rollout queue being full in the staleness sense.
+- The inter-process primitives travel as one `Channels` record rather than six constructor arguments,
+  and the loop takes `max_concurrent_rollouts` already resolved (the parent knows num_processes).
+- `generate_one_turn(prompt_ids, max_tokens=None)`: the extra keyword carries the rollout's remaining
+  generated-token budget (max_completion_length counts across turns, which TRL does not enforce).
+- A rollout that raises (a 4xx, a malformed reply, retries exhausted, a tool loop bug) drops its group
+  with a logged error; the process stops only after FAILED_ROLLOUTS_TO_STOP failures in a row.
+- Rewards and `compute_advantages` follow the spec; the default advantage is (r − mean)/(std + 1e-4)
+  over the scored rollouts (population std, the same as reward_group_std).
+- Environments are created one per rollout and `reset(**row)` gets the dataset row (TRL's contract).
+- `rollout/backpressure_s`, `rollout/score_block_s`, `rollout/vllm_retry_total` and
+  `rollout/vllm_preemptions_total` are emitted every metrics_interval_s as the amount since the last
+  emission (sum them over a logging window); every other metric is one observation to average (or
+  max/min as named). Per-group metrics are averaged within the group before they are sent.
+- Not implemented: LoRA adapter names per policy version (rollouts request `model_name`).
 """
+import asyncio
+import logging
+import math
+import multiprocessing as mp
+import os
+import pickle
+import queue
 import secrets
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
+
+from rollout_tools import (ToolCall, call_maybe_async, check_tools, environment_reward, environment_tools,
+                           parse_tool_calls, run_tool_calls, start_environment)
+from vllm_client import VLLMClient, VLLMError
+
+log = logging.getLogger(__name__)
+
+RAISE_BELOW, RAISE_BY = 0.6, 0.25  # spec: +25% per cap's worth of rollouts while KV usage < 0.6 and none waits
+CUT_ABOVE, CUT_BY = 0.8, 0.30      # spec: −30% when KV usage > 0.8
+FAILED_ROLLOUTS_TO_STOP = 8        # this many failed rollouts in a row stop the process
+WAKE_S = 0.05                      # the generate loop re-checks shared values at least this often
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
+
+
+# ── records ──────────────────────────────────────────────────────────────────────────────────
 
 
 @dataclass
@@ -31,6 +126,59 @@ class Rollout:
     tool_failure_count: int = 0
     reward: float | None = None
     rollout_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    tool_calls: list[ToolCall] = field(default_factory=list)  # one record per executed (or refused) call
+    loop_exhausted: bool = False  # still asking for tools when max_tool_calling_iterations stopped it
+
+
+@dataclass
+class TrainingSequence:
+    """Token lists of one training sequence, built turn by turn by `reconcile` (per token t)."""
+    input_ids: list[int] = field(default_factory=list)
+    completion_mask: list[int] = field(default_factory=list)
+    sampler_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    candidates: list[list[int] | None] = field(default_factory=list)
+
+    def add_context(self, ids: list[int]) -> None:
+        self.input_ids += ids
+        self.completion_mask += [0] * len(ids)
+        self.sampler_logprobs += [0.0] * len(ids)
+        self.top_logprobs += [None] * len(ids)
+        self.candidates += [None] * len(ids)
+
+    def add_output(self, turn: TurnRecord) -> None:
+        n = len(turn.output_ids)
+        mask = turn.output_mask if turn.output_mask is not None else [1] * n
+        tops = turn.output_sampler_logprobs or [None] * n
+        sets = turn.output_sampling_mask or [None] * n
+        for t, m in enumerate(mask):  # a masked output token is context: no log-prob, no top-k, no candidates
+            self.input_ids.append(turn.output_ids[t])
+            self.completion_mask.append(m)
+            self.sampler_logprobs.append(turn.output_log_probs[t] if m else 0.0)
+            self.top_logprobs.append(tops[t] if m else None)
+            self.candidates.append(sets[t] if m else None)
+
+
+@dataclass
+class RolloutGroup:
+    """The num_generations rollouts of one prompt, scored together; every list has one entry per rollout."""
+    prompts: list[Any]
+    reward_kwargs: dict[str, list[Any]]
+    completions: list[Any]
+    completions_ids: list[list[int]]
+    completions_sequences: list[list[TrainingSequence]]
+    tool_call_counts: list[int]
+    tool_failure_counts: list[int]
+    model_version: int
+    group_id: int
+    row_index: int
+    env_rewards: list[tuple[type, float] | None]
+    rollout_rewards: list[float | None]
+    queued_at: float = 0.0
+    rewards: np.ndarray | None = None
+    prompt_index: int = -1                                         # position in the prompt stream (resume)
+    rollouts: list[Rollout] = field(default_factory=list)          # for the rollout/, completions/, tools/ metrics
+    stats: list[dict[str, Any]] = field(default_factory=list)      # per rollout: duration, drift, env timings
 
 
 @dataclass
@@ -66,3 +214,912 @@ class RolloutSample:
     rollout_id: str = ""
     row_index: int = -1
     enqueued_at: float = 0.0
+    prompt_index: int = -1  # position in the prompt stream: RolloutWorker.resume_index() counts these
+
+
+# ── reconcile: turns → training sequences ────────────────────────────────────────────────────
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], list[int]]:
+    """Chain a rollout's turns into training sequences (see the module docstring's worked example).
+
+    A turn whose prompt starts with every token held so far continues the sequence (its new prompt
+    tokens are context); any other turn forks: a new sequence starts from the re-rendered prompt.
+    Returns the sequences that have a trained token, and per turn boundary the drift (held tokens the
+    fork re-rendered; 0 for a clean boundary).
+    """
+    sequences: list[TrainingSequence] = []
+    drifts: list[int] = []
+    for turn in turns:
+        held = sequences[-1].input_ids if sequences else None
+        if held is not None and turn.prompt_ids[:len(held)] == held:
+            drifts.append(0)
+            sequences[-1].add_context(turn.prompt_ids[len(held):])
+        else:
+            if held is not None:
+                drifts.append(len(held) - common_prefix(held, turn.prompt_ids))
+            sequences.append(TrainingSequence())
+            sequences[-1].add_context(list(turn.prompt_ids))
+        sequences[-1].add_output(turn)
+    return [s for s in sequences if any(s.completion_mask)], drifts
+
+
+def to_sample(seq: TrainingSequence, num_top: int | None, **fields) -> RolloutSample:
+    """Lay a sequence out as the numpy arrays of `RolloutSample` (top-k only when num_top is given)."""
+    L = len(seq.input_ids)
+    top_ids = top_lps = counts = cand = None
+    if num_top is not None:
+        top_ids = np.full((L, num_top), -1, dtype=np.int64)
+        top_lps = np.full((L, num_top), -np.inf, dtype=np.float32)
+        for t, top in enumerate(seq.top_logprobs):
+            for j, (token, lp) in enumerate(sorted((top or {}).items(), key=lambda kv: -kv[1])[:num_top]):
+                top_ids[t, j], top_lps[t, j] = token, lp
+    if any(c is not None for c in seq.candidates):
+        counts = np.array([len(c) if c else 0 for c in seq.candidates], dtype=np.int32)
+        cand = np.array([i for c in seq.candidates if c for i in c], dtype=np.int32)
+    return RolloutSample(
+        input_ids=np.array(seq.input_ids, dtype=np.int64),
+        completion_mask=np.array(seq.completion_mask, dtype=np.int8),
+        sampler_logprobs=np.array(seq.sampler_logprobs, dtype=np.float32),
+        top_ids=top_ids, top_logprobs=top_lps, candidate_counts=counts, candidate_ids=cand, **fields)
+
+
+# ── server replies → TurnRecord ──────────────────────────────────────────────────────────────
+
+
+def top_k_of(entries: dict[int, float], k: int) -> dict[int, float]:
+    """The k most likely of the server's entries (it lists the sampled token first, even if unlikely)."""
+    return dict(sorted(entries.items(), key=lambda kv: -kv[1])[:k])
+
+
+def parse_completion(prompt_ids: list[int], reply: dict, num_top: int | None) -> TurnRecord:
+    """/v1/completions (return_token_ids, return_tokens_as_token_ids, logprobs=k) → TurnRecord."""
+    choice = reply["choices"][0]
+    ids, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    tops = None
+    if num_top is not None:
+        tops = [top_k_of({int(key.removeprefix("token_id:")): lp for key, lp in d.items()}, num_top)
+                for d in choice["logprobs"]["top_logprobs"]]
+    return TurnRecord(list(prompt_ids), list(ids), [float(x) for x in lps], output_sampler_logprobs=tops)
+
+
+def parse_generate(prompt_ids: list[int], reply: dict, num_top: int | None) -> TurnRecord:
+    """/inference/v1/generate (tokens mode) → TurnRecord with the candidate set of every token."""
+    choice = reply["choices"][0]
+    content = choice["logprobs"]["content"]
+    tops = None
+    if num_top is not None:
+        tops = [top_k_of({e["token_id"]: e["logprob"] for e in c["top_logprobs"]}, num_top) for c in content]
+    return TurnRecord(list(prompt_ids), list(choice["token_ids"]), [float(c["logprob"]) for c in content],
+                      output_sampling_mask=choice["sampling_mask"], output_sampler_logprobs=tops)
+
+
+# ── the live concurrency cap (spec: 並行性) ───────────────────────────────────────────────────
+
+
+@dataclass
+class ConcurrencyCap:
+    """The live cap on in-flight rollouts, kept just under `bound` (max_concurrent_rollouts).
+
+    Starts at KV-cache tokens // max_model_len (the requests that fit at full length). Every poll of
+    /metrics calls `observe`; every completed rollout calls `rollout_done`:
+      - KV usage > 0.8 cuts the cap by 30%; then no further cut until in-flight falls under the new cap
+        (running requests are never cancelled, so the pool drains first);
+      - while nothing waits on the server and usage stays < 0.6, each cap's worth of completed
+        rollouts raises the cap by 25% (at least +1), up to `bound`;
+      - a server without /metrics keeps the cap at `bound` (adaptive=False).
+    """
+    bound: int
+    cap: int
+    adaptive: bool = True
+    calm: bool = False    # the last poll saw no waiting request and usage < 0.6
+    completed: int = 0    # rollouts completed since the last change, all while calm
+    draining: bool = False
+
+    @classmethod
+    def start(cls, bound: int, kv_cache_tokens: int | None, max_model_len: int, has_metrics: bool) -> "ConcurrencyCap":
+        if not has_metrics:
+            return cls(bound, bound, adaptive=False)
+        fits = kv_cache_tokens // max_model_len if kv_cache_tokens else bound
+        return cls(bound, max(1, min(bound, fits)))
+
+    def observe(self, kv_usage: float, waiting: float, inflight: int) -> None:
+        if not self.adaptive:
+            return
+        self.draining = self.draining and inflight >= self.cap
+        self.calm = waiting == 0 and kv_usage < RAISE_BELOW
+        if not self.calm:
+            self.completed = 0
+        if kv_usage > CUT_ABOVE and not self.draining:
+            self.cap = max(1, int(self.cap * (1 - CUT_BY)))
+            self.draining, self.completed = inflight >= self.cap, 0
+
+    def rollout_done(self, inflight: int) -> None:
+        if not self.adaptive:
+            return
+        self.draining = self.draining and inflight >= self.cap
+        if self.calm:
+            self.completed += 1
+            if self.completed >= self.cap:
+                self.cap = min(self.bound, max(self.cap + 1, math.ceil(self.cap * (1 + RAISE_BY))))
+                self.completed = 0
+
+
+# ── the prompt stream: epochs and resume ─────────────────────────────────────────────────────
+
+
+def prompt_stream(dataset, start_index: int, num_train_epochs: float, max_steps: int) -> Iterator[tuple[int, int, int, dict]]:
+    """Yield (prompt_index, epoch, row_index, row): the prompts of the run in order, from `start_index`.
+
+    prompt_index counts prompts across epochs (epoch = prompt_index // len(dataset)), so a resume index
+    saved in rollout_state.json also restores the epoch. The stream ends after ceil(num_train_epochs ×
+    len(dataset)) prompts, or never when max_steps > 0 (the trainer stops by steps). A streaming
+    dataset (no len) cannot be repositioned: it restarts at prompt 0 and counts whole passes.
+    """
+    endless = max_steps > 0
+    if not hasattr(dataset, "__len__"):
+        if start_index:
+            log.warning("a streaming dataset cannot be repositioned: the rollout restarts at prompt 0, not %d",
+                        start_index)
+        index, epoch = 0, 0
+        while endless or epoch < math.ceil(num_train_epochs):
+            for row_index, row in enumerate(dataset):
+                yield index, epoch, row_index, row
+                index += 1
+            epoch += 1
+        return
+    n = len(dataset)
+    if n == 0:
+        raise ValueError("the training dataset is empty")
+    end = math.inf if endless else math.ceil(num_train_epochs * n)
+    index = start_index
+    while index < end:
+        yield index, index // n, index % n, dataset[index % n]
+        index += 1
+
+
+# ── inter-process channels ───────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class Channels:
+    """Everything the parent and the child share (all from one spawn context)."""
+    rollout_buffer: Any     # Queue: RolloutSample child → parent; None once the prompts run out
+    metrics: Any            # Queue: metric dicts child → parent (dropped when full)
+    progress: Any           # Queue: (prompt_index, samples queued) for every finished prompt
+    exception_info: Any     # Queue: (type name, message, traceback) of the child's failure
+    model_version: Any      # Value('q'), written by the parent after each weight sync
+    version_start: Any      # Value('q'), samples consumed when the current version began (C_v)
+    rate: Any               # Value('d'), samples the trainer consumes per version (R)
+    consumed: Any           # Value('q'), samples the parent has handed to the trainer
+    heartbeat: Any          # Value('d'), time.time() of the child's last beat
+    stop: Any               # Event parent → child
+    ready: Any              # Event child → parent: connected and set up
+    failed: Any             # Event child → parent: exception_info holds the reason
+
+
+# ── the loop ─────────────────────────────────────────────────────────────────────────────────
+
+
+class AsyncRolloutLoop:
+    """Generates and scores rollouts inside the spawned rollout process (spec: AsyncRolloutLoop).
+
+    Subclass it and override a hook; set the subclass as the trainer's `loop_cls` (it must be defined
+    at module level: the child imports it). Hooks read `self.config` and `self.tokenizer`:
+
+        filter_prompt(row_index, row, epoch)   once per prompt          accept every prompt
+        generate_one(prompt, tools, group_id)  once per rollout         the multi-turn tool loop
+        generate_one_turn(prompt_ids)          once per sampling request one request with the config's sampling
+        compute_advantages(group)              once per scored group    rewards standardised in the group
+        setup(), close()                       when the loop starts/stops  nothing
+    """
+    metrics_interval_s = 2.0  # seconds between /metrics polls and periodic metric emissions
+
+    def __init__(self, config, model_name: str | None, dataset, reward_funcs: list[Callable], processing_class,
+                 eos_token_ids: list[int], channels: Channels, max_concurrent_rollouts: int,
+                 tools: list[Callable] | None = None,
+                 environment_factory: Callable | dict[str, Callable] | None = None,
+                 score_queue_maxsize: int = 16, dataset_start_index: int = 0):
+        self.config, self.model_name, self.dataset = config, model_name, dataset
+        self.reward_funcs, self.tokenizer, self.eos_token_ids = list(reward_funcs), processing_class, list(eos_token_ids)
+        self.channels, self.tools, self.environment_factory = channels, list(tools or []), environment_factory
+        self.dataset_start_index = dataset_start_index
+        self.client = VLLMClient(config.vllm_server_base_url, timeout=config.vllm_server_timeout)
+        self.num_top = config.num_sampler_logprobs if config.score_centering else None
+        self.cap = ConcurrencyCap(max_concurrent_rollouts, max_concurrent_rollouts, adaptive=False)
+        self.tool_pool = ThreadPoolExecutor(max_concurrent_rollouts, thread_name_prefix="rollout-tool")
+        self.score_queue: asyncio.Queue = asyncio.Queue(score_queue_maxsize)
+        self.max_model_len = 0
+        self.use_generate = False   # candidate sets come from /inference/v1/generate
+        self.inflight = 0           # rollouts generating now (rollout/concurrency)
+        self.pending_rollouts = 0   # rollouts of admitted groups not yet scored
+        self.queued = 0             # samples put on rollout_buffer
+        self.rollouts_scored = 0
+        self.failures_in_a_row = 0
+        self.fatal: BaseException | None = None
+        self.tasks: set[asyncio.Task] = set()
+        self.wake = asyncio.Event()
+        self.since_emit = {"rollout/backpressure_s": 0.0, "rollout/score_block_s": 0.0, "generated_tokens": 0}
+
+    # ── hooks ──
+
+    def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
+        """True to generate num_generations rollouts for the prompt, False to skip it this epoch."""
+        return True
+
+    async def generate_one(self, prompt, tools: list[Callable], group_id: int = 0) -> Rollout:
+        """One rollout: render → sample → run the tool calls → repeat until no call, the iteration limit,
+        the generated-token budget (max_completion_length across turns) or the context is used up."""
+        config = self.config
+        if isinstance(prompt, str):  # a standard (plain text) prompt: one turn, no chat template
+            if tools:
+                raise ValueError("tools and environments need conversational prompts (lists of messages)")
+            turn = await self.generate_one_turn(self.tokenizer(prompt)["input_ids"])
+            return Rollout(self.tokenizer.decode(turn.output_ids, skip_special_tokens=True), turn.output_ids, [turn])
+        by_name = {tool.__name__: tool for tool in tools}
+        messages, completion, completion_ids, turns = list(prompt), [], [], []
+        calls: list[ToolCall] = []
+        exhausted = False
+        while (budget := config.max_completion_length - len(completion_ids)) > 0:
+            prompt_ids = self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=True,
+                **(config.chat_template_kwargs or {}))["input_ids"]
+            if len(prompt_ids) >= self.max_model_len:
+                break
+            turn = await self.generate_one_turn(prompt_ids, max_tokens=budget)
+            turns.append(turn)
+            completion_ids += turn.output_ids
+            text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+            content, requested = parse_tool_calls(text) if by_name else (text, [])
+            message = {"role": "assistant", "content": content}
+            if requested:
+                message["tool_calls"] = [{"type": "function", "function": c} for c in requested if "error" not in c]
+            messages.append(message)
+            completion.append(message)
+            ended = bool(turn.output_ids) and turn.output_ids[-1] in self.eos_token_ids
+            if not requested or not ended:
+                break
+            iteration = len(turns) - 1
+            if config.max_tool_calling_iterations is not None and iteration >= config.max_tool_calling_iterations:
+                exhausted = True
+                break
+            results, records = await run_tool_calls(requested, by_name, self.tool_pool, turn_index=iteration)
+            calls += records
+            messages += results
+            completion += results
+        return Rollout(completion, completion_ids, turns, tool_call_count=len(calls),
+                       tool_failure_count=sum(c.failed for c in calls), tool_calls=calls, loop_exhausted=exhausted)
+
+    async def generate_one_turn(self, prompt_ids: list[int], max_tokens: int | None = None) -> TurnRecord:
+        """One sampling request with the config's sampling settings; `max_tokens` defaults to
+        max_completion_length and is capped by the context left (max_model_len − prompt)."""
+        config = self.config
+        max_tokens = min(max_tokens or config.max_completion_length, self.max_model_len - len(prompt_ids))
+        params = {"max_tokens": max_tokens, "temperature": config.temperature, "top_p": config.top_p,
+                  "repetition_penalty": config.repetition_penalty, "stop_token_ids": self.eos_token_ids,
+                  "logprobs": self.num_top or 0}
+        if config.top_k > 0:
+            params["top_k"] = config.top_k
+        if config.min_p is not None:
+            params["min_p"] = config.min_p
+        if self.use_generate:
+            endpoint = "/inference/v1/generate"
+            reply = await self.client.agenerate({"model": self.model_name, "token_ids": list(prompt_ids),
+                                                 "sampling_params": params})
+        else:
+            endpoint = "/v1/completions"
+            reply = await self.client.acompletions({"model": self.model_name, "prompt": list(prompt_ids), **params,
+                                                    "return_token_ids": True, "return_tokens_as_token_ids": True})
+        try:
+            turn = (parse_generate if self.use_generate else parse_completion)(prompt_ids, reply, self.num_top)
+            if len(turn.output_log_probs) != len(turn.output_ids) or len(turn.output_ids) > max_tokens:
+                raise ValueError(f"{len(turn.output_ids)} tokens, {len(turn.output_log_probs)} log-probs, "
+                                 f"max_tokens {max_tokens}")
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise VLLMError(f"malformed reply ({type(e).__name__}: {e}): {str(reply)[:300]}",
+                            self.client.base_url + endpoint) from e
+        return turn
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """One advantage per rollout: rewards standardised within the group; NaN rewards get 0 and are
+        left out of the mean and std."""
+        rewards = group.rewards
+        scored = ~np.isnan(rewards)
+        advantages = np.zeros(len(rewards))
+        if scored.any():
+            r = rewards[scored]
+            advantages[scored] = (r - r.mean()) / (r.std() + 1e-4)
+        return advantages
+
+    async def setup(self) -> None:
+        """Create what the other hooks need (runs on the loop's event loop before the first prompt)."""
+
+    async def close(self) -> None:
+        """Release what setup() created (runs when the loop stops, also after a failure)."""
+
+    # ── running ──
+
+    @property
+    def model_version(self) -> int:
+        return self.channels.model_version.value
+
+    async def run(self) -> None:
+        """Connect, set up, then generate and score until the parent says stop (or something fails)."""
+        beat = asyncio.create_task(self._heartbeat())
+        workers: list[asyncio.Task] = []
+        try:
+            await self._connect()
+            await self.setup()
+            self.channels.ready.set()
+            workers = [asyncio.create_task(c) for c in (self._generate_loop(), self._score_loop(), self._poll_server())]
+            stop = asyncio.create_task(self._wait_for_stop())
+            pending = {stop, *workers}
+            while stop in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # a loop's failure ends the run here
+        finally:
+            for task in [beat, *workers, *self.tasks]:
+                task.cancel()
+            self.channels.rollout_buffer.cancel_join_thread()  # stopping: unread samples may be lost
+            self.channels.metrics.cancel_join_thread()
+            try:
+                await self.close()
+            finally:
+                await self.client.aclose()
+                self.tool_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _connect(self) -> None:
+        """Check the server (flags the config needs) and start the concurrency cap from its KV size."""
+        config, url = self.config, self.config.vllm_server_base_url
+        await asyncio.to_thread(self.client.wait_for_health)
+        info = await asyncio.to_thread(self.client.server_info)
+        model_config, problems, flags = info.get("model_config") or {}, [], []
+        if (mode := model_config.get("logprobs_mode")) != "processed_logprobs":
+            problems.append(f"it returns {mode} log-probs, not those of the distribution it samples from")
+            flags.append("--logprobs-mode processed_logprobs")
+        max_logprobs = model_config.get("max_logprobs", 20)
+        if self.num_top is not None and max_logprobs != -1 and max_logprobs < self.num_top:
+            problems.append(f"it returns at most {max_logprobs} log-probs per token and num_sampler_logprobs is "
+                            f"{self.num_top}")
+            flags.append(f"--max-logprobs {self.num_top}")
+        if problems:
+            raise ValueError(f"the vLLM server at {url} cannot serve this config: {'; '.join(problems)}. Restart it "
+                             f"with `{' '.join(flags)}`")
+        if self.model_name is None:
+            self.model_name = (await asyncio.to_thread(self.client.models))["data"][0]["id"]
+        self.max_model_len = await asyncio.to_thread(self.client.max_model_len)
+        if config.top_k > 0 or config.top_p < 1 or config.min_p is not None:
+            self.use_generate = await self._server_returns_candidates()
+            if not self.use_generate:
+                log.warning("top_p/top_k/min_p are set but the vLLM server at %s returns no candidate sets, so the "
+                            "trainer normalises over the whole vocabulary and importance ratios are biased: restart "
+                            "it with `--return-sampling-mask --enable-scale-out` (vLLM >= 0.28)", url)
+        cache = info.get("cache_config") or {}
+        kv_tokens = cache.get("kv_cache_size_tokens") or (cache.get("num_gpu_blocks") or 0) * (cache.get("block_size") or 0)
+        has_metrics = await self.client.ametrics() is not None
+        self.cap = ConcurrencyCap.start(self.cap.bound, kv_tokens or None, self.max_model_len, has_metrics)
+
+    async def _server_returns_candidates(self) -> bool:
+        """Probe /inference/v1/generate with one token: 403/404 = no --enable-scale-out; no sampling_mask =
+        no --return-sampling-mask."""
+        params = {"max_tokens": 1, "temperature": self.config.temperature, "top_k": self.config.top_k, "logprobs": 0}
+        try:
+            reply = await self.client.agenerate({"model": self.model_name, "token_ids": [self.eos_token_ids[0]],
+                                                 "sampling_params": params})
+        except VLLMError as e:
+            if e.status in (403, 404):
+                return False
+            raise
+        return bool(reply["choices"][0].get("sampling_mask"))
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.channels.heartbeat.value = time.time()
+            await asyncio.sleep(0.5)
+
+    async def _wait_for_stop(self) -> None:
+        while not self.channels.stop.is_set():
+            await asyncio.sleep(0.1)
+
+    async def _wait_until(self, ready: Callable[[], bool]) -> float:
+        """Sleep until ready() holds; the seconds waited. Raises a rollout task's fatal error."""
+        start = time.monotonic()
+        while True:
+            if self.fatal is not None:
+                raise self.fatal
+            if ready():
+                return time.monotonic() - start
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), WAKE_S)
+            except asyncio.TimeoutError:
+                pass
+
+    def _admissible(self) -> bool:
+        """Staleness admission (module docstring): may a new group start now?"""
+        G, ch = self.config.num_generations, self.channels
+        start, rate, consumed = ch.version_start.value, ch.rate.value, ch.consumed.value
+        expected_yield = (self.queued + G) / (self.rollouts_scored + G)  # prior: one sample per rollout
+        if self.queued + expected_yield * (self.pending_rollouts + G) <= start + (self.config.max_staleness + 1) * rate:
+            return True
+        return self.pending_rollouts == 0 and self.queued <= consumed < start + rate  # else the trainer would wait forever
+
+    async def _generate_loop(self) -> None:
+        config, G = self.config, self.config.num_generations
+        group_id, epoch, accepted = 0, None, 0
+        for prompt_index, row_epoch, row_index, row in prompt_stream(
+                self.dataset, self.dataset_start_index, config.num_train_epochs, config.max_steps):
+            if row_epoch != epoch:
+                self._check_epoch(epoch, accepted)
+                epoch, accepted = row_epoch, 0
+            if not self.filter_prompt(row_index, row, row_epoch):
+                self.channels.progress.put((prompt_index, 0))
+                continue
+            accepted += 1
+            self.since_emit["rollout/score_block_s"] += await self._wait_until(lambda: not self.score_queue.full())
+            self.since_emit["rollout/backpressure_s"] += await self._wait_until(self._admissible)
+            group = _PendingGroup(group_id, row_index, prompt_index, row, G)
+            group_id += 1
+            self.pending_rollouts += G
+            for i in range(G):
+                await self._wait_until(lambda: self.inflight < self.cap.cap)
+                if i == 0:
+                    group.model_version = self.model_version  # the version when the group's first rollout starts
+                self.inflight += 1
+                task = asyncio.create_task(self._rollout(group, i))
+                self.tasks.add(task)
+                task.add_done_callback(self._rollout_ended)
+        self._check_epoch(epoch, accepted)
+        await self._wait_until(lambda: not self.tasks)
+        await self.score_queue.put(None)
+
+    def _check_epoch(self, epoch: int | None, accepted: int) -> None:
+        if epoch is not None and accepted == 0:
+            raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}, so no batch can reach the "
+                               "trainer; loosen the filter")
+
+    def _rollout_ended(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.fatal = task.exception()
+        self.wake.set()
+
+    async def _rollout(self, group: "_PendingGroup", i: int) -> None:
+        """Run one rollout of a group (in its own task); hand the group to scoring when it is complete."""
+        start, generating = time.monotonic(), True
+        try:
+            prompt, env, stats, tools = group.row["prompt"], None, {}, list(self.tools)
+            if self.environment_factory is not None:
+                env, prompt, stats["env/reset_s"] = await start_environment(self.environment_factory, group.row,
+                                                                            self.tool_pool)
+                tools += environment_tools(env)
+            rollout = await self.generate_one(prompt, tools, group.group_id)
+            generating = False
+            self.inflight -= 1
+            self.cap.rollout_done(self.inflight)
+            env_reward = None
+            if env is not None:
+                env_reward, stats["env/reward_s"] = await environment_reward(env, self.tool_pool)
+            sequences, drifts = reconcile(rollout.turns)
+            stats |= {"duration_s": time.monotonic() - start, "drifts": drifts}
+            group.slots[i] = (prompt, rollout, sequences, env_reward, stats)
+            self.since_emit["generated_tokens"] += len(rollout.completion_ids)
+            self.failures_in_a_row = 0
+        except Exception as e:
+            if generating:
+                self.inflight -= 1
+            group.failed = True
+            self.failures_in_a_row += 1
+            log.error("rollout %d of group %d (dataset row %d) failed; the group is dropped: %s: %s",
+                      i, group.group_id, group.row_index, type(e).__name__, e, exc_info=True)
+            if self.failures_in_a_row >= FAILED_ROLLOUTS_TO_STOP:
+                raise RuntimeError(f"{self.failures_in_a_row} rollouts failed in a row; the last one: "
+                                   f"{type(e).__name__}: {e}") from e
+        finally:
+            group.done.add(i)
+            self.wake.set()
+        if len(group.done) == group.size:
+            if group.failed:
+                self._finish_prompt(group.prompt_index, group.size, 0)
+            else:
+                await self.score_queue.put(group.build())
+
+    def _finish_prompt(self, prompt_index: int, rollouts: int, samples: int) -> None:
+        self.pending_rollouts -= rollouts
+        self.rollouts_scored += rollouts
+        self.queued += samples
+        self.channels.progress.put((prompt_index, samples))
+        self.wake.set()
+
+    async def _score_loop(self) -> None:
+        while (group := await self.score_queue.get()) is not None:
+            waited = time.monotonic() - group.queued_at
+            start = time.monotonic()
+            samples, metrics = await self._score_group(group)
+            metrics |= {"rollout/score_s": time.monotonic() - start, "rollout/score_wait_s": waited}
+            for sample in samples:
+                sample.enqueued_at = time.time()
+                await self._put(sample)
+            self._finish_prompt(group.prompt_index, len(group.rollouts), len(samples))
+            self._emit(metrics)
+        await self._put(None)
+
+    async def _put(self, item: RolloutSample | None) -> None:
+        """Put on the rollout queue without blocking the event loop; a full queue is backpressure."""
+        start = time.monotonic()
+        while True:
+            try:
+                return self.channels.rollout_buffer.put_nowait(item)
+            except queue.Full:
+                await asyncio.sleep(WAKE_S)
+                self.since_emit["rollout/backpressure_s"] += time.monotonic() - start
+                start = time.monotonic()
+
+    async def _score_group(self, group: RolloutGroup) -> tuple[list[RolloutSample], dict[str, float]]:
+        """Rewards → group.rewards → compute_advantages → drop or build samples; and the group's metrics."""
+        columns = await score_rewards(self.reward_funcs, group)
+        total = np.stack(list(columns.values()), axis=1) if columns else np.full((len(group.rollouts), 1), np.nan)
+        scored_any = ~np.isnan(total).all(axis=1)
+        group.rewards = np.where(scored_any, np.nansum(total, axis=1), np.nan)
+        advantages = self.compute_advantages(group)
+        scored = group.rewards[~np.isnan(group.rewards)]
+        kept = len(scored) >= 2 and scored.max() > scored.min()
+        metrics = group_metrics(group, self.eos_token_ids) | {"frac_reward_zero_std": float(not kept)}
+        if len(scored):
+            metrics["reward"] = float(scored.mean())
+        if not kept:
+            return [], metrics
+        metrics["reward_kept"] = float(scored.mean())
+        per_rollout = [{"reward_group_std": float(scored.std())} for _ in group.rollouts]
+        for name, column in columns.items():
+            std = float(np.nanstd(column)) if not np.isnan(column).all() else math.nan
+            for i, m in enumerate(per_rollout):
+                m |= {f"rewards/{name}/mean": float(column[i]), f"rewards/{name}/group_std": std}
+        samples = [to_sample(seq, self.num_top, advantage=float(advantages[i]), group_id=group.group_id,
+                             model_version=group.model_version, reward=float(group.rewards[i]),
+                             metrics=dict(per_rollout[i]), prompt=group.prompts[i], completion=group.completions[i],
+                             rollout_id=group.rollouts[i].rollout_id, row_index=group.row_index,
+                             prompt_index=group.prompt_index)
+                   for i, sequences in enumerate(group.completions_sequences) for seq in sequences]
+        return samples, metrics
+
+    async def _poll_server(self) -> None:
+        """Every metrics_interval_s: read /metrics, move the cap, and emit the periodic metrics."""
+        last_preemptions, last_retries, last_time = None, 0, time.monotonic()
+        while True:
+            await asyncio.sleep(self.metrics_interval_s)
+            metrics: dict[str, float] = {}
+            if self.cap.adaptive:
+                try:
+                    samples = await self.client.ametrics()
+                except (VLLMError, TimeoutError) as e:
+                    log.warning("could not read /metrics (%s); the concurrency cap stays at %d", e, self.cap.cap)
+                    samples = None
+                if samples:
+                    def values(name):
+                        return [v for _, v in samples.get(name, [])]
+                    usage = max(values("vllm:kv_cache_usage_perc"), default=0.0)
+                    waiting = sum(values("vllm:num_requests_waiting"))
+                    preemptions = sum(values("vllm:num_preemptions_total"))
+                    self.cap.observe(usage, waiting, self.inflight)
+                    metrics |= {"rollout/kv_cache_usage": usage, "rollout/vllm_queued_requests": waiting,
+                                "rollout/vllm_running_requests": sum(values("vllm:num_requests_running")),
+                                "rollout/vllm_preemptions_total": preemptions - last_preemptions
+                                if last_preemptions is not None else 0.0}
+                    last_preemptions = preemptions
+            now = time.monotonic()
+            metrics |= {"rollout/concurrency": self.inflight, "rollout/concurrency_cap": self.cap.cap,
+                        "rollout/score_queue_size": self.score_queue.qsize(),
+                        "rollout/vllm_retry_total": self.client.retry_total - last_retries,
+                        "rollout/generated_tok_s": self.since_emit["generated_tokens"] / (now - last_time),
+                        "rollout/backpressure_s": self.since_emit["rollout/backpressure_s"],
+                        "rollout/score_block_s": self.since_emit["rollout/score_block_s"]}
+            last_retries, last_time = self.client.retry_total, now
+            self.since_emit = dict.fromkeys(self.since_emit, 0)
+            self._emit(metrics)
+            self.wake.set()
+
+    def _emit(self, metrics: dict[str, float]) -> None:
+        try:
+            self.channels.metrics.put_nowait(metrics)
+        except queue.Full:
+            pass  # the trainer is not draining metrics: losing some beats blocking generation
+
+
+@dataclass(eq=False)
+class _PendingGroup:
+    """A group while its rollouts run: slots filled in any order, built into a RolloutGroup when done."""
+    group_id: int
+    row_index: int
+    prompt_index: int
+    row: dict
+    size: int
+    model_version: int = 0
+    done: set[int] = field(default_factory=set)
+    failed: bool = False
+    slots: list[tuple | None] = field(init=False)  # per rollout: (prompt, rollout, sequences, env reward, stats)
+
+    def __post_init__(self):
+        self.slots = [None] * self.size
+
+    def build(self) -> RolloutGroup:
+        prompts, rollouts, sequences, env_rewards, stats = (list(column) for column in zip(*self.slots))
+        reward_kwargs = {k: [v] * self.size for k, v in self.row.items() if k != "prompt"}
+        return RolloutGroup(
+            prompts=prompts, reward_kwargs=reward_kwargs, completions=[r.completion for r in rollouts],
+            completions_ids=[r.completion_ids for r in rollouts], completions_sequences=sequences,
+            tool_call_counts=[r.tool_call_count for r in rollouts],
+            tool_failure_counts=[r.tool_failure_count for r in rollouts], model_version=self.model_version,
+            group_id=self.group_id, row_index=self.row_index, env_rewards=env_rewards,
+            rollout_rewards=[r.reward for r in rollouts], queued_at=time.monotonic(), prompt_index=self.prompt_index,
+            rollouts=rollouts, stats=stats)
+
+
+def reward_name(func: Callable) -> str:
+    """rewards/<name>/...: a function's __name__, a partial's function, a callable instance's class."""
+    inner = getattr(func, "func", func)
+    return getattr(inner, "__name__", type(inner).__name__)
+
+
+async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup) -> dict[str, np.ndarray]:
+    """Every reward source of a group as a column (NaN where a source did not score a rollout):
+    reward functions (sync ones in threads, all concurrently), environment rewards (named after the
+    environment class) and Rollout.reward."""
+    async def call(func):
+        values = await call_maybe_async(func, None, prompts=group.prompts, completions=group.completions,
+                                        completion_ids=group.completions_ids, **group.reward_kwargs)
+        return np.array([math.nan if v is None else float(v) for v in values])
+
+    columns = dict(zip([reward_name(f) for f in reward_funcs], await asyncio.gather(*map(call, reward_funcs))))
+    for cls in {e[0] for e in group.env_rewards if e is not None}:
+        columns[cls.__name__] = np.array([e[1] if e is not None and e[0] is cls else math.nan for e in group.env_rewards])
+    if any(r is not None for r in group.rollout_rewards):
+        columns["rollout"] = np.array([math.nan if r is None else float(r) for r in group.rollout_rewards])
+    return columns
+
+
+def group_metrics(group: RolloutGroup, eos_token_ids: list[int]) -> dict[str, float]:
+    """The group's rollout/, completions/, tools/ and env/ metrics (spec: 記録されたメトリクス)."""
+    rollouts, stats = group.rollouts, group.stats
+    lengths = [len(r.completion_ids) for r in rollouts]
+    drifts = [d for s in stats for d in s["drifts"]]
+    last_ids = [r.turns[-1].output_ids if r.turns else [] for r in rollouts]
+    m = {"rollout/duration_s": float(np.mean([s["duration_s"] for s in stats])),
+         "rollout/turns_mean": float(np.mean([len(r.turns) for r in rollouts])),
+         "rollout/turns_max": max(len(r.turns) for r in rollouts),
+         "rollout/samples_per_rollout": float(np.mean([len(s) for s in group.completions_sequences])),
+         "completions/mean_length": float(np.mean(lengths)),
+         "completions/min_length": min(lengths), "completions/max_length": max(lengths),
+         "completions/clipped_ratio": float(np.mean([not ids or ids[-1] not in eos_token_ids for ids in last_ids]))}
+    if drifts:
+        m |= {"rollout/fork_frac": float(np.mean([d > 0 for d in drifts])),
+              "rollout/drift_tokens_mean": float(np.mean(drifts)), "rollout/drift_tokens_max": max(drifts)}
+    calls = [c for r in rollouts for c in r.tool_calls]
+    if calls:
+        per_turn = {}
+        for j, r in enumerate(rollouts):
+            for c in r.tool_calls:
+                per_turn[(j, c.turn_index)] = per_turn.get((j, c.turn_index), 0) + 1
+        m |= {"tools/call_frequency": len(calls) / len(rollouts),
+              "tools/failure_frequency": sum(c.failed for c in calls) / len(calls),
+              "tools/latency_s": float(np.mean([c.latency_s for c in calls])),
+              "tools/unknown_name_total": sum(c.unknown for c in calls),
+              "tools/parallel_calls_mean": float(np.mean(list(per_turn.values()))),
+              "tools/loop_exhausted_frac": float(np.mean([r.loop_exhausted for r in rollouts]))}
+        for name in {c.name for c in calls if not c.unknown}:
+            mine = [c for c in calls if c.name == name]
+            m |= {f"tools/{name}/latency_s": float(np.mean([c.latency_s for c in mine])),
+                  f"tools/{name}/call_total": len(mine), f"tools/{name}/failure_total": sum(c.failed for c in mine)}
+    for key in ("env/reset_s", "env/reward_s"):
+        if any(key in s for s in stats):
+            m[key] = float(np.mean([s[key] for s in stats if key in s]))
+    return m
+
+
+# ── the process: parent-side handle and child entry point ───────────────────────────────────
+
+
+class RolloutProcessError(Exception):
+    """The rollout process's traceback text, chained under the RuntimeError the trainer sees."""
+
+
+def check_picklable(obj, what: str) -> None:
+    """The spec's TypeError for anything that cannot cross to the spawned process."""
+    try:
+        pickle.dumps(obj)
+    except Exception as e:
+        name = getattr(obj, "__qualname__", None) or type(obj).__name__
+        raise TypeError(f"{what} {name} cannot be pickled for the rollout process ({type(e).__name__}: {e}); the "
+                        "rollout process is spawned, so use a module-level function, a functools.partial of one, or "
+                        "a callable class instance instead of a lambda or a closure") from e
+
+
+def _child_main(loop_cls: type, kwargs: dict, channels: Channels) -> None:
+    """Entry point of the spawned process: a CPU-only, non-distributed environment, then the loop."""
+    for name in list(os.environ):
+        if name in TORCHRUN_ENV or name.startswith("TORCHELASTIC_"):
+            del os.environ[name]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        asyncio.run(loop_cls(channels=channels, **kwargs).run())
+    except BaseException as e:
+        channels.exception_info.put((type(e).__name__, str(e), traceback.format_exc()))
+        channels.failed.set()  # after the info, so the parent always finds it
+        raise
+
+
+class RolloutWorker:
+    """The trainer's handle on the rollout process (rank 0 only).
+
+        worker = RolloutWorker(config, dataset, [toy.sum_reward], tokenizer, tools=[toy.add])
+        worker.start()                      # TypeError before spawning if anything is unpicklable
+        sample = worker.get(timeout=5.0)    # RolloutSample; None once every prompt is done
+        worker.set_model_version(1)         # after each weight sync
+        worker.drain_metrics()              # [{metric: value}, ...] since the last drain
+        worker.resume_index()               # first prompt index not yet handed out (rollout_state.json)
+        worker.stop()
+    """
+
+    def __init__(self, config, dataset, reward_funcs: Callable | list[Callable], processing_class, *,
+                 tools: list[Callable] | None = None, environment_factory=None, loop_cls: type = AsyncRolloutLoop,
+                 model_name: str | None = None, eos_token_ids: list[int] | None = None, num_processes: int = 1,
+                 dataset_start_index: int = 0, model_version: int = 0):
+        columns = getattr(dataset, "column_names", None)
+        if columns is not None and "prompt" not in columns:
+            raise ValueError(f"the training dataset needs a 'prompt' column (it has {columns}); rename the column "
+                             "that holds the prompts")
+        self.config, self.loop_cls = config, loop_cls
+        reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        eos = eos_token_ids if eos_token_ids is not None else [processing_class.eos_token_id]
+        self.bound = config.default_max_concurrent_rollouts(num_processes)
+        self.kwargs = dict(config=config, model_name=model_name, dataset=dataset, reward_funcs=reward_funcs,
+                           processing_class=processing_class, eos_token_ids=eos, tools=tools,
+                           environment_factory=environment_factory, max_concurrent_rollouts=self.bound,
+                           dataset_start_index=dataset_start_index)
+        # samples the trainer takes per model version, before it has been measured
+        self.prior_rate = (config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
+                           * config.weight_sync_steps)
+        self.anchor = (model_version, 0)  # (version, consumed) where the rate measurement starts
+        self.initial_version = model_version
+        self.consumed = 0
+        self.left: dict[int, int] = {}    # prompt index → samples announced but not yet handed out
+        self.announced: set[int] = set()
+        self.next_unconsumed = dataset_start_index if hasattr(dataset, "__len__") else 0
+        self.finished = False
+        self.process = None
+        self.channels: Channels | None = None
+
+    def start(self, ready_timeout: float = 300.0) -> None:
+        """Check picklability, spawn the process, and wait until it is connected and set up."""
+        for f in self.kwargs["reward_funcs"]:
+            check_picklable(f, "reward function")
+        check_tools(self.kwargs["tools"] or [])
+        factories = self.kwargs["environment_factory"]
+        for f in (factories.values() if isinstance(factories, dict) else [factories] if factories else []):
+            check_picklable(f, "environment_factory")
+        check_picklable(self.loop_cls, "loop_cls")
+        check_picklable(self.kwargs, "rollout argument")  # the dataset, the tokenizer, the config
+        ctx = mp.get_context("spawn")
+        self.channels = Channels(
+            rollout_buffer=ctx.Queue(self.config.queue_maxsize), metrics=ctx.Queue(4096), progress=ctx.Queue(),
+            exception_info=ctx.Queue(1), model_version=ctx.Value("q", self.initial_version, lock=True),
+            version_start=ctx.Value("q", 0, lock=False), rate=ctx.Value("d", self.prior_rate, lock=False),
+            consumed=ctx.Value("q", 0, lock=False), heartbeat=ctx.Value("d", time.time(), lock=False),
+            stop=ctx.Event(), ready=ctx.Event(), failed=ctx.Event())
+        self.process = ctx.Process(target=_child_main, args=(self.loop_cls, self.kwargs, self.channels),
+                                   name="rollout", daemon=True)
+        self.process.start()
+        deadline = time.monotonic() + ready_timeout
+        try:
+            while not self.channels.ready.wait(0.1):
+                self._raise_if_dead()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the rollout process was not ready within {ready_timeout:g}s")
+        except BaseException:
+            self.stop()
+            raise
+
+    def get(self, timeout: float | None = None) -> RolloutSample | None:
+        """The next sample (queue order); None once every prompt is done. queue.Empty after `timeout` s.
+        While waiting, a failed or hung rollout process raises RuntimeError."""
+        if self.finished:
+            return None
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                sample = self.channels.rollout_buffer.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                break
+            except queue.Empty:
+                self.check_health()
+                if time.monotonic() >= deadline:
+                    raise
+        if sample is None:
+            self.finished = True
+            return None
+        self.consumed += 1
+        self.channels.consumed.value = self.consumed
+        self.left[sample.prompt_index] = self.left.get(sample.prompt_index, 0) - 1
+        return sample
+
+    def qsize(self) -> int:
+        """Samples waiting in the rollout queue (sample/rollout_queue_size)."""
+        return self.channels.rollout_buffer.qsize()
+
+    def set_model_version(self, version: int) -> None:
+        """Publish the policy version after a weight sync, and move the staleness admission window."""
+        if self.consumed == self.anchor[1]:
+            self.anchor = (version, self.consumed)  # nothing consumed yet: measure from here
+        anchor_version, anchor_consumed = self.anchor
+        if version > anchor_version and self.consumed > anchor_consumed:
+            self.channels.rate.value = (self.consumed - anchor_consumed) / (version - anchor_version)
+        self.channels.version_start.value = self.consumed
+        self.channels.model_version.value = version
+
+    def drain_metrics(self) -> list[dict[str, float]]:
+        out = []
+        while True:
+            try:
+                out.append(self.channels.metrics.get_nowait())
+            except queue.Empty:
+                return out
+
+    def resume_index(self) -> int:
+        """The first prompt index whose samples have not all been handed out (dropped or filtered
+        prompts count as handed out): what rollout_state.json saves for a resume."""
+        while True:
+            try:
+                index, samples = self.channels.progress.get_nowait()
+            except queue.Empty:
+                break
+            self.announced.add(index)
+            self.left[index] = self.left.get(index, 0) + samples
+        while self.next_unconsumed in self.announced and self.left.get(self.next_unconsumed) == 0:
+            self.announced.discard(self.next_unconsumed)
+            self.left.pop(self.next_unconsumed)
+            self.next_unconsumed += 1
+        return self.next_unconsumed
+
+    def check_health(self) -> None:
+        """RuntimeError if the process failed (chained with its traceback), exited, or stopped beating."""
+        self._raise_if_dead()
+        silent = time.time() - self.channels.heartbeat.value
+        if silent > self.config.rollout_worker_timeout:
+            raise RuntimeError(f"the rollout process sent no heartbeat for {silent:.0f}s (rollout_worker_timeout="
+                               f"{self.config.rollout_worker_timeout:g}); it is hung")
+
+    def _raise_if_dead(self) -> None:
+        if self.channels.failed.is_set():
+            name, message, text = self.channels.exception_info.get(timeout=5.0)
+            raise RuntimeError(f"the rollout process failed: {name}: {message}") from RolloutProcessError(text)
+        if not self.process.is_alive():
+            raise RuntimeError(f"the rollout process exited unexpectedly (exit code {self.process.exitcode})")
+
+    def stop(self) -> None:
+        """Ask the process to stop, then join → terminate → kill: nothing is left behind."""
+        if self.process is None:
+            return
+        self.channels.stop.set()
+        self.process.join(15)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.process = None
+
+    def __enter__(self) -> "RolloutWorker":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

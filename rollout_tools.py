@@ -1,0 +1,154 @@
+"""Tool calls and environments for the rollout loop (spec: ツール, 環境, and the tools / environment_factory
+parameters of AsyncGRPOTrainer).
+
+This stands apart from `rollout.py` because it knows nothing of groups, queues or the server: it turns
+a model's text into tool calls, runs Python callables (sync ones on the loop's thread pool, async ones
+awaited) and hands back the tool messages that the next turn renders.
+
+    model output   'Let me add.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><|im_end|>'
+    parse          content 'Let me add.'   requested [{"name": "add", "arguments": {"a": 1, "b": 2}}]
+    run            [{"role": "tool", "name": "add", "content": "3"}]      ToolCall("add", latency_s, ...)
+
+Tool calls are Qwen-style `<tool_call>{json}</tool_call>` blocks, the format of Qwen2.5/Qwen3 chat
+templates and of `toy.py`'s template. A block whose JSON does not parse stays in the message text and is
+answered with an error tool message; an unknown name is answered the same way and counted apart
+(tools/unknown_name_total tracks a policy error, not a broken tool). Calls of one message run in the
+order the model wrote them.
+
+Environments: `environment_factory` is a callable (one environment class for every row) or a dict of
+them chosen by the row's `environment` column. Each rollout gets its own instance; `reset(**row)` runs
+before the first turn and a string it returns is appended to the last user message; the instance's
+public methods (except reset and get_reward) become that rollout's tools; `get_reward()`, if defined,
+scores the finished rollout.
+"""
+import asyncio
+import functools
+import inspect
+import json
+import pickle
+import re
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass
+class ToolCall:
+    """One requested call: `name` None when its JSON did not parse; `unknown` when no tool has the name."""
+    name: str | None
+    latency_s: float
+    failed: bool
+    unknown: bool
+    turn_index: int
+
+
+async def call_maybe_async(fn: Callable, executor: Executor | None, *args, **kwargs) -> Any:
+    """Await an async callable; run a sync one on `executor` (None: asyncio's default) without blocking
+    the event loop. A sync callable that returns an awaitable (a callable instance with async __call__)
+    is awaited too."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    result = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args, **kwargs))
+    return await result if inspect.isawaitable(result) else result
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Split an assistant message into its text and its requested calls, in order.
+
+    A well-formed call is {"name": str, "arguments": dict} and leaves the text; a malformed one is
+    {"error": reason} and stays in the text, so re-rendering reproduces what the model wrote.
+    """
+    requested, content, last = [], [], 0
+    for match in TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(match[1])
+            arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+            if isinstance(arguments, str):
+                arguments = json.loads(arguments)
+            if not (isinstance(call.get("name"), str) and isinstance(arguments, dict)):
+                raise ValueError('expected {"name": <string>, "arguments": <object>}')
+        except (ValueError, AttributeError) as e:
+            requested.append({"error": f"invalid tool call {match[1].strip()[:200]!r}: {e}"})
+            continue
+        requested.append({"name": call["name"], "arguments": arguments})
+        content.append(text[last:match.start()])
+        last = match.end()
+    content.append(text[last:])
+    return "".join(content), requested
+
+
+async def run_tool_calls(requested: list[dict], tools: dict[str, Callable], executor: Executor,
+                         turn_index: int) -> tuple[list[dict], list[ToolCall]]:
+    """Run one message's calls in order; every call (also a failed or refused one) gets a tool message."""
+    messages, records = [], []
+    for call in requested:
+        name, start, failed = call.get("name"), time.monotonic(), True
+        unknown = name is not None and name not in tools
+        if "error" in call:
+            content = f"Error: {call['error']}"
+        elif unknown:
+            content = f"Error: unknown tool {name!r}; the tools are {sorted(tools)}"
+        else:
+            try:
+                content, failed = str(await call_maybe_async(tools[name], executor, **call["arguments"])), False
+            except Exception as e:
+                content = f"Error: {type(e).__name__}: {e}"
+        messages.append({"role": "tool", "name": name or "invalid", "content": content})
+        records.append(ToolCall(name, time.monotonic() - start, failed, unknown, turn_index))
+    return messages, records
+
+
+def check_tools(tools: list[Callable]) -> None:
+    """Tools are called by name, so each must be a module-level function with a unique __name__."""
+    names = set()
+    for tool in tools:
+        qualname = getattr(tool, "__qualname__", None) or type(tool).__name__
+        if not inspect.isfunction(tool) or qualname != tool.__name__:
+            raise TypeError(f"tool {qualname} must be a module-level function: the model calls tools by name, so "
+                            "each tool is registered by its __name__ and imported by the spawned rollout process "
+                            "(lambdas, closures, methods, partials and callable instances are not allowed)")
+        try:
+            pickle.dumps(tool)
+        except Exception as e:
+            raise TypeError(f"tool {qualname} cannot be pickled for the rollout process ({e}); define it at "
+                            "module level in an importable module") from e
+        if tool.__name__ in names:
+            raise ValueError(f"two tools are named {tool.__name__!r}; tool names must be unique")
+        names.add(tool.__name__)
+
+
+def environment_tools(env: object) -> list[Callable]:
+    """The environment's public methods, except reset and get_reward, bound to the instance."""
+    return [getattr(env, name) for name, member in inspect.getmembers(type(env), inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")]
+
+
+async def start_environment(factory: Callable | dict[str, Callable], row: dict, executor: Executor):
+    """Create and reset one rollout's environment: (instance, prompt with the observation, reset seconds)."""
+    if isinstance(factory, dict):
+        name = row.get("environment")
+        if name not in factory:
+            raise ValueError(f"the row's 'environment' is {name!r}; environment_factory has {sorted(factory)}")
+        factory = factory[name]
+    env = await call_maybe_async(factory, executor)
+    start = time.monotonic()
+    observation = await call_maybe_async(env.reset, executor, **row)
+    reset_s = time.monotonic() - start
+    prompt = row["prompt"]
+    if isinstance(observation, str):
+        prompt = [dict(m) for m in prompt]
+        last_user = max(i for i, m in enumerate(prompt) if m["role"] == "user")
+        prompt[last_user]["content"] = prompt[last_user]["content"] + "\n" + observation
+    return env, prompt, reset_s
+
+
+async def environment_reward(env: object, executor: Executor) -> tuple[tuple[type, float] | None, float]:
+    """(environment class, get_reward()) when the environment owns a reward, and the seconds it took."""
+    if not callable(getattr(env, "get_reward", None)):
+        return None, 0.0
+    start = time.monotonic()
+    reward = await call_maybe_async(env.get_reward, executor)
+    return (type(env), float(reward)), time.monotonic() - start

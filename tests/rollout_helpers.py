@@ -1,0 +1,118 @@
+"""Module-level rewards, environments, configs and loop subclasses for test_rollout.py.
+
+The rollout process is spawned, so everything it runs must be importable by name: these cannot live
+inside test functions.
+"""
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from rollout import AsyncRolloutLoop, TurnRecord
+from train import AsyncGRPOConfig
+from vllm_client import VLLMError
+
+
+def rank_reward(prompts, completions, **kwargs) -> list[float]:
+    """0, 1, 2, ... by position: never all equal, so no group is dropped."""
+    return [float(i) for i in range(len(completions))]
+
+
+def exploding_reward(prompts, completions, **kwargs) -> list[float]:
+    raise ValueError("reward exploded")
+
+
+def solved_reward(prompts, completions, solved, **kwargs) -> list[float]:
+    """Positive for rows marked solved, negative otherwise; distinct within a group."""
+    return [(1.0 if s else -1.0) + 0.1 * i for i, s in enumerate(solved)]
+
+
+class FastPollLoop(AsyncRolloutLoop):
+    metrics_interval_s = 0.1
+
+
+class CheckedEnvLoop(FastPollLoop):
+    """Fails at setup unless the child runs without a GPU and without torchrun's variables."""
+
+    async def setup(self):
+        leaked = [k for k in os.environ if k in ("RANK", "WORLD_SIZE", "MASTER_PORT") or k.startswith("TORCHELASTIC_")]
+        if os.environ.get("CUDA_VISIBLE_DEVICES") != "" or leaked:
+            raise RuntimeError(f"child environment not scrubbed: {leaked}")
+
+
+class ScriptedToolLoop(AsyncRolloutLoop):
+    """Turn 1 asks for add(1, 2); once a tool response is in the prompt, the model answers "3"."""
+    call_json = '{"name": "add", "arguments": {"a": 1, "b": 2}}'  # exactly what the template re-renders
+
+    async def generate_one_turn(self, prompt_ids, max_tokens=None):
+        answered = self.tokenizer.convert_tokens_to_ids("<tool_response>") in prompt_ids
+        text = "3" if answered else f"<tool_call>{self.call_json}</tool_call>"
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return TurnRecord(list(prompt_ids), ids, [-0.5] * len(ids),
+                          output_sampler_logprobs=[{t: -0.5, 0: -2.0} for t in ids])
+
+
+class CompactToolLoop(ScriptedToolLoop):
+    """The same call without spaces: the template re-renders it with spaces, so turn 2 forks."""
+    call_json = '{"name":"add","arguments":{"a":1,"b":2}}'
+
+
+class FlakyLoop(AsyncRolloutLoop):
+    """Rollouts of the prompt "boom" fail like a malformed server reply would."""
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        if prompt[-1]["content"] == "boom":
+            raise VLLMError("malformed reply", self.config.vllm_server_base_url)
+        return await super().generate_one(prompt, tools, group_id)
+
+
+class StallingLoop(AsyncRolloutLoop):
+    """Blocks its event loop for 4 s at the first prompt: the heartbeat stops."""
+
+    def filter_prompt(self, row_index, row, epoch):
+        if row_index == 0 and epoch == 0:
+            time.sleep(4)
+        return True
+
+
+class Counter:
+    """An environment: `add` is its tool, the reward is the number of calls."""
+
+    def reset(self, **row):
+        self.calls = 0
+        return "Use the tools."
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.calls += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+# The spec's curriculum example, as written.
+
+@dataclass
+class CurriculumConfig(AsyncGRPOConfig):
+    pass_rate_cap: float = 0.9
+
+
+class CurriculumRolloutLoop(AsyncRolloutLoop):
+    def filter_prompt(self, row_index, row, epoch):
+        return self.pass_rates.get(row_index, 0.0) < self.config.pass_rate_cap
+
+    async def setup(self):
+        self.pass_rates = {}
+
+    def compute_advantages(self, group):
+        scored = group.rewards[~np.isnan(group.rewards)]
+        if len(scored):
+            self.pass_rates[group.row_index] = float(np.mean(scored > 0))
+        return super().compute_advantages(group)
