@@ -14,20 +14,22 @@ The task ("add two small numbers")
     rendered    <|im_start|>user\\n3+4=<|im_end|>\\n<|im_start|>assistant\\n
     completion  "7<|im_end|>"                                            reward 1.0
 
-`sum_reward` is shaped so that a random-init policy already sees a signal:
+`sum_reward` is shaped so that a random-init policy already sees a signal, and only for the right digit:
 
-    completion text        reward   chance under a uniform random policy (vocab ~105)
-    exactly the answer       1.0    ~1e-3 per rollout (right digit, then end of turn)
-    starts with the answer   0.5    ~1e-2
-    starts with any digit    0.2    ~0.1  -> most groups of 8 have unequal rewards, so GRPO has
-    anything else            0.0            a gradient from the first step
+    completion text             reward   chance under a uniform random policy (vocab 105, 8 tokens)
+    exactly the answer            1.0    ~1e-4 per rollout (right digit, then end of turn)
+    starts with the answer        0.5    ~1e-2
+    contains the answer           0.2    ~0.07  -> ~44% of groups of 8 have unequal rewards, so GRPO
+    anything else                 0.0            has a gradient from the first step
 
 Why a random-init model learns it: the tokenizer is character level over printable ASCII, so the
-answer is one token out of ~105 and "start with a digit" is a marginal preference the LM head learns
-in a few dozen steps; picking the right digit needs attention from the answer position to the two
-operand positions (fixed offsets in a short prompt), which a 2-layer model represents easily; ending
-the turn is one more token. The reward rises from ~0.02 to above 0.2 within a few minutes of CPU
-training, which is what the demo shows.
+answer is one token out of 105 and a random completion contains it often enough to score. Emitting the
+right digit needs attention from the answer position to the two operands (fixed offsets in a short
+prompt), which a 2-layer model represents easily; moving it to the front and ending the turn are one
+token each. No credit is given for "some digit": that shaping made the policy collapse onto one fixed
+digit within a hundred steps (every group then scores equally and is dropped). With this shaping, an
+in-process GRPO loop (8 rollouts of 4 prompts per step, lr 1e-3, our trie packing and loss) raised the
+mean reward from 0.02 to about 0.3 in 1000 steps, under a minute of CPU, with groups still informative.
 
 Departures: the spec trains hub models; this file exists because our machines have no hub. The chat
 template follows Qwen's layout (`<|im_start|>role ... <|im_end|>`, `<tools>` in the system turn,
@@ -141,11 +143,11 @@ def _text(completion) -> str:
 
 
 def sum_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 for exactly the answer, 0.5 if it starts with it, 0.2 for any leading digit, else 0."""
+    """1.0 for exactly the answer, 0.5 if the reply starts with it, 0.2 if it contains it, else 0."""
     out = []
     for completion, ans in zip(completions, answer):
         text = _text(completion).strip()
-        out.append(1.0 if text == ans else 0.5 if text.startswith(ans) else 0.2 if text[:1].isdigit() else 0.0)
+        out.append(1.0 if text == ans else 0.5 if text.startswith(ans) else 0.2 if ans in text else 0.0)
     return out
 
 
