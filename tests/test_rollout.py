@@ -14,8 +14,9 @@ from transformers import AutoTokenizer
 import rollout_helpers as h
 import toy
 from conftest import LocalServer
-from rollout import (AsyncRolloutLoop, ConcurrencyCap, RolloutGroup, RolloutProcessError, RolloutWorker, TurnRecord,
-                     check_picklable, parse_completion, parse_generate, prompt_stream, reconcile, to_sample)
+from rollout import (AsyncRolloutLoop, ConcurrencyCap, RolloutGroup, TurnRecord, parse_completion, parse_generate,
+                     prompt_stream, reconcile, to_sample)
+from rollout_worker import RolloutProcessError, RolloutWorker, check_picklable
 from rollout_tools import check_tools, parse_tool_calls, run_tool_calls
 from train import AsyncGRPOConfig
 from vllm_client import VLLMError
