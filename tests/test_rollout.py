@@ -4,6 +4,7 @@ import functools
 import math
 import os
 import queue
+import signal
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,7 +20,7 @@ from rollout import (AsyncRolloutLoop, ConcurrencyCap, RolloutGroup, TurnRecord,
 from rollout_worker import RolloutProcessError, RolloutWorker, check_picklable
 from rollout_tools import check_tools, parse_tool_calls, run_tool_calls
 from train import AsyncGRPOConfig
-from vllm_client import VLLMError
+from vllm_client import VLLMClient, VLLMError
 
 
 # ── reconcile / samples ──────────────────────────────────────────────────────────────────────
@@ -563,6 +564,42 @@ def test_a_hung_process_is_detected_by_its_heartbeat(small_kv_server, tokenizer)
         worker.stop()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # stopped and reaped: nothing left behind
+
+
+def test_a_killed_rollout_process_stops_the_trainer(small_kv_server, tokenizer):
+    worker = RolloutWorker(config_for(small_kv_server, num_train_epochs=50), toy.make_dataset(4), [h.rank_reward],
+                           tokenizer)
+    try:
+        worker.start()
+        os.kill(worker.process.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="exited unexpectedly"):
+            for _ in range(10_000):      # samples queued before the kill may still arrive first
+                worker.get(timeout=10)
+    finally:
+        worker.stop()
+    assert worker.process is None
+
+
+def test_a_paused_server_is_retried_and_counted(start_server, tokenizer):
+    server = start_server("--max-model-len", "256", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "8")
+    client = VLLMClient(server.url, timeout=10)
+    client.pause(mode="abort")          # generation requests now get 503 until /resume
+    worker = RolloutWorker(config_for(server), toy.make_dataset(2), [h.rank_reward], tokenizer,
+                           loop_cls=h.FastPollLoop)
+    try:
+        worker.start()
+        with pytest.raises(queue.Empty):
+            worker.get(timeout=1.5)      # nothing while paused, and the process stays healthy
+        client.resume()
+        samples = []
+        while (sample := worker.get(timeout=60)) is not None:
+            samples.append(sample)
+        metrics = worker.drain_metrics()
+    finally:
+        worker.stop()
+        client.close()
+    assert samples
+    assert sum(m.get("rollout/vllm_retry_total", 0) for m in metrics) >= 1
 
 
 def test_server_flags_are_checked_at_start(start_server, tokenizer):
