@@ -626,19 +626,24 @@ class AsyncRolloutLoop:
         while not self.channels.stop.is_set():
             await asyncio.sleep(0.1)
 
-    async def _wait_until(self, ready: Callable[[], bool]) -> float:
-        """Sleep until ready() holds; the seconds waited. Raises a rollout task's fatal error."""
-        start = time.monotonic()
+    async def _wait_until(self, ready: Callable[[], bool], metric: str | None = None) -> None:
+        """Sleep until ready() holds. The time waited is added to since_emit[metric] as it passes, so a long
+        block shows in every emission, not only once it ends. Raises a rollout task's fatal error."""
+        last = time.monotonic()
         while True:
             if self.fatal is not None:
                 raise self.fatal
             if ready():
-                return time.monotonic() - start
+                return
             self.wake.clear()
             try:
                 await asyncio.wait_for(self.wake.wait(), WAKE_S)
             except asyncio.TimeoutError:
                 pass
+            if metric is not None:
+                now = time.monotonic()
+                self.since_emit[metric] += now - last
+                last = now
 
     def _admissible(self) -> bool:
         """Staleness admission (module docstring): may a new group start now?"""
@@ -661,8 +666,8 @@ class AsyncRolloutLoop:
                 self.channels.progress.put((prompt_index, 0))
                 continue
             accepted += 1
-            self.since_emit["rollout/score_block_s"] += await self._wait_until(lambda: not self.score_queue.full())
-            self.since_emit["rollout/backpressure_s"] += await self._wait_until(self._admissible)
+            await self._wait_until(lambda: not self.score_queue.full(), "rollout/score_block_s")
+            await self._wait_until(self._admissible, "rollout/backpressure_s")
             group = _PendingGroup(group_id, row_index, prompt_index, row, G)
             group_id += 1
             self.pending_rollouts += G

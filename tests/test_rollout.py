@@ -483,13 +483,16 @@ def poll_until(worker, done, timeout=60.0):
 def test_generation_is_admitted_by_staleness(small_kv_server, tokenizer):
     # R = 2 samples per version, max_staleness 1: at most (1 + 1) × 2 samples ahead of the trainer
     config = config_for(small_kv_server, per_device_train_batch_size=2, max_staleness=1)
-    worker = RolloutWorker(config, toy.make_dataset(16), [h.rank_reward], tokenizer)
+    worker = RolloutWorker(config, toy.make_dataset(16), [h.rank_reward], tokenizer, loop_cls=h.FastPollLoop)
     try:
         worker.start()
         first = [worker.get(timeout=30) for _ in range(4)]
+        worker.drain_metrics()
         with pytest.raises(queue.Empty):
             worker.get(timeout=2.0)      # a fifth sample would be stale when the trainer reached it
         assert {s.model_version for s in first} == {0}
+        # the block is reported while it lasts, not only once it ends
+        assert sum(m.get("rollout/backpressure_s", 0) for m in worker.drain_metrics()) > 1.0
         worker.set_model_version(1)      # 4 consumed in version 0: R = 4, window = 4 + 2 × 4
         more = [worker.get(timeout=30) for _ in range(8)]
         with pytest.raises(queue.Empty):
