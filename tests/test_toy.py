@@ -60,3 +60,68 @@ def test_dataset_and_reward():
     assert toy.sum_reward(None, completions, ["7"] * 6) == [1.0, 1.0, 0.5, 0.2, 0.0, 0.0]
     assert toy.sum_reward(None, ["7"], ["7"]) == [1.0]                    # standard (string) completions too
     assert pickle.loads(pickle.dumps(toy.sum_reward)) is toy.sum_reward   # crosses to the rollout process
+
+
+def test_grpo_learns_the_toy_task_on_cpu():
+    """The toy task's claim: GRPO with our packing and loss raises the reward of the random-init model within
+    a few hundred steps on a CPU. An on-policy loop in one process (transformers' sampler, no server): each
+    step samples 8 completions for each of 4 prompts, keeps groups with unequal rewards and takes one step."""
+    import numpy as np
+
+    import tree_attention
+    from loss import compute_loss
+    from rollout import RolloutSample
+    from train import AsyncGRPOConfig
+    from trie_pack import TreeRow
+
+    torch.manual_seed(0)
+    tokenizer = toy.build_tokenizer()
+    model = toy.build_model(len(tokenizer))
+    config = AsyncGRPOConfig(num_generations=8, num_sampler_logprobs=8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prompts = toy.make_dataset(64, seed=0)
+    mean_rewards = []
+    for step in range(240):
+        samples, rewards = [], []
+        for group_id in range(4):
+            row = prompts[(4 * step + group_id) % len(prompts)]
+            prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)
+            model.set_attn_implementation("sdpa")
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt] * 8), do_sample=True, top_k=0, max_new_tokens=6,
+                                     output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                                     eos_token_id=tokenizer.eos_token_id)
+            logprobs = torch.stack(out.logits, 1).log_softmax(-1)                 # [8, T, V] the sampler's q
+            completions = []
+            for ids, lp in zip(out.sequences[:, len(prompt):].tolist(), logprobs):
+                n = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
+                completions.append((ids[:n], lp[:n]))
+            r = np.array(toy.sum_reward(None, [tokenizer.decode(c, skip_special_tokens=True) for c, _ in completions],
+                                        [row["answer"]] * 8))
+            rewards.extend(r)
+            if r.std() == 0:
+                continue                                                       # a flat group teaches nothing
+            for (ids, lp), advantage in zip(completions, (r - r.mean()) / r.std()):
+                L, P = len(prompt) + len(ids), len(prompt)
+                sampler, top = np.zeros(L, np.float32), lp.topk(8, -1)
+                sampler[P:] = lp.gather(1, torch.tensor(ids)[:, None])[:, 0].numpy()
+                top_ids, top_lps = np.full((L, 8), -1), np.full((L, 8), -np.inf, np.float32)
+                top_ids[P:], top_lps[P:] = top.indices.numpy(), top.values.numpy()
+                samples.append(RolloutSample(np.array(prompt + ids), np.r_[np.zeros(P), np.ones(len(ids))].astype(np.int8),
+                                             sampler, float(advantage), group_id, 0, top_ids=top_ids, top_logprobs=top_lps))
+        mean_rewards.append(np.mean(rewards))
+        if not samples:
+            continue
+        packed_row = TreeRow()
+        for sample in samples:
+            packed_row.add(sample)
+        packed = packed_row.pack()
+        tree_attention.install(model, "sdpa")
+        hidden = model.model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False,
+                             **tree_attention.row_kwargs(model, packed)).last_hidden_state[0]
+        loss, _ = compute_loss(hidden, model.lm_head.weight, None, packed, config, num_tokens=len(packed.token_index))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    first, last = np.mean(mean_rewards[:20]), np.mean(mean_rewards[-40:])
+    assert last > 0.15 and last > 3 * first, (first, last)   # measured: 0.04 -> 0.21 (seeded, CPU)
