@@ -31,8 +31,10 @@ extra forward kwarg; AttentionMaskInterface returns None for our names so it bui
 Departures from the spec: the spec's only kernel is FA3 varlen; we add sdpa (flex has no CPU
 backward in torch 2.13) and flex (what we could measure on an H200: 88% of the FLOP bound). Models
 are refused at install, not at the first forward: non-attention layers (a recurrence would run
-across samples), sliding windows and softcapping (no backend honours them), attention sinks, and
-attention dropout. The spec supports Gated DeltaNet hybrids; we do not.
+across samples), sliding windows and softcapping (no backend honours them), attention sinks,
+attention dropout, and logits that are not lm_head(h) (final softcapping, Granite's logits_scaling,
+Cohere's logit_scale: loss.py takes the hidden states and the LM head, so its ratios would be
+biased). The spec supports Gated DeltaNet hybrids; we do not.
 """
 import functools
 import importlib
@@ -114,6 +116,9 @@ def _refusals(model) -> list[str]:
         why.append("attention sinks")
     if getattr(cfg, "attention_dropout", 0.0):
         why.append("attention_dropout > 0")
+    for name, neutral in (("final_logit_softcapping", None), ("logits_scaling", 1.0), ("logit_scale", 1.0)):
+        if getattr(cfg, name, neutral) not in (neutral, None):
+            why.append(f"{name}={getattr(cfg, name)} (loss.py computes log-probs from lm_head(h) / temperature)")
     return why
 
 

@@ -78,6 +78,27 @@ def test_packed_equals_unpacked_logprobs_and_gradients(seed):
         assert (a.grad - b.grad).norm() <= 1e-5 * b.grad.norm() + 1e-12, name
 
 
+def test_packed_equals_unpacked_for_duplicates_prefixes_and_tiny_samples():
+    """Edge cases of the trie through attention: identical samples, a strict prefix of another sample, samples of
+    one and two tokens, several separate trained spans (multi-turn), and an all-context sample."""
+    def s(ids, mask, adv=1.0):
+        return RolloutSample(np.array(ids, np.int64), np.array(mask, np.int8), np.zeros(len(ids), np.float32), adv, 0, 0)
+    batch = [s([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 0, 1]), s([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 0, 1], -1.0),
+             s([1, 2, 3, 4], [0, 0, 1, 1]), s([1, 2], [0, 1]), s([7], [0]), s([7, 8], [0, 1]),
+             s([1, 2, 3, 4, 5, 6, 9, 9], [0, 0, 0, 1, 0, 1, 1, 1]), s([1, 2, 3, 9], [0, 0, 0, 0])]
+    row = pack(batch)
+    assert row.unique_tokens == 16 and row.trained_tokens == 14      # nodes fork one token early
+    tree, ref = model(6), model(6)
+    tree_attention.install(tree)
+    lp_tree, lp_ref = packed_logps(tree, row), alone_logps(ref, batch)
+    assert (lp_tree - lp_ref).abs().max().item() <= 1e-5
+    (row.advantages * lp_tree).sum().backward()
+    adv = torch.tensor([x.advantage for x in batch])
+    (adv.repeat_interleave(torch.tensor([int(np.count_nonzero(x.completion_mask[1:])) for x in batch])) * lp_ref).sum().backward()
+    for (name, a), b in zip(tree.named_parameters(), ref.parameters()):
+        assert (a.grad - b.grad).norm() <= 1e-5 * b.grad.norm() + 1e-12, name
+
+
 def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
     """What flash_attn_varlen_func computes, per segment, with the causal mask aligned bottom-right."""
     assert causal
@@ -135,6 +156,19 @@ def test_install_refuses_models_it_cannot_pack():
         tree_attention.install(model(attention_dropout=0.1))
     with pytest.raises(ValueError, match="unknown"):
         tree_attention.install(model(), "eager")
+
+
+def test_install_refuses_models_whose_logits_are_not_the_lm_head():
+    """loss.py computes log π from lm_head(h) / T: a model that scales or softcaps its logits after the head would
+    get biased ratios on every token (all masked), silently. Granite divides by logits_scaling, Cohere multiplies
+    by logit_scale; both have plain full attention, so only this check stops them."""
+    from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
+    small = {k: v for k, v in SMALL.items() if k not in ("head_dim", "tie_word_embeddings")}
+    with pytest.raises(ValueError, match="granite.*logits_scaling"):
+        tree_attention.install(GraniteForCausalLM(GraniteConfig(**small, logits_scaling=8.0)))
+    with pytest.raises(ValueError, match="cohere.*logit_scale"):
+        tree_attention.install(CohereForCausalLM(CohereConfig(**small, logit_scale=0.0625)))
+    assert tree_attention.install(GraniteForCausalLM(GraniteConfig(**small, logits_scaling=1.0))) == "sdpa"
 
 
 def test_missing_row_kwargs_is_a_clear_error():
