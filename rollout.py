@@ -64,7 +64,8 @@ Departures from the spec, and why:
 - `generate_one_turn(prompt_ids, max_tokens=None)`: the extra keyword carries the rollout's remaining
   generated-token budget (max_completion_length counts across turns, which TRL does not enforce).
 - A rollout that raises (a 4xx, a malformed reply, retries exhausted, a tool loop bug) drops its group
-  with a logged error; the process stops only after FAILED_ROLLOUTS_TO_STOP failures in a row.
+  with a logged error; the process stops only once rollouts of FAILED_GROUPS_TO_STOP groups have failed in a
+  row (counted by group, so that one bad prompt with num_generations ≥ 8 does not stop the run).
 - Rewards and `compute_advantages` follow the spec; the default advantage is (r − mean)/(std + 1e-4)
   over the scored rollouts (population std, the same as reward_group_std).
 - Environments are created one per rollout and `reset(**row)` gets the dataset row (TRL's contract).
@@ -94,7 +95,7 @@ log = logging.getLogger(__name__)
 
 RAISE_BELOW, RAISE_BY = 0.6, 0.25  # spec: +25% per cap's worth of rollouts while KV usage < 0.6 and none waits
 CUT_ABOVE, CUT_BY = 0.8, 0.30      # spec: −30% when KV usage > 0.8
-FAILED_ROLLOUTS_TO_STOP = 8        # this many failed rollouts in a row stop the process
+FAILED_GROUPS_TO_STOP = 4          # failed rollouts in a row from this many groups stop the process
 WAKE_S = 0.05                      # the generate loop re-checks shared values at least this often
 
 
@@ -367,9 +368,12 @@ def prompt_stream(dataset, start_index: int, num_train_epochs: float, max_steps:
                         start_index)
         index, epoch = 0, 0
         while endless or epoch < math.ceil(num_train_epochs):
+            start = index
             for row_index, row in enumerate(dataset):
                 yield index, epoch, row_index, row
                 index += 1
+            if index == start:
+                raise ValueError("the training dataset is empty")
             epoch += 1
         return
     n = len(dataset)
@@ -439,7 +443,8 @@ class AsyncRolloutLoop:
         self.pending_rollouts = 0   # rollouts of admitted groups not yet scored
         self.queued = 0             # samples put on rollout_buffer
         self.rollouts_scored = 0
-        self.failures_in_a_row = 0
+        self.failures_in_a_row = 0  # rollouts failed since the last success
+        self.failed_groups_in_a_row = 0  # the groups they belong to
         self.fatal: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
         self.wake = asyncio.Event()
@@ -656,12 +661,12 @@ class AsyncRolloutLoop:
 
     async def _generate_loop(self) -> None:
         config, G = self.config, self.config.num_generations
-        group_id, epoch, accepted = 0, None, 0
+        group_id, epoch, accepted, whole = 0, None, 0, False
         for prompt_index, row_epoch, row_index, row in prompt_stream(
                 self.dataset, self.dataset_start_index, config.num_train_epochs, config.max_steps):
             if row_epoch != epoch:
-                self._check_epoch(epoch, accepted)
-                epoch, accepted = row_epoch, 0
+                self._check_epoch(epoch, accepted, whole)
+                epoch, accepted, whole = row_epoch, 0, row_index == 0  # a resume may start mid-epoch
             if not self.filter_prompt(row_index, row, row_epoch):
                 self.channels.progress.put((prompt_index, 0))
                 continue
@@ -679,12 +684,14 @@ class AsyncRolloutLoop:
                 task = asyncio.create_task(self._rollout(group, i))
                 self.tasks.add(task)
                 task.add_done_callback(self._rollout_ended)
-        self._check_epoch(epoch, accepted)
+        self._check_epoch(epoch, accepted, whole)
         await self._wait_until(lambda: not self.tasks)
         await self.score_queue.put(None)
 
-    def _check_epoch(self, epoch: int | None, accepted: int) -> None:
-        if epoch is not None and accepted == 0:
+    def _check_epoch(self, epoch: int | None, accepted: int, whole: bool) -> None:
+        """Spec: an epoch whose prompts filter_prompt all rejected raises. An epoch the stream entered
+        mid-way (a resume) is not judged: its accepted prompts may lie before the resume point."""
+        if epoch is not None and whole and accepted == 0:
             raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}, so no batch can reach the "
                                "trainer; loosen the filter")
 
@@ -714,17 +721,18 @@ class AsyncRolloutLoop:
             stats |= {"duration_s": time.monotonic() - start, "drifts": drifts}
             group.slots[i] = (prompt, rollout, sequences, env_reward, stats)
             self.since_emit["generated_tokens"] += len(rollout.completion_ids)
-            self.failures_in_a_row = 0
+            self.failures_in_a_row = self.failed_groups_in_a_row = 0
         except Exception as e:
             if generating:
                 self.inflight -= 1
+            self.failed_groups_in_a_row += not group.failed
             group.failed = True
             self.failures_in_a_row += 1
             log.error("rollout %d of group %d (dataset row %d) failed; the group is dropped: %s: %s",
                       i, group.group_id, group.row_index, type(e).__name__, e, exc_info=True)
-            if self.failures_in_a_row >= FAILED_ROLLOUTS_TO_STOP:
-                raise RuntimeError(f"{self.failures_in_a_row} rollouts failed in a row; the last one: "
-                                   f"{type(e).__name__}: {e}") from e
+            if self.failed_groups_in_a_row >= FAILED_GROUPS_TO_STOP:
+                raise RuntimeError(f"{self.failures_in_a_row} rollouts failed in a row, in {self.failed_groups_in_a_row}"
+                                   f" groups; the last one: {type(e).__name__}: {e}") from e
         finally:
             group.done.add(i)
             self.wake.set()
@@ -874,17 +882,28 @@ def reward_name(func: Callable) -> str:
 async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup) -> dict[str, np.ndarray]:
     """Every reward source of a group as a column (NaN where a source did not score a rollout):
     reward functions (sync ones in threads, all concurrently), environment rewards (named after the
-    environment class) and Rollout.reward."""
+    environment class) and Rollout.reward. Every source keeps its own column, so each is summed once;
+    a name already taken gets a suffix (_2, _3, ...) in the rewards/<name>/ metrics."""
     async def call(func):
         values = await call_maybe_async(func, None, prompts=group.prompts, completions=group.completions,
                                         completion_ids=group.completions_ids, **group.reward_kwargs)
         return np.array([math.nan if v is None else float(v) for v in values])
 
-    columns = dict(zip([reward_name(f) for f in reward_funcs], await asyncio.gather(*map(call, reward_funcs))))
-    for cls in {e[0] for e in group.env_rewards if e is not None}:
-        columns[cls.__name__] = np.array([e[1] if e is not None and e[0] is cls else math.nan for e in group.env_rewards])
+    columns: dict[str, np.ndarray] = {}
+
+    def add(name: str, column: np.ndarray) -> None:  # a repeated name (two partials of one function) gets _2, _3, ...
+        key, k = name, 1
+        while key in columns:
+            k += 1
+            key = f"{name}_{k}"
+        columns[key] = column
+
+    for func, column in zip(reward_funcs, await asyncio.gather(*map(call, reward_funcs))):
+        add(reward_name(func), column)
+    for cls in dict.fromkeys(e[0] for e in group.env_rewards if e is not None):
+        add(cls.__name__, np.array([e[1] if e is not None and e[0] is cls else math.nan for e in group.env_rewards]))
     if any(r is not None for r in group.rollout_rewards):
-        columns["rollout"] = np.array([math.nan if r is None else float(r) for r in group.rollout_rewards])
+        add("rollout", np.array([math.nan if r is None else float(r) for r in group.rollout_rewards]))
     return columns
 
 

@@ -295,17 +295,17 @@ class Engine:
                 try:
                     outputs = [(s, row) for adapter, seqs in groups.items()
                                for s, row in zip(seqs, self.forward(seqs, adapter))]
-                    with self.cond:
-                        for s, logits in outputs:
+                    with self.cond:                # sample and end the step under one hold: /metrics never
+                        for s, logits in outputs:  # sees finished requests running or usage above 1
                             self.sample(s, logits)
+                        self.end_step()
                 except Exception:                  # a bug or a bad model: fail this step's requests, keep serving
                     traceback.print_exc()
                     with self.cond:
                         for s in self.running:
                             s.request.error = traceback.format_exc(limit=1)
                             self.finish(s, "abort")
-                with self.cond:
-                    self.end_step()
+                        self.end_step()
 
     def schedule(self) -> dict[Adapter | None, list[Sequence]]:
         """Admit waiting sequences that fit; the running ones grouped by adapter, one forward each."""
@@ -418,6 +418,7 @@ class Engine:
     def pause(self, mode: str, clear_cache: bool) -> None:
         with self.cond:
             self.pause_mode = mode                 # from now on: 503 in abort/wait, no new step in keep
+            self.cond.notify_all()                 # keep → wait: the engine must wake up to drain
             if mode == "wait":
                 self.cond.wait_for(lambda: not self.running and not self.waiting)
         with self.between_steps():

@@ -223,6 +223,21 @@ def test_score_group_sums_sources_and_drops_flat_groups(toy_dir):
     assert samples == [] and metrics["reward"] == 1.0
 
 
+def weighted_rank(prompts, completions, weight, **kwargs) -> list[float]:
+    return [weight * i for i in range(len(completions))]
+
+
+def test_reward_sources_sharing_a_name_are_all_summed(toy_dir):
+    """Two partials of one function (and an environment class named like a function) are separate sources."""
+    funcs = [functools.partial(weighted_rank, weight=1.0), functools.partial(weighted_rank, weight=10.0)]
+    loop = make_loop(toy_dir, funcs)
+    group = group_of([None, None, None], env_rewards=[(h.Counter, 100.0), None, None])
+    samples, _ = asyncio.run(loop._score_group(group))
+    assert group.rewards == pytest.approx([100.0, 11.0, 22.0])
+    assert samples[1].metrics["rewards/weighted_rank/mean"] == 1.0
+    assert samples[1].metrics["rewards/weighted_rank_2/mean"] == 10.0
+
+
 # ── concurrency cap ─────────────────────────────────────────────────────────────────────────
 
 
@@ -272,6 +287,38 @@ def test_prompt_stream_epochs_resume_and_streaming():
     stream = IterableDataset.from_generator(lambda: ({"prompt": str(i)} for i in range(3)))
     assert [(i, e, r) for i, e, r, _ in prompt_stream(stream, 2, 2, -1)] == [
         (0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 1, 0), (4, 1, 1), (5, 1, 2)]
+    with pytest.raises(ValueError, match="empty"):  # not an endless busy loop that starves the heartbeat
+        next(prompt_stream(EmptyStream(), 0, 1, max_steps=10))
+
+
+class EmptyStream:
+    """A streaming dataset (no len) without rows; a third pass over it means the stream spins."""
+    passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        assert self.passes < 3, "prompt_stream keeps re-reading an empty stream"
+        return iter([])
+
+
+def test_a_resumed_epoch_is_not_rejected_for_its_missing_part(toy_dir):
+    """Resuming after an epoch's last accepted prompt: the rest rejected is not 'every prompt rejected'."""
+    def run(start_index):
+        loop = AsyncRolloutLoop(AsyncGRPOConfig(num_generations=2, num_train_epochs=1), "toy", toy.make_dataset(4), [],
+                                AutoTokenizer.from_pretrained(toy_dir), [2], channels=SimpleNamespace(
+                                    progress=queue.Queue()), max_concurrent_rollouts=2, dataset_start_index=start_index)
+        loop.filter_prompt = lambda row_index, row, epoch: row_index < 2
+        asyncio.run(loop._generate_loop())
+        return loop
+    loop = run(2)
+    assert [loop.channels.progress.get_nowait() for _ in range(2)] == [(2, 0), (3, 0)]
+    assert loop.score_queue.get_nowait() is None
+    with pytest.raises(RuntimeError, match="rejected every prompt of epoch 0"):
+        loop = AsyncRolloutLoop(AsyncGRPOConfig(num_generations=2, num_train_epochs=1), "toy", toy.make_dataset(4), [],
+                                AutoTokenizer.from_pretrained(toy_dir), [2], channels=SimpleNamespace(
+                                    progress=queue.Queue()), max_concurrent_rollouts=2)
+        loop.filter_prompt = lambda row_index, row, epoch: False
+        asyncio.run(loop._generate_loop())
 
 
 def sample_for(prompt_index):
@@ -532,6 +579,15 @@ def test_resume_starts_at_the_saved_prompt_index(small_kv_server, tokenizer):
 def test_a_failed_rollout_drops_only_its_group(small_kv_server, tokenizer):
     rows = [{"prompt": [{"role": "user", "content": c}]} for c in ("1+1=", "boom", "2+2=")]
     worker = RolloutWorker(config_for(small_kv_server), Dataset.from_list(rows),
+                           [h.rank_reward], tokenizer, loop_cls=h.FlakyLoop)
+    samples, _ = run_worker(worker)
+    assert sorted({s.row_index for s in samples}) == [0, 2] and worker.resume_index() == 3
+
+
+def test_one_failing_prompt_of_a_large_group_does_not_stop_the_process(small_kv_server, tokenizer):
+    """num_generations 8 (the default): the 8 rollouts of one bad prompt fail back to back; only its group goes."""
+    rows = [{"prompt": [{"role": "user", "content": c}]} for c in ("1+1=", "boom", "2+2=")]
+    worker = RolloutWorker(config_for(small_kv_server, num_generations=8), Dataset.from_list(rows),
                            [h.rank_reward], tokenizer, loop_cls=h.FlakyLoop)
     samples, _ = run_worker(worker)
     assert sorted({s.row_index for s in samples}) == [0, 2] and worker.resume_index() == 3

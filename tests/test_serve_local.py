@@ -265,6 +265,56 @@ def test_kv_capacity_limits_admission_and_preempts(plain_server):
     assert metrics(plain_server)["vllm:num_preemptions_total"] > 0
 
 
+class WatchedEngine:
+    """Records every moment the engine thread lets other threads (/metrics, /pause) take its lock
+    while `running` holds a finished sequence or more tokens than the KV capacity."""
+
+    def __init__(self, model, tokenizer, kv_tokens):
+        import threading
+        from argparse import Namespace
+        import serve_local
+
+        watcher = self
+
+        class Watched(serve_local.Engine):
+            @property
+            def cond(self):
+                return self._cond
+
+            @cond.setter
+            def cond(self, value):
+                engine = self
+
+                class Cond(type(value)):
+                    def __exit__(self, *exc):
+                        if threading.current_thread().name == "engine":
+                            watcher.check(engine)
+                        return super().__exit__(*exc)
+                self._cond = Cond()
+
+        self.seen: list[str] = []
+        args = Namespace(model="toy", seed=0, kv_cache_tokens=kv_tokens, logprobs_mode="processed_logprobs",
+                         return_sampling_mask=False, max_model_len=128)
+        self.engine = Watched(model, tokenizer, args)
+
+    def check(self, eng) -> None:
+        finished = [s for s in eng.running if s.finish_reason]
+        if finished or (eng.held() > eng.args.kv_cache_tokens and len(eng.running) > 1):
+            self.seen.append(f"{len(finished)} finished of {len(eng.running)} running, {eng.held()} tokens held")
+
+
+def test_metrics_never_see_a_step_half_ended(ref_model, toy_dir):
+    """Between sampling and the end of a step the lock must not be released: a /metrics reader would count
+    finished requests as running and KV usage above 1.0."""
+    from transformers import AutoTokenizer
+    from serve_local import SamplingParams
+    watched = WatchedEngine(ref_model, AutoTokenizer.from_pretrained(toy_dir), kv_tokens=40)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, n=4, seed=1)
+    [r] = watched.engine.generate([PROMPT], params, None)
+    assert [len(s.token_ids) for s in r.seqs] == [6] * 4 and watched.engine.preemptions > 0
+    assert watched.seen == []
+
+
 # ── weight transfer ───────────────────────────────────────────────────────────────────────
 
 
@@ -335,6 +385,10 @@ def test_weight_update_changes_outputs_and_checksums(server, toy_dir):
     assert restored["token_ids"] == before["token_ids"]
     assert restored["logprobs"]["token_logprobs"] == pytest.approx(before["logprobs"]["token_logprobs"], abs=1e-6)
     assert get(server, "/weight_info").json() == {"weight_version": "v2"}
+    first = next(iter(base.values()))                          # a running total that reaches the buffer exactly
+    n = push_weights(server, base, "v2", packed=True, buffer_bytes=first.numel() * first.element_size())
+    assert n < len(base)                                       # is not flushed: only exceeding it flushes
+    assert post(server, "/weight_checker", {"action": "compare", "baseline": original}).json()["match"] is True
     renamed = post(server, "/update_weight_version", {"new_version": "v3"}).json()
     assert renamed == {"success": True, "new_version": "v3"}
     assert post(server, "/weight_checker", {"action": "reset"}).json() == {"status": "reset"}
@@ -435,6 +489,19 @@ def test_pause_wait_drains_in_flight_requests(server):
         assert all(c["finish_reason"] == "length" and len(c["token_ids"]) == 240 for c in long.result()["choices"])
     assert_error(post(server, "/v1/completions", {"prompt": PROMPT}), 503)
     post(server, "/resume")
+
+
+def test_pause_wait_after_keep_drains_the_kept_requests(server):
+    """keep freezes the engine; a later pause(mode=wait) must restart it to drain, not wait forever."""
+    with ThreadPoolExecutor(1) as pool:
+        long = start_long(server, pool, 2)
+        try:
+            assert post(server, "/pause?mode=keep&clear_cache=false").json() == {"status": "paused"}
+            r = httpx.post(server.url + "/pause?mode=wait", timeout=30)
+            assert r.json() == {"status": "paused"}
+            assert all(len(c["token_ids"]) == 240 for c in long.result(timeout=5)["choices"])
+        finally:
+            post(server, "/resume")
 
 
 def test_pause_keep_queues_and_clear_cache_preempts(server):

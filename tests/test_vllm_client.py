@@ -151,6 +151,17 @@ def test_connection_refused_is_retried_then_raised():
     assert client.health() is False
 
 
+def test_backoff_doubles_up_to_its_cap(monkeypatch):
+    import vllm_client
+    sleeps = []
+    monkeypatch.setattr(vllm_client.time, "sleep", sleeps.append)
+    monkeypatch.setattr(vllm_client.random, "uniform", lambda a, b: 1.0)
+    client = VLLMClient(f"http://127.0.0.1:{_closed_port()}", max_retries=5, backoff=0.5, max_backoff=2.0)
+    with pytest.raises(VLLMError, match="gave up after 6 attempts"):
+        client.completions({"prompt": [1]})
+    assert sleeps == [0.5, 1.0, 2.0, 2.0, 2.0]
+
+
 @pytest.mark.parametrize("reply", [(503, ""), "stall"])
 def test_wait_for_health_meets_a_short_deadline(serve, reply):
     s = serve([reply], max_requests=100)
