@@ -12,6 +12,7 @@ declared. Names and defaults are the spec's, so a TRL config reads the same here
                                                                             # --return-sampling-mask --enable-scale-out
 """
 import os
+import warnings
 from dataclasses import dataclass
 
 
@@ -75,6 +76,9 @@ class AsyncGRPOConfig:
         need(self.num_sampler_logprobs >= 1 or not self.score_centering, "num_sampler_logprobs",
              "score centering needs >= 1 sampler log-probs per token")
         need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        if self.repetition_penalty != 1.0:
+            warnings.warn("AsyncGRPOConfig.repetition_penalty != 1: the server's processed log-probs include the "
+                          "penalty and the trainer's log-probs do not, so every importance ratio is biased", stacklevel=2)
         need(self.weight_sync_steps >= 1, "weight_sync_steps", "must be >= 1")
         need(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1, "max_concurrent_rollouts",
              "must be >= 1 (or None for the default)")
@@ -121,7 +125,11 @@ def demo(num_prompts: int = 4, num_generations: int = 4) -> None:
     finally:
         client.close()
         server.terminate()
-        server.wait(10)
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 if __name__ == "__main__":
