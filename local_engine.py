@@ -1,0 +1,456 @@
+"""The generation engine behind serve_local.py: continuous batching on a transformers model.
+
+`Engine` holds the model, the scheduler queues, the loaded LoRA adapters and the weight-transfer
+group; serve_local.py puts vLLM's HTTP contract in front of it (request parsing, reply shapes, the
+CLI). `APIError` is defined here because the engine refuses some requests itself (an unknown
+adapter, a paused server, a bad adapter or weight update); serve_local.py sends it as the reply.
+
+    HTTP threads (ThreadingHTTPServer)         one engine thread, one step at a time
+    ----------------------------------         -------------------------------------------------
+    POST /v1/completions  ─┐                   admit waiting sequences while KV capacity allows
+    POST /inference/v1/    ├─► waiting queue ─► one batched forward per adapter group  (B, L)
+         generate         ─┘        ▲           sample each sequence from its processed logits
+         ▲                          │ preempt   finish on EOS / stop ids / max_tokens
+         └──── reply ◄── done event ┴────────── (most recently admitted, when KV overflows)
+
+Every generated token is sampled from exactly the distribution whose log-prob is returned:
+logits → repetition penalty → temperature → min-p → top-k → top-p (vLLM's order), masked tokens
+are -inf; `--logprobs-mode processed_logprobs` returns the log-softmax of that, `raw_logprobs` the
+log-softmax of the model's logits. temperature=0 is greedy (argmax of the penalised logits).
+
+KV figures are real token counts: held = Σ over running sequences of (prompt + generated) tokens,
+capacity = `--kv-cache-tokens` (default 16 × max_model_len). A waiting sequence is admitted only if
+it fits in the free capacity; when running sequences grow past it, the most recently admitted goes
+back to the front of the queue (a preemption; its tokens are kept and recomputed on readmission).
+
+Departures from vLLM, and why:
+- No KV cache: every step recomputes each running sequence in full (right-padded batch, so causal
+  attention never sees a pad). Exact and simple; O(L²) per step is fine for small models.
+  "Blocks" are single tokens (`block_size` 1) and there is no prefix cache.
+- Sequences that name different LoRA adapters run as one forward per adapter in the same step.
+  LoRA is applied by forward hooks (y += s·x·Aᵀ·Bᵀ) on the base model, so parameter names never
+  change and full-weight updates still load by HF name. Plain LoRA only (no DoRA, no bias, no
+  modules_to_save: refused with 400). More than `--max-loras` adapters evicts the least recently
+  used one from the registry (vLLM keeps the name and reloads it from disk), so a request naming
+  it afterwards gets 404; requests already running on it finish normally.
+- n > 1: choice i uses a generator seeded with seed + i; without a seed, the server draws one
+  from its own generator (`--seed`), so runs of the same server are reproducible.
+- Weight transfer: the trainer (rank 0) owns a TCPStore at master_address:master_port; this
+  server joins as rank `rank_offset` through `PrefixStore("weight_transfer", store)` and a
+  ProcessGroupGloo (CPU) or ProcessGroupNCCL (`"backend": "nccl"`, CUDA). vLLM uses its own
+  NCCL communicator instead; the HTTP sequence and the packed chunk layout are the same.
+  `packed_num_buffers` only sets stream double-buffering in vLLM, which a blocking receive
+  here does not need. A received update is applied in one go between two engine steps, so
+  no forward ever mixes old and new weights. `/weight_checker` checksums are sha256 over each tensor's
+  bytes in the server dtype.
+"""
+import hashlib
+import json
+import math
+import os
+import re
+import threading
+import traceback
+from collections import OrderedDict, deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# ── records ───────────────────────────────────────────────────────────────────────────────
+
+
+class APIError(Exception):
+    """An HTTP error reply in vLLM's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "BadRequestError", param: str | None = None,
+                 bare: bool = False):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.bare = status, message, type, param, bare
+
+    def body(self) -> dict:
+        if self.bare:                              # a few vLLM routes answer {"error": "<message>"}
+            return {"error": self.message}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                   # 0 or -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None      # top-k log-probs per token; -1 = whole vocabulary
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-prob, its rank, and the top-k (token id, log-prob) by rank."""
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass(eq=False)
+class Adapter:
+    """A loaded LoRA adapter: per module name, A (r, in) and B (out, r); y += scale · x Aᵀ Bᵀ."""
+    name: str
+    path: str
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    scale: float
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    adapter: Adapter | None
+    seqs: list["Sequence"] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of a request: what it generated so far and its own sampler."""
+    request: Request
+    index: int
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    sampling_mask: list[list[int]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None
+
+    def __len__(self) -> int:        # tokens this sequence holds in the KV budget
+        return len(self.request.prompt) + len(self.token_ids)
+
+
+# ── sampling ──────────────────────────────────────────────────────────────────────────────
+
+
+def process_logits(logits: torch.Tensor, context: list[int], p: SamplingParams) -> torch.Tensor:
+    """(V,) fp32 logits → (V,) processed logits in vLLM's order; removed tokens are -inf."""
+    x = logits.clone()
+    if p.repetition_penalty != 1.0:  # every token seen in prompt or output
+        seen = torch.tensor(sorted(set(context)), device=x.device)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if p.temperature == 0:           # greedy: vLLM applies nothing else
+        return x
+    x = x / p.temperature
+    if p.min_p > 0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), -math.inf)
+    if 0 < p.top_k < x.numel():
+        x = x.masked_fill(x < x.topk(p.top_k).values[-1], -math.inf)  # ties with the k-th survive
+    if p.top_p < 1.0:
+        sorted_x, order = x.sort(descending=True)
+        probs = sorted_x.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs                       # mass of strictly likelier tokens
+        x[order[mass_before >= p.top_p]] = -math.inf
+    return x
+
+
+# ── the engine ────────────────────────────────────────────────────────────────────────────
+
+
+class Engine:
+    """The model, the scheduler queues, loaded adapters and the weight-transfer group.
+
+    `cond` guards the queues. The engine thread holds it to schedule a step and to sample from
+    its logits, but not during the forward, so requests keep arriving while the model runs.
+    Whatever must not overlap a step (aborts, preemptions, new weights, LoRA hooks) runs inside
+    `between_steps`: it stops new steps from starting and waits for the one in flight, so no
+    forward ever sees half-applied weights.
+    """
+
+    def __init__(self, model, tokenizer, args):
+        self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.name = args.model
+        self.device = model.device
+        self.vocab = model.get_input_embeddings().num_embeddings
+        gen_eos = model.generation_config.eos_token_id
+        self.eos_ids = {tokenizer.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        self.eos_ids.discard(None)
+        self.cond = threading.Condition()
+        self.stepping = False                      # from scheduling a step to sampling its tokens
+        self.holds = 0                             # callers inside between_steps
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []          # in admission order
+        self.pause_mode: str | None = None         # None | "abort" | "wait" | "keep"
+        self.preemptions = self.steps = self.max_batch = 0
+        self.adapters: OrderedDict[str, Adapter] = OrderedDict()  # least recently used first
+        self.active: Adapter | None = None          # read by the LoRA hooks during a forward
+        self.hooked: set[str] = set()
+        self.group = None                          # weight-transfer process group
+        self.init_info: dict = {}
+        self.last_update: tuple = ()
+        self.weight_version = "default"
+        self.baseline: dict[str, str] | None = None
+        self.seeds = torch.Generator().manual_seed(args.seed)
+        threading.Thread(target=self.loop, daemon=True, name="engine").start()
+
+    # scheduling
+    def held(self) -> int:
+        return sum(len(s) for s in self.running)
+
+    def loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self.cond:
+                    self.cond.wait_for(lambda: (self.running or self.waiting) and self.pause_mode != "keep"
+                                       and not self.holds)
+                    groups = self.schedule()
+                try:
+                    outputs = [(s, row) for adapter, seqs in groups.items()
+                               for s, row in zip(seqs, self.forward(seqs, adapter))]
+                    with self.cond:                # sample and end the step under one hold: /metrics never
+                        for s, logits in outputs:  # sees finished requests running or usage above 1
+                            self.sample(s, logits)
+                        self.end_step()
+                except Exception:                  # a bug or a bad model: fail this step's requests, keep serving
+                    traceback.print_exc()
+                    with self.cond:
+                        for s in self.running:
+                            s.request.error = traceback.format_exc(limit=1)
+                            self.finish(s, "abort")
+                        self.end_step()
+
+    def schedule(self) -> dict[Adapter | None, list[Sequence]]:
+        """Admit waiting sequences that fit; the running ones grouped by adapter, one forward each."""
+        while self.waiting and self.held() + len(self.waiting[0]) <= self.args.kv_cache_tokens:
+            self.running.append(self.waiting.popleft())
+        self.stepping = True
+        self.steps += 1
+        self.max_batch = max(self.max_batch, len(self.running))
+        groups: dict[Adapter | None, list[Sequence]] = {}
+        for s in self.running:
+            groups.setdefault(s.request.adapter, []).append(s)
+        return groups
+
+    def end_step(self) -> None:
+        self.running = [s for s in self.running if not s.finish_reason]
+        while self.held() > self.args.kv_cache_tokens and len(self.running) > 1:
+            self.preempt([self.running[-1]])
+        self.stepping = False
+        self.cond.notify_all()
+
+    @contextmanager
+    def between_steps(self):
+        """Hold `cond` with no step in flight and none starting until the block ends."""
+        with self.cond:
+            self.holds += 1
+            try:
+                self.cond.wait_for(lambda: not self.stepping)
+                yield
+            finally:
+                self.holds -= 1
+                self.cond.notify_all()
+
+    def preempt(self, seqs: list[Sequence]) -> None:
+        for s in reversed(seqs):                   # keep their order at the front of the queue
+            self.running.remove(s)
+            self.waiting.appendleft(s)
+            self.preemptions += 1
+
+    def finish(self, s: Sequence, reason: str, stop_reason: int | None = None) -> None:
+        s.finish_reason, s.stop_reason = reason, stop_reason
+        if all(q.finish_reason for q in s.request.seqs):
+            s.request.done.set()
+
+    def forward(self, seqs: list[Sequence], adapter: Adapter | None) -> torch.Tensor:
+        """Next-token logits (B, V) fp32 for each sequence, from one padded forward."""
+        rows = [s.request.prompt + s.token_ids for s in seqs]
+        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)  # (B, L) right-padded
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+        last = torch.tensor([len(r) - 1 for r in rows])                       # (B,)
+        keep, where = last.unique(return_inverse=True)                          # (K,), (B,)
+        self.active = adapter
+        try:
+            out = self.model(input_ids=ids.to(self.device), logits_to_keep=keep.to(self.device), use_cache=False)
+        finally:
+            self.active = None
+        return out.logits[torch.arange(len(rows)), where.to(self.device)].float()  # (B, K, V) → (B, V)
+
+    def sample(self, s: Sequence, logits: torch.Tensor) -> None:
+        p = s.request.params
+        x = process_logits(logits, s.request.prompt + s.token_ids, p)          # (V,)
+        if p.temperature == 0:
+            token = int(x.argmax())
+        else:
+            token = int(torch.multinomial(x.softmax(-1), 1, generator=s.generator))
+        if p.logprobs is not None:
+            lp = (x if self.args.logprobs_mode == "processed_logprobs" else logits).log_softmax(-1)
+            k = min(lp.numel() if p.logprobs == -1 else p.logprobs, int(lp.isfinite().sum()))
+            top = lp.topk(k)
+            s.logprobs.append(TokenLogprob(token, float(lp[token]), int((lp > lp[token]).sum()) + 1,
+                                           list(zip(top.indices.tolist(), top.values.tolist()))))
+        if self.args.return_sampling_mask:
+            s.sampling_mask.append(x.isfinite().nonzero().flatten().tolist())
+        s.token_ids.append(token)
+        if len(s.token_ids) >= p.max_tokens:
+            self.finish(s, "length")
+        elif not p.ignore_eos and token in self.eos_ids:
+            self.finish(s, "stop", None if token == self.tokenizer.eos_token_id else token)
+        elif token in p.stop_token_ids:
+            self.finish(s, "stop", token)
+
+    # requests
+    def adapter_for(self, model: str | None) -> Adapter | None:
+        if model is None or model == self.name:
+            return None
+        with self.cond:
+            if model not in self.adapters:
+                raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            self.adapters.move_to_end(model)
+            return self.adapters[model]
+
+    def generate(self, prompts: list[list[int]], p: SamplingParams, adapter: Adapter | None) -> list[Request]:
+        """Queue one request per prompt (n sequences each) and block until all have finished."""
+        reqs = [Request(prompt, p, adapter) for prompt in prompts]
+        with self.cond:
+            if self.pause_mode in ("abort", "wait"):
+                raise APIError(503, f"The server is paused (mode={self.pause_mode}); retry after /resume",
+                               "ServiceUnavailableError")
+            for r in reqs:
+                seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self.seeds))
+                r.seqs = [Sequence(r, i, torch.Generator(self.device).manual_seed(seed + i)) for i in range(p.n)]
+                self.waiting.extend(r.seqs)
+            self.cond.notify_all()
+        for r in reqs:
+            r.done.wait()
+            if r.error:
+                raise APIError(500, f"Generation failed: {r.error}", "InternalServerError")
+        return reqs
+
+    def pause(self, mode: str, clear_cache: bool) -> None:
+        with self.cond:
+            self.pause_mode = mode                 # from now on: 503 in abort/wait, no new step in keep
+            self.cond.notify_all()                 # keep → wait: the engine must wake up to drain
+            if mode == "wait":
+                self.cond.wait_for(lambda: not self.running and not self.waiting)
+        with self.between_steps():
+            if mode == "abort":
+                for s in [*self.running, *self.waiting]:
+                    self.finish(s, "abort")
+                self.running.clear()
+                self.waiting.clear()
+            if clear_cache:
+                self.preempt(list(self.running))
+
+    def resume(self) -> None:
+        with self.cond:
+            self.pause_mode = None
+            self.cond.notify_all()
+
+    # LoRA
+    def load_adapter(self, name: str, path: str) -> None:
+        config_file = os.path.join(path, "adapter_config.json")
+        if not os.path.isfile(config_file):
+            raise APIError(404, f"No LoRA adapter found at '{path}' (no adapter_config.json)", "NotFoundError",
+                           "lora_path")
+        with open(config_file) as f:
+            cfg = json.load(f)
+        unsupported = [k for k in ("use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern", "alpha_pattern")
+                       if cfg.get(k)] + (["bias"] if cfg.get("bias", "none") != "none" else [])
+        if unsupported:
+            raise APIError(400, f"LoRA adapter '{name}' uses {unsupported}; serve_local.py supports plain LoRA only")
+        if cfg["r"] > self.args.max_lora_rank:
+            raise APIError(400, f"LoRA rank {cfg['r']} is greater than --max-lora-rank {self.args.max_lora_rank}")
+        from safetensors.torch import load_file
+        modules = dict(self.model.named_modules())
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in load_file(os.path.join(path, "adapter_model.safetensors")).items():
+            m = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", key)
+            if not m or not isinstance(modules.get(m[1]), torch.nn.Linear):
+                raise APIError(400, f"LoRA adapter '{name}': tensor {key} does not target a Linear of the base model")
+            pairs.setdefault(m[1], {})[m[2]] = t.to(self.device, self.model.dtype)
+        scale = cfg["lora_alpha"] / (math.sqrt(cfg["r"]) if cfg.get("use_rslora") else cfg["r"])
+        adapter = Adapter(name, path, {k: (v["A"], v["B"]) for k, v in pairs.items()}, scale)
+        with self.between_steps():
+            for module in adapter.weights.keys() - self.hooked:
+                modules[module].register_forward_hook(self.lora_hook(module))
+                self.hooked.add(module)
+        with self.cond:
+            self.adapters[name] = adapter
+            self.adapters.move_to_end(name)
+            while len(self.adapters) > self.args.max_loras:
+                evicted, _ = self.adapters.popitem(last=False)
+                print(f"serve_local: evicted LoRA adapter '{evicted}' (more than --max-loras loaded)", flush=True)
+
+    def lora_hook(self, module_name: str):
+        def hook(module, inputs, output):          # output (B, L, out) += scale · (B, L, in) Aᵀ Bᵀ
+            w = self.active.weights.get(module_name) if self.active else None
+            return output if w is None else output + self.active.scale * (inputs[0] @ w[0].T @ w[1].T)
+        return hook
+
+    # weight transfer
+    def join_group(self, info: dict) -> None:
+        store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"], is_master=False,
+                              timeout=timedelta(seconds=300))
+        store = dist.PrefixStore("weight_transfer", store)
+        rank, size = info["rank_offset"], info["world_size"]
+        if self.args.weight_transfer_config["backend"] == "gloo":
+            self.group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=300))
+        else:
+            self.group = dist.ProcessGroupNCCL(store, rank, size)
+        self.init_info = info
+
+    def receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
+        """The tensors rank 0 broadcasts: one per tensor, or packed uint8 chunks (vLLM's layout)."""
+        device = "cpu" if self.args.weight_transfer_config["backend"] == "gloo" else self.device
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+
+        def broadcast(t: torch.Tensor) -> torch.Tensor:
+            self.group.broadcast([t], opts).wait()
+            return t
+
+        if not self.init_info["packed"]:
+            return [broadcast(torch.empty(s, dtype=d, device=device)) for d, s in zip(dtypes, shapes)]
+        out, chunk, sizes = [], [], []
+
+        def flush():
+            buf = broadcast(torch.empty(sum(sizes), dtype=torch.uint8, device=device))  # (Σ bytes,)
+            offset = 0
+            for (d, s), n in zip(chunk, sizes):
+                out.append(buf[offset:offset + n].clone().view(d).reshape(s))  # clone: aligned for view(d)
+                offset += n
+            chunk.clear()
+            sizes.clear()
+
+        for d, s in zip(dtypes, shapes):
+            chunk.append((d, s))
+            sizes.append(math.prod(s) * d.itemsize)
+            if sum(sizes) > self.init_info["packed_buffer_size_bytes"]:  # flush after first exceeding
+                flush()
+        if chunk:
+            flush()
+        return out
+
+    def update_weights(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        with self.between_steps(), torch.no_grad():
+            state = self.model.state_dict()             # tied weights share storage: either name works
+            unknown = [n for n in names if n not in state]
+            wrong = [n for n, t in zip(names, tensors) if n in state and state[n].shape != t.shape]
+            if unknown or wrong:
+                raise APIError(400, f"Weight update rejected (nothing applied): unknown names {unknown}, "
+                               f"wrong shapes {wrong}", param="update_info")
+            for n, t in zip(names, tensors):
+                state[n].copy_(t)
+
+    def checksums(self) -> dict[str, str]:
+        with self.between_steps():
+            return {n: hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy()).hexdigest()
+                    for n, t in self.model.state_dict().items()}
