@@ -24,7 +24,7 @@ def planner(argv):
     import numpy as np
     import torch
 
-    from rollout import RolloutSample
+    from rollout_samples import RolloutSample
     from trie_pack import Planner
 
     ap = argparse.ArgumentParser(prog="bench.py planner")
@@ -105,7 +105,7 @@ def packing(argv):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     import tree_attention
-    from rollout import RolloutSample
+    from rollout_samples import RolloutSample
     from trie_pack import TreeRow
 
     ap = argparse.ArgumentParser(prog="bench.py packing")

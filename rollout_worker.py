@@ -27,7 +27,8 @@ import time
 import traceback
 from typing import Callable
 
-from rollout import AsyncRolloutLoop, Channels, RolloutSample
+from rollout import AsyncRolloutLoop, Channels
+from rollout_samples import RolloutSample
 from rollout_tools import check_tools
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

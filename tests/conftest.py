@@ -88,3 +88,13 @@ def server(toy_dir):
                     "--enable-scale-out", "--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs")
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def long_server(toy_dir):
+    """A module's own server with room for the tool prompt (~520 tokens) and every generation feature
+    (processed log-probs, any number of them, sampling masks, the token-in/token-out endpoint)."""
+    s = LocalServer(toy_dir, "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
+                    "--return-sampling-mask", "--enable-scale-out")
+    yield s
+    s.stop()

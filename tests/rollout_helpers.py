@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollout import AsyncRolloutLoop, TurnRecord
+from rollout import AsyncRolloutLoop
+from rollout_samples import TurnRecord
 from train import AsyncGRPOConfig
 from vllm_client import VLLMError
 

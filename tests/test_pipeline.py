@@ -20,18 +20,9 @@ from train import AsyncGRPOConfig
 from trie_pack import Planner
 
 
-@pytest.fixture(scope="module")
-def pipeline_server(toy_dir):
-    from conftest import LocalServer
-    s = LocalServer(toy_dir, "--max-model-len", "256", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "8",
-                    "--return-sampling-mask", "--enable-scale-out")
-    yield s
-    s.stop()
-
-
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 20, "top_p": 0.9}], ids=["plain", "top-k-top-p"])
-def test_sampler_and_trainer_logprobs_agree_through_packing(pipeline_server, toy_dir, sampling):
-    config = AsyncGRPOConfig(vllm_server_base_url=pipeline_server.url, num_generations=4, max_completion_length=12,
+def test_sampler_and_trainer_logprobs_agree_through_packing(long_server, toy_dir, sampling):
+    config = AsyncGRPOConfig(vllm_server_base_url=long_server.url, num_generations=4, max_completion_length=12,
                              num_train_epochs=1, per_device_train_batch_size=4, vllm_server_timeout=30.0, **sampling)
     tokenizer = AutoTokenizer.from_pretrained(toy_dir)
     worker = RolloutWorker(config, toy.make_dataset(6), [h.rank_reward], tokenizer)

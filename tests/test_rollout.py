@@ -1,4 +1,4 @@
-"""rollout.py and rollout_tools.py: unit tests of the pieces, then the spawned process against serve_local.py."""
+"""rollout.py, rollout_samples.py, rollout_tools.py and rollout_worker.py: unit tests of the pieces, then the spawned process against serve_local.py."""
 import asyncio
 import functools
 import math
@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 import rollout_helpers as h
 import toy
 from conftest import LocalServer
-from rollout import (AsyncRolloutLoop, ConcurrencyCap, RolloutGroup, TurnRecord, parse_completion, parse_generate,
-                     prompt_stream, reconcile, to_sample)
+from rollout import AsyncRolloutLoop, ConcurrencyCap, prompt_stream
+from rollout_samples import Rollout, RolloutGroup, TurnRecord, parse_completion, parse_generate, reconcile, to_sample
 from rollout_worker import RolloutProcessError, RolloutWorker, check_picklable
 from rollout_tools import check_tools, parse_tool_calls, run_tool_calls
 from train import AsyncGRPOConfig
@@ -186,7 +186,6 @@ def make_loop(toy_dir, reward_funcs=(), config=None):
 
 
 def group_of(rollout_rewards, env_rewards=None, solved=(True, True, True)):
-    from rollout import Rollout
     n = len(rollout_rewards)
     rollouts = [Rollout([{"role": "assistant", "content": "7"}], [9, 2], [TurnRecord([1], [9, 2], [-0.1, -0.2])],
                         reward=r) for r in rollout_rewards]
@@ -361,15 +360,6 @@ def test_staleness_window_is_measured_from_consumption():
 
 
 # ── the process against serve_local.py ──────────────────────────────────────────────────────
-
-
-@pytest.fixture(scope="module")
-def long_server(toy_dir):
-    """Room for the tool prompt (~520 tokens) and every optional feature."""
-    s = LocalServer(toy_dir, "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-                    "--return-sampling-mask", "--enable-scale-out")
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,7 @@ def test_grpo_learns_the_toy_task_on_cpu():
 
     import tree_attention
     from loss import compute_loss
-    from rollout import RolloutSample
+    from rollout_samples import RolloutSample
     from train import AsyncGRPOConfig
     from trie_pack import TreeRow
 

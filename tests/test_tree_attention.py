@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from transformers import MambaConfig, MambaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import tree_attention
-from rollout import RolloutSample
+from rollout_samples import RolloutSample
 from trie_pack import TreeRow
 
 VOCAB = 61

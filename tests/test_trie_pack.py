@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from rollout import RolloutSample
+from rollout_samples import RolloutSample
 import trie_pack
 from trie_pack import Planner, TreeRow
 
