@@ -179,7 +179,7 @@ def prompt_stream(dataset, start_index: int, num_train_epochs: float, max_steps:
 class Channels:
     """Everything the parent and the child share (all from one spawn context)."""
     rollout_buffer: Any     # Queue: RolloutSample child → parent; None once the prompts run out
-    metrics: Any            # Queue: metric dicts child → parent (dropped when full)
+    metrics: Any            # Queue: metric dicts child → parent (dropped when full); None after the last
     progress: Any           # Queue: (prompt_index, samples queued) for every finished prompt
     exception_info: Any     # Queue: (type name, message, traceback) of the child's failure
     model_version: Any      # Value('q'), written by the parent after each weight sync
@@ -546,14 +546,16 @@ class AsyncRolloutLoop:
                 await self._put(sample)
             self._finish_prompt(group.prompt_index, len(group.rollouts), len(samples))
             self._emit(metrics)
+        await self._put(None, self.channels.metrics)  # end markers: metrics first, so the parent can wait for it
         await self._put(None)
 
-    async def _put(self, item: RolloutSample | None) -> None:
-        """Put on the rollout queue without blocking the event loop; a full queue is backpressure."""
+    async def _put(self, item: RolloutSample | None, channel=None) -> None:
+        """Put on the rollout queue (or `channel`) without blocking the event loop; a full queue is backpressure."""
+        channel = channel or self.channels.rollout_buffer
         start = time.monotonic()
         while True:
             try:
-                return self.channels.rollout_buffer.put_nowait(item)
+                return channel.put_nowait(item)
             except queue.Full:
                 await asyncio.sleep(WAKE_S)
                 self.since_emit["rollout/backpressure_s"] += time.monotonic() - start

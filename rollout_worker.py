@@ -102,6 +102,7 @@ class RolloutWorker:
         self.announced: set[int] = set()
         self.next_unconsumed = dataset_start_index if hasattr(dataset, "__len__") else 0
         self.finished = False
+        self.received: list[dict[str, float]] = []  # metrics read while waiting for the end marker
         self.process = None
         self.channels: Channels | None = None
 
@@ -150,6 +151,7 @@ class RolloutWorker:
                 if time.monotonic() >= deadline:
                     raise
         if sample is None:
+            self._receive_metrics_until_end()
             self.finished = True
             return None
         self.consumed += 1
@@ -172,12 +174,28 @@ class RolloutWorker:
         self.channels.model_version.value = version
 
     def drain_metrics(self) -> list[dict[str, float]]:
-        out = []
+        """Metric dicts from the rollout process since the last drain (all of them once get() returned None)."""
+        out, self.received = self.received, []
         while True:
             try:
-                out.append(self.channels.metrics.get_nowait())
+                metrics = self.channels.metrics.get_nowait()
             except queue.Empty:
                 return out
+            if metrics is not None:
+                out.append(metrics)
+
+    def _receive_metrics_until_end(self) -> None:
+        """The child ends the metrics queue with None before it ends the samples, but two queues keep no order
+        between them: wait for that marker, so that a run's last group metrics are never missed."""
+        while True:
+            try:
+                metrics = self.channels.metrics.get(timeout=1.0)
+            except queue.Empty:
+                self.check_health()
+                continue
+            if metrics is None:
+                return
+            self.received.append(metrics)
 
     def resume_index(self) -> int:
         """The first prompt index whose samples have not all been handed out (dropped or filtered
