@@ -96,16 +96,42 @@ for _name, _fn in _IMPLS.values():
     AttentionMaskInterface.register(_name, lambda *args, **kwargs: None)
 
 
+def text_config(model):
+    """The language model's config (a vision-language config's text_config; the config itself otherwise)."""
+    return model.config.get_text_config()
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The language model's decoder layers, found by structure: the text decoder (transformers'
+    get_decoder(): `model.model` of a causal LM, the language model of a vision-language model), then its
+    `layers` list, else its one direct ModuleList child. A vision tower's blocks are never under it.
+
+        Qwen3ForCausalLM                 -> model.model.layers
+        Qwen3_5ForConditionalGeneration  -> model.model.language_model.layers   (not model.model.visual.blocks)
+    """
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        lists = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList)]
+        if len(lists) != 1:
+            raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: its text decoder "
+                             f"{type(decoder).__name__} has no `layers` and {len(lists)} ModuleList children")
+        layers = lists[0]
+    return layers
+
+
 def _refusals(model) -> list[str]:
-    cfg = model.config.get_text_config()
+    cfg = text_config(model)
     why = []
     if not model._can_set_attn_implementation():
         why.append("its attention does not go through transformers' AttentionInterface")
     other = sorted(set(getattr(cfg, "layer_types", None) or []) - {"full_attention"})
     if other:
         why.append(f"layer types {other}: only full_attention layers see exactly their own path in a trie")
-    layers = next((m for m in model.modules()
-                   if isinstance(m, torch.nn.ModuleList) and len(m) == cfg.num_hidden_layers), None)
+    try:
+        layers = decoder_layers(model)
+    except ValueError:
+        layers = None
     if layers is None or any(not hasattr(layer, "self_attn") for layer in layers):
         why.append("decoder layers without self_attn (non-attention layers would run across samples)")
     if any(getattr(m, "sliding_window", None) for m in model.modules()):

@@ -194,3 +194,18 @@ def test_flex_forward_backward_on_cuda_matches_sdpa_bf16():
     b.sum().backward()
     for p, q in zip(flex.parameters(), sdpa.parameters()):
         assert (p.grad.float() - q.grad.float()).norm() <= 0.05 * q.grad.float().norm() + 1e-6
+
+
+def test_decoder_layers_are_the_language_models_even_beside_a_vision_tower_of_equal_depth():
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    m = model()
+    assert tree_attention.decoder_layers(m) is m.model.layers
+    assert tree_attention.text_config(m) is m.config
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"])
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=4,
+                  temporal_patch_size=1, spatial_merge_size=1)
+    vlm = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+    assert len(vlm.model.visual.blocks) == 2                              # as deep as the text model
+    assert tree_attention.decoder_layers(vlm) is vlm.model.language_model.layers
+    assert tree_attention.text_config(vlm) is vlm.config.text_config
