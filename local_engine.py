@@ -76,6 +76,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
+class Cancelled(Exception):
+    """generate() gave up because its caller went away; the request's sequences were aborted."""
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -86,7 +90,7 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None      # top-k log-probs per token; -1 = whole vocabulary
 
@@ -141,10 +145,11 @@ class Sequence:
 def process_logits(logits: torch.Tensor, context: list[int], p: SamplingParams) -> torch.Tensor:
     """(V,) fp32 logits → (V,) processed logits in vLLM's order; removed tokens are -inf."""
     x = logits.clone()
-    if p.repetition_penalty != 1.0:  # every token seen in prompt or output
+    if p.repetition_penalty != 1.0:  # every token seen in prompt or output; a huge penalty stays finite
         seen = torch.tensor(sorted(set(context)), device=x.device)
         v = x[seen]
-        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty).clamp(
+            min=torch.finfo(x.dtype).min)
     if p.temperature == 0:           # greedy: vLLM applies nothing else
         return x
     x = x / p.temperature
@@ -156,8 +161,9 @@ def process_logits(logits: torch.Tensor, context: list[int], p: SamplingParams) 
     if p.top_p < 1.0:
         sorted_x, order = x.sort(descending=True)
         probs = sorted_x.softmax(-1)
-        mass_before = probs.cumsum(-1) - probs                       # mass of strictly likelier tokens
-        x[order[mass_before >= p.top_p]] = -math.inf
+        drop = probs.cumsum(-1) - probs >= p.top_p                   # mass of strictly likelier tokens
+        drop[0] = False                       # the likeliest always stays (a tiny top_p is 0 in fp32)
+        x[order[drop]] = -math.inf
     return x
 
 
@@ -211,20 +217,22 @@ class Engine:
                     self.cond.wait_for(lambda: (self.running or self.waiting) and self.pause_mode != "keep"
                                        and not self.holds)
                     groups = self.schedule()
-                try:
-                    outputs = [(s, row) for adapter, seqs in groups.items()
-                               for s, row in zip(seqs, self.forward(seqs, adapter))]
-                    with self.cond:                # sample and end the step under one hold: /metrics never
-                        for s, logits in outputs:  # sees finished requests running or usage above 1
+                outputs, failed = [], []           # a failure fails its own requests; the others go on
+                for adapter, seqs in groups.items():
+                    try:
+                        outputs += zip(seqs, self.forward(seqs, adapter))
+                    except Exception as e:         # a bad adapter or a bug: this adapter group only
+                        traceback.print_exc()
+                        failed += [(s, f"{type(e).__name__}: {e}") for s in seqs]
+                with self.cond:                    # sample and end the step under one hold: /metrics never
+                    for s, logits in outputs:      # sees finished requests running or usage above 1
+                        try:
                             self.sample(s, logits)
-                        self.end_step()
-                except Exception:                  # a bug or a bad model: fail this step's requests, keep serving
-                    traceback.print_exc()
-                    with self.cond:
-                        for s in self.running:
-                            s.request.error = traceback.format_exc(limit=1)
-                            self.finish(s, "abort")
-                        self.end_step()
+                        except Exception as e:
+                            failed.append((s, f"{type(e).__name__}: {e}"))
+                    for s, error in failed:
+                        self.fail(s.request, error)
+                    self.end_step()
 
     def schedule(self) -> dict[Adapter | None, list[Sequence]]:
         """Admit waiting sequences that fit; the running ones grouped by adapter, one forward each."""
@@ -268,6 +276,24 @@ class Engine:
         if all(q.finish_reason for q in s.request.seqs):
             s.request.done.set()
 
+    def fail(self, r: Request, error: str) -> None:
+        """End every sequence of one request with an error (under `cond`); its client gets a 500."""
+        r.error = r.error or error
+        for s in r.seqs:
+            if not s.finish_reason:
+                self.finish(s, "abort")
+        self.waiting = deque(s for s in self.waiting if s.request is not r)
+
+    def abort(self, reqs: list[Request]) -> None:
+        """Drop requests whose client has gone, between two steps."""
+        with self.between_steps():
+            for r in reqs:
+                for s in r.seqs:
+                    if not s.finish_reason:
+                        self.finish(s, "abort")
+            self.running = [s for s in self.running if not s.finish_reason]
+            self.waiting = deque(s for s in self.waiting if not s.finish_reason)
+
     def forward(self, seqs: list[Sequence], adapter: Adapter | None) -> torch.Tensor:
         """Next-token logits (B, V) fp32 for each sequence, from one padded forward."""
         rows = [s.request.prompt + s.token_ids for s in seqs]
@@ -285,6 +311,8 @@ class Engine:
 
     def sample(self, s: Sequence, logits: torch.Tensor) -> None:
         p = s.request.params
+        if logits.isnan().any():
+            raise ValueError("the model produced NaN logits for this request")
         x = process_logits(logits, s.request.prompt + s.token_ids, p)          # (V,)
         if p.temperature == 0:
             token = int(x.argmax())
@@ -316,20 +344,25 @@ class Engine:
             self.adapters.move_to_end(model)
             return self.adapters[model]
 
-    def generate(self, prompts: list[list[int]], p: SamplingParams, adapter: Adapter | None) -> list[Request]:
-        """Queue one request per prompt (n sequences each) and block until all have finished."""
+    def generate(self, prompts: list[list[int]], p: SamplingParams, adapter: Adapter | None,
+                 alive=lambda: True, poll_s: float = 0.1) -> list[Request]:
+        """Queue one request per prompt (n sequences each) and block until all have finished; if alive()
+        turns False meanwhile (the client disconnected), abort them all and raise Cancelled."""
         reqs = [Request(prompt, p, adapter) for prompt in prompts]
         with self.cond:
             if self.pause_mode in ("abort", "wait"):
                 raise APIError(503, f"The server is paused (mode={self.pause_mode}); retry after /resume",
                                "ServiceUnavailableError")
             for r in reqs:
-                seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self.seeds))
+                seed = p.seed if p.seed is not None else int(torch.randint(2**63 - 1, (1,), generator=self.seeds))
                 r.seqs = [Sequence(r, i, torch.Generator(self.device).manual_seed(seed + i)) for i in range(p.n)]
                 self.waiting.extend(r.seqs)
             self.cond.notify_all()
         for r in reqs:
-            r.done.wait()
+            while not r.done.wait(poll_s):
+                if not alive():
+                    self.abort(reqs)
+                    raise Cancelled
             if r.error:
                 raise APIError(500, f"Generation failed: {r.error}", "InternalServerError")
         return reqs
@@ -360,24 +393,14 @@ class Engine:
         if not os.path.isfile(config_file):
             raise APIError(404, f"No LoRA adapter found at '{path}' (no adapter_config.json)", "NotFoundError",
                            "lora_path")
-        with open(config_file) as f:
-            cfg = json.load(f)
-        unsupported = [k for k in ("use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern", "alpha_pattern")
-                       if cfg.get(k)] + (["bias"] if cfg.get("bias", "none") != "none" else [])
-        if unsupported:
-            raise APIError(400, f"LoRA adapter '{name}' uses {unsupported}; serve_local.py supports plain LoRA only")
-        if cfg["r"] > self.args.max_lora_rank:
-            raise APIError(400, f"LoRA rank {cfg['r']} is greater than --max-lora-rank {self.args.max_lora_rank}")
-        from safetensors.torch import load_file
+        try:
+            adapter = self.read_adapter(name, path, config_file)
+        except APIError:
+            raise
+        except Exception as e:                     # unreadable or malformed files: the request's fault
+            raise APIError(400, f"LoRA adapter '{name}' at '{path}' cannot be read: {type(e).__name__}: {e}",
+                           param="lora_path") from e
         modules = dict(self.model.named_modules())
-        pairs: dict[str, dict[str, torch.Tensor]] = {}
-        for key, t in load_file(os.path.join(path, "adapter_model.safetensors")).items():
-            m = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", key)
-            if not m or not isinstance(modules.get(m[1]), torch.nn.Linear):
-                raise APIError(400, f"LoRA adapter '{name}': tensor {key} does not target a Linear of the base model")
-            pairs.setdefault(m[1], {})[m[2]] = t.to(self.device, self.model.dtype)
-        scale = cfg["lora_alpha"] / (math.sqrt(cfg["r"]) if cfg.get("use_rslora") else cfg["r"])
-        adapter = Adapter(name, path, {k: (v["A"], v["B"]) for k, v in pairs.items()}, scale)
         with self.between_steps():
             for module in adapter.weights.keys() - self.hooked:
                 modules[module].register_forward_hook(self.lora_hook(module))
@@ -389,6 +412,36 @@ class Engine:
                 evicted, _ = self.adapters.popitem(last=False)
                 print(f"serve_local: evicted LoRA adapter '{evicted}' (more than --max-loras loaded)", flush=True)
 
+    def read_adapter(self, name: str, path: str, config_file: str) -> Adapter:
+        """adapter_config.json + adapter_model.safetensors → an Adapter, every shape checked."""
+        with open(config_file) as f:
+            cfg = json.load(f)
+        unsupported = [k for k in ("use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern", "alpha_pattern")
+                       if cfg.get(k)] + (["bias"] if cfg.get("bias", "none") != "none" else [])
+        if unsupported:
+            raise APIError(400, f"LoRA adapter '{name}' uses {unsupported}; serve_local.py supports plain LoRA only")
+        r, alpha = cfg["r"], cfg["lora_alpha"]
+        if type(r) is not int or r < 1 or type(alpha) not in (int, float):
+            raise APIError(400, f"LoRA adapter '{name}': r={r!r} and lora_alpha={alpha!r} must be numbers, r >= 1")
+        if r > self.args.max_lora_rank:
+            raise APIError(400, f"LoRA rank {r} is greater than --max-lora-rank {self.args.max_lora_rank}")
+        from safetensors.torch import load_file
+        modules = dict(self.model.named_modules())
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in load_file(os.path.join(path, "adapter_model.safetensors")).items():
+            m = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", key)
+            module = modules.get(m[1]) if m else None
+            if not isinstance(module, torch.nn.Linear):
+                raise APIError(400, f"LoRA adapter '{name}': tensor {key} does not target a Linear of the base model")
+            want = (r, module.in_features) if m[2] == "A" else (module.out_features, r)
+            if tuple(t.shape) != want:
+                raise APIError(400, f"LoRA adapter '{name}': {key} has shape {tuple(t.shape)}, expected {want}")
+            pairs.setdefault(m[1], {})[m[2]] = t.to(self.device, self.model.dtype)
+        if any(len(v) != 2 for v in pairs.values()):
+            raise APIError(400, f"LoRA adapter '{name}': every module needs both lora_A and lora_B")
+        scale = alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
+        return Adapter(name, path, {k: (v["A"], v["B"]) for k, v in pairs.items()}, scale)
+
     def lora_hook(self, module_name: str):
         def hook(module, inputs, output):          # output (B, L, out) += scale · (B, L, in) Aᵀ Bᵀ
             w = self.active.weights.get(module_name) if self.active else None
@@ -397,14 +450,18 @@ class Engine:
 
     # weight transfer
     def join_group(self, info: dict) -> None:
-        store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"], is_master=False,
-                              timeout=timedelta(seconds=300))
-        store = dist.PrefixStore("weight_transfer", store)
-        rank, size = info["rank_offset"], info["world_size"]
-        if self.args.weight_transfer_config["backend"] == "gloo":
-            self.group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=300))
-        else:
-            self.group = dist.ProcessGroupNCCL(store, rank, size)
+        try:
+            store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"], is_master=False,
+                                  timeout=timedelta(seconds=300))
+            store = dist.PrefixStore("weight_transfer", store)
+            rank, size = info["rank_offset"], info["world_size"]
+            if self.args.weight_transfer_config["backend"] == "gloo":
+                self.group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=300))
+            else:
+                self.group = dist.ProcessGroupNCCL(store, rank, size)
+        except (RuntimeError, ValueError) as e:    # no trainer at that address (DistNetworkError, DistStoreError)
+            raise APIError(400, f"Could not join the weight-transfer group at {info['master_address']}:"
+                           f"{info['master_port']}: {e}", param="init_info") from e
         self.init_info = info
 
     def receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
@@ -439,14 +496,18 @@ class Engine:
             flush()
         return out
 
+    def check_update(self, names: list[str], shapes: list[list[int]]) -> None:
+        """Refuse an update that names unknown tensors or other shapes, before anything is received."""
+        state = self.model.state_dict()                 # tied weights share storage: either name works
+        unknown = [n for n in names if n not in state]
+        wrong = [n for n, s in zip(names, shapes) if n in state and list(state[n].shape) != s]
+        if unknown or wrong:
+            raise APIError(400, f"Weight update rejected (nothing applied): unknown names {unknown[:20]}, "
+                           f"wrong shapes {wrong[:20]}", param="update_info")
+
     def update_weights(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         with self.between_steps(), torch.no_grad():
-            state = self.model.state_dict()             # tied weights share storage: either name works
-            unknown = [n for n in names if n not in state]
-            wrong = [n for n, t in zip(names, tensors) if n in state and state[n].shape != t.shape]
-            if unknown or wrong:
-                raise APIError(400, f"Weight update rejected (nothing applied): unknown names {unknown}, "
-                               f"wrong shapes {wrong}", param="update_info")
+            state = self.model.state_dict()
             for n, t in zip(names, tensors):
                 state[n].copy_(t)
 

@@ -29,19 +29,25 @@ Departures from vLLM, and why:
   them from disk on next use, which looks the same from outside).
 """
 import argparse
+import hashlib
+import hmac
 import json
+import math
 import os
 import re
 import secrets
+import select
+import socket
 import sys
 import time
 import traceback
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 import torch
 
-from local_engine import APIError, Engine, Request, SamplingParams, Sequence
+from local_engine import APIError, Cancelled, Engine, Request, SamplingParams, Sequence
 
 # ── request parsing ───────────────────────────────────────────────────────────────────────
 
@@ -51,43 +57,63 @@ COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "return_token_ids", "r
 GENERATE_FIELDS = {"token_ids", "sampling_params", "model", "request_id", "stream"}
 INIT_INFO_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "packed",
                     "packed_buffer_size_bytes", "packed_num_buffers"}
+MAX_N = int(os.environ.get("VLLM_MAX_N_SEQUENCES", 16384))  # vLLM's bound on n, from the same variable
+INT64 = (-2**63, 2**63 - 1)                                   # vLLM: seeds are 64-bit signed
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 2.0                 # vLLM: 0 < t < 0.01 becomes 0.01; t <= 2
 
 
 def check_fields(body: dict, allowed: set[str], where: str) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise APIError(400, f"Unknown field(s) in {where}: {unknown}; serve_local.py accepts {sorted(allowed)}",
-                       param=unknown[0])
+        raise APIError(400, f"Unknown field(s) in {where}: {unknown[:20]}; serve_local.py accepts {sorted(allowed)}",
+                       param=str(unknown[0]))
 
 
 def typed(body: dict, name: str, kind: type, default=None, ok=lambda v: True, rule: str = ""):
-    """body[name] checked for type (bools are not ints) and `ok`; `default` when absent or null."""
+    """body[name] checked for type and `ok`; `default` when absent or null. Strict JSON types: bools are
+    not ints, "16" is not a number; ints are accepted as floats, and a float must be finite."""
     v = body.get(name)
     if v is None:
         return default
-    if kind is float and type(v) is int:
-        v = float(v)
+    if kind is float and type(v) in (int, float):
+        try:
+            v = float(v)
+        except OverflowError:                      # an integer literal beyond any float
+            v = math.inf
+        if not math.isfinite(v):
+            raise APIError(400, f"{name} must be a finite number, got {body[name]!r:.40}", param=name)
     if type(v) is not kind or not ok(v):
-        raise APIError(400, f"Invalid {name}={v!r}: expected {kind.__name__} {rule}".rstrip(), param=name)
+        raise APIError(400, f"Invalid {name}={v!r:.200}: expected {kind.__name__} {rule}".rstrip(), param=name)
     return v
 
 
 def parse_sampling(body: dict, eng: "Engine") -> SamplingParams:
+    """vLLM's SamplingParams rules, for the fields we implement: temperature in [0, 2], raised to 0.01
+    when below it (0 is greedy, where n must be 1), n in [1, VLLM_MAX_N_SEQUENCES], top_p in
+    (0, 1], top_k >= -1 (-1 = 0 = off), min_p in [0, 1], repetition_penalty > 0, 64-bit seeds (-1 = none)."""
     vocab = eng.vocab
+    temperature = typed(body, "temperature", float, 1.0, lambda v: 0 <= v <= MAX_TEMPERATURE,
+                        f"in [0, {MAX_TEMPERATURE:g}]")
     p = SamplingParams(
         max_tokens=typed(body, "max_tokens", int, 16, lambda v: v >= 1, ">= 1"),
-        n=typed(body, "n", int, 1, lambda v: v >= 1, ">= 1"),
-        temperature=typed(body, "temperature", float, 1.0, lambda v: v >= 0, ">= 0"),
+        n=typed(body, "n", int, 1, lambda v: 1 <= v <= MAX_N, f"in [1, {MAX_N}] (VLLM_MAX_N_SEQUENCES)"),
+        temperature=0.0 if temperature == 0 else max(temperature, MIN_TEMPERATURE),
         top_p=typed(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
-        top_k=typed(body, "top_k", int, 0, lambda v: v >= -1, "(-1 or 0 = off, else >= 1)"),
+        top_k=max(0, typed(body, "top_k", int, 0, lambda v: v >= -1, "(-1 or 0 = off, else >= 1)")),
         min_p=typed(body, "min_p", float, 0.0, lambda v: 0 <= v <= 1, "in [0, 1]"),
         repetition_penalty=typed(body, "repetition_penalty", float, 1.0, lambda v: v > 0, "> 0"),
-        seed=typed(body, "seed", int),
-        stop_token_ids=typed(body, "stop_token_ids", list, [], lambda v: all(type(t) is int and 0 <= t < vocab
-                             for t in v), f"of token ids in [0, {vocab})"),
+        seed=typed(body, "seed", int, None, lambda v: INT64[0] <= v <= INT64[1], "in the 64-bit signed range"),
+        stop_token_ids=frozenset(typed(body, "stop_token_ids", list, [], lambda v: all(
+            type(t) is int and 0 <= t < vocab for t in v), f"of token ids in [0, {vocab})")),
         ignore_eos=typed(body, "ignore_eos", bool, False),
         logprobs=typed(body, "logprobs", int, None, lambda v: v >= -1, ">= -1"),
     )
+    if p.seed == -1:
+        p.seed = None
+    if p.temperature == 0:                         # greedy: vLLM resets the filters and needs n == 1
+        p.top_p, p.top_k, p.min_p = 1.0, 0, 0.0
+        if p.n > 1:
+            raise APIError(400, f"n must be 1 when using greedy sampling, got {p.n}.", param="n")
     limit = vocab if eng.args.max_logprobs == -1 else eng.args.max_logprobs
     if p.logprobs is not None and (vocab if p.logprobs == -1 else p.logprobs) > limit:
         raise APIError(400, f"Requested logprobs={p.logprobs} exceeds --max-logprobs ({limit})", param="logprobs")
@@ -104,14 +130,32 @@ def check_prompt(ids, p: SamplingParams, eng: "Engine") -> list[int]:
     return ids
 
 
+def parse_prompts(prompt, p: SamplingParams, eng: "Engine") -> list[list[int]]:
+    """vLLM's `prompt`: a string, token ids, or a batch of either; at most VLLM_MAX_N_SEQUENCES sequences
+    in all (n per prompt), so one request's work is bounded before it reaches the engine (strings are
+    bounded by the body size)."""
+    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(t, (str, list)) for t in prompt)
+    prompts = prompt if batch else [prompt]
+    if len(prompts) * p.n > MAX_N:
+        raise APIError(400, f"{len(prompts)} prompts x n={p.n} sequences exceed {MAX_N} (VLLM_MAX_N_SEQUENCES)",
+                       param="prompt")
+    ids = [eng.tokenizer.encode(t, add_special_tokens=False) if isinstance(t, str) else t for t in prompts]
+    return [check_prompt(t, p, eng) for t in ids]
+
+
 # ── routes ────────────────────────────────────────────────────────────────────────────────
 
 ROUTES = {}
+WATCHING = set()                                   # routes that block on generation: they stop when the client goes
 
 
-def route(method: str, path: str):
+def route(method: str, path: str, watches_client: bool = False):
+    """Register fn(eng, body, query) for method + path; a watching route also gets `alive`, a callable
+    that turns False once its client has disconnected."""
     def register(fn):
         ROUTES[method, path] = fn
+        if watches_client:
+            WATCHING.add(fn)
         return fn
     return register
 
@@ -178,22 +222,16 @@ def metrics(eng, body, query):
     return "".join(f"# TYPE {name} {kind}\n{name}{{{lab}}} {float(v)}\n" for kind, name, lab, v in rows)
 
 
-@route("POST", "/v1/completions")
-def completions(eng, body, query):
+@route("POST", "/v1/completions", watches_client=True)
+def completions(eng, body, query, alive):
     check_fields(body, COMPLETION_FIELDS, "/v1/completions")
-    if body.get("stream"):
+    if typed(body, "stream", bool, False):
         raise APIError(400, "stream=true is not supported by serve_local.py", param="stream")
     p = parse_sampling(body, eng)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
-        prompts = [prompt] if isinstance(prompt, str) else prompt
-        prompts = [eng.tokenizer.encode(t, add_special_tokens=False) if isinstance(t, str) else t for t in prompts]
-    else:
-        prompts = [prompt]
-    prompts = [check_prompt(t, p, eng) for t in prompts]
+    prompts = parse_prompts(body.get("prompt"), p, eng)
     as_ids = typed(body, "return_tokens_as_token_ids", bool, False)
     with_ids = typed(body, "return_token_ids", bool, False)
-    reqs = eng.generate(prompts, p, eng.adapter_for(body.get("model")))
+    reqs = eng.generate(prompts, p, eng.adapter_for(typed(body, "model", str)), alive)
     choices = []
     for r in reqs:
         for s in r.seqs:
@@ -233,12 +271,12 @@ def usage(reqs: list[Request]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-@route("POST", "/inference/v1/generate")
-def generate(eng, body, query):
+@route("POST", "/inference/v1/generate", watches_client=True)
+def generate(eng, body, query, alive):
     if not eng.args.enable_scale_out:
         raise APIError(403, "/inference/v1/generate needs --enable-scale-out", "PermissionDeniedError")
     check_fields(body, GENERATE_FIELDS, "/inference/v1/generate")
-    if body.get("stream"):
+    if typed(body, "stream", bool, False):
         raise APIError(400, "stream=true is not supported by serve_local.py", param="stream")
     sp = typed(body, "sampling_params", dict, {})
     check_fields(sp, SAMPLING_FIELDS | {"output_kind"}, "sampling_params")
@@ -249,7 +287,7 @@ def generate(eng, body, query):
                        param="sampling_params")
     prompt = check_prompt(body.get("token_ids"), p, eng)
     request_id = typed(body, "request_id", str) or secrets.token_hex(16)
-    [r] = eng.generate([prompt], p, eng.adapter_for(body.get("model")))
+    [r] = eng.generate([prompt], p, eng.adapter_for(typed(body, "model", str)), alive)
 
     def entry(t: int, v: float, rank: int) -> dict:
         return {"token_id": t, "logprob": v, "rank": rank}
@@ -364,14 +402,18 @@ def update_weights(eng, body, query):
     if not isinstance(info, dict):
         raise APIError(400, "update_info must be a dict, or a list with one dict per worker (world size 1)")
     check_fields(info, {"names", "dtype_names", "shapes"}, "update_info")
-    names, dtype_names, shapes = info.get("names", []), info.get("dtype_names", []), info.get("shapes", [])
+    names = typed(info, "names", list, [], lambda v: all(type(n) is str for n in v), "of strings")
+    dtype_names = typed(info, "dtype_names", list, [], lambda v: all(type(n) is str for n in v), "of strings")
+    shapes = typed(info, "shapes", list, [], lambda v: all(type(s) is list and all(type(d) is int and d >= 0
+                   for d in s) for s in v), "of lists of sizes >= 0")
     if not (len(names) == len(dtype_names) == len(shapes)):
         raise APIError(400, "update_info: names, dtype_names and shapes must have the same length")
     if not names:                                  # all empty: the previous round's metadata
         names, dtype_names, shapes = eng.last_update or ([], [], [])
     dtypes = [getattr(torch, d, None) for d in dtype_names]
     if not all(isinstance(d, torch.dtype) for d in dtypes):
-        raise APIError(400, f"update_info: unknown dtype in {dtype_names}", param="dtype_names")
+        raise APIError(400, f"update_info: unknown dtype in {dtype_names[:20]}", param="dtype_names")
+    eng.check_update(names, shapes)                # before receiving: buffers are sized by the model's own shapes
     eng.update_weights(names, eng.receive(names, dtypes, shapes))
     eng.last_update = (names, dtype_names, shapes)
     return {"message": "Weights updated"}
@@ -404,7 +446,7 @@ def weight_info(eng, body, query):
 
 @route("POST", "/weight_checker")
 def weight_checker(eng, body, query):
-    action = body.get("action")
+    action = typed(body, "action", str)
     if action == "checksum":
         eng.baseline = eng.checksums()
         return {"checksums": eng.baseline}
@@ -423,14 +465,44 @@ def weight_checker(eng, body, query):
 
 # ── HTTP ──────────────────────────────────────────────────────────────────────────────────
 
+MAX_BODY_BYTES = 32 << 20      # a larger body gets 413 (uvicorn sets no limit; one here bounds memory)
+MAX_LINE = 1024                # a chunk-size or trailer line
+READ_TIMEOUT_S = 60.0          # a client silent this long mid-request (or idle on keep-alive) is dropped
+CLIENT_POLL_S = 0.1            # how often a generating request checks that its client is still there
+PUBLIC_PATHS = {"/health", "/metrics"}   # open without --api-key's token, as in vLLM
+
+
+class Dropped(Exception):
+    """The client went away (or stopped sending): close the connection without a reply."""
+
+
+def json_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"The request body is not UTF-8: {e}") from None
+    except RecursionError:
+        raise APIError(400, "The request body is nested too deeply") from None
+    except ValueError as e:                        # also integer literals of over 4300 digits
+        raise APIError(400, f"Invalid JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object")
+    return body
+
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024                     # a rollout process opens many connections at once
 
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], OSError):  # a client gone mid-reply is not worth a traceback
+            super().handle_error(request, client_address)
+
 
 class Handler(BaseHTTPRequestHandler):
+    """One connection. Every reply, http.server's own refusals included, is vLLM's JSON error shape."""
     protocol_version = "HTTP/1.1"                 # keep-alive; every reply has a Content-Length
+    timeout = READ_TIMEOUT_S
 
     def do_GET(self):
         self.dispatch("GET")
@@ -438,25 +510,124 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         self.dispatch("POST")
 
+    def do_other(self):                            # a method no route has: 405 (404 for an unknown path)
+        self.dispatch(self.command)
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = do_TRACE = do_CONNECT = do_other
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's refusals (bad request line, headers, unknown method) as JSON; 501 → 405 as vLLM."""
+        if code == 501:
+            code, message = 405, f"Method Not Allowed: {self.command}"
+        if self.request_version == "HTTP/0.9":         # an unparsable request line: still a status line
+            self.request_version = "HTTP/1.0"
+        self.close_connection = True
+        self.reply(code, APIError(code, message or HTTPStatus(code).phrase, HTTPStatus(code).phrase.replace(
+            " ", "") + "Error").body())
+
     def dispatch(self, method: str) -> None:
         url = urlparse(self.path)
-        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         try:
-            fn = ROUTES.get((method, url.path))
-            if fn is None:
-                raise APIError(404, f"Not Found: {method} {url.path}", "NotFoundError")
-            body = json.loads(raw) if raw.strip() else {}
-            if not isinstance(body, dict):
-                raise APIError(400, "The request body must be a JSON object")
-            status, reply = 200, fn(self.server.engine, body, query)
-        except json.JSONDecodeError as e:
-            status, reply = 400, APIError(400, f"Invalid JSON body: {e}").body()
-        except APIError as e:
-            status, reply = e.status, e.body()
-        except Exception as e:                     # a bug: answer 500 and keep serving
-            traceback.print_exc()
-            status, reply = 500, APIError(500, f"{type(e).__name__}: {e}", "InternalServerError").body()
+            try:
+                raw = self.read_body()
+                self.authorize(url.path)
+                fn = ROUTES.get((method, url.path))
+                if fn is None:
+                    if any(path == url.path for _, path in ROUTES):
+                        raise APIError(405, f"Method Not Allowed: {method} {url.path}", "MethodNotAllowedError")
+                    raise APIError(404, f"Not Found: {method} {url.path}", "NotFoundError")
+                body = json_body(raw) if method == "POST" else {}
+                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                args = (self.alive,) if fn in WATCHING else ()
+                status, reply = 200, fn(self.server.engine, body, query, *args)
+            except APIError as e:
+                status, reply = e.status, e.body()
+            except Cancelled:
+                raise Dropped from None
+            except Exception as e:                 # a bug: answer 500 and keep serving
+                traceback.print_exc()
+                status, reply = 500, APIError(500, f"{type(e).__name__}: {e}", "InternalServerError").body()
+            self.reply(status, reply)
+        except (Dropped, OSError):                 # gone mid-request, or a reply it no longer reads
+            self.close_connection = True
+
+    def authorize(self, path: str) -> None:
+        """--api-key: every route but /health and /metrics needs `Authorization: Bearer <key>`."""
+        key = self.server.api_key
+        if key is None or path in PUBLIC_PATHS:
+            return
+        scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+        given = hashlib.sha256(token.strip().encode("latin-1", "replace")).digest()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, hashlib.sha256(key.encode()).digest()):
+            raise APIError(401, "Unauthorized", bare=True)
+
+    def read_body(self) -> bytes:
+        """The body framed by Content-Length or chunked encoding, at most MAX_BODY_BYTES. A body whose
+        framing is wrong leaves the connection unusable: the reply closes it."""
+        length, coding = self.headers.get("Content-Length"), self.headers.get("Transfer-Encoding")
+        try:
+            if coding is not None:
+                if length is not None:
+                    raise APIError(400, "A request cannot have both Content-Length and Transfer-Encoding")
+                if coding.strip().lower() != "chunked":
+                    raise APIError(400, f"Transfer-Encoding {coding!r:.40} is not supported (use chunked)")
+                body = self.read_chunked()
+            elif length is None:
+                body = b""                         # HTTP/1.1: no framing header, no body
+            elif not re.fullmatch(r"[0-9]{1,19}", length.strip()):
+                raise APIError(400, f"Invalid Content-Length {length!r:.40}")
+            elif int(length) > MAX_BODY_BYTES:
+                raise APIError(413, f"The body ({int(length)} bytes) exceeds {MAX_BODY_BYTES} bytes",
+                               "RequestEntityTooLargeError")
+            else:
+                body = self.rfile.read(int(length))
+                if len(body) < int(length):
+                    raise Dropped
+        except APIError:
+            self.close_connection = True
+            raise
+        except TimeoutError:
+            self.close_connection = True
+            raise APIError(408, f"The body did not arrive within {READ_TIMEOUT_S:g}s", "RequestTimeoutError") from None
+        return body
+
+    def read_chunked(self) -> bytes:
+        body = bytearray()
+        while True:
+            line = self.rfile.readline(MAX_LINE)
+            if not line.endswith(b"\n"):
+                raise APIError(400, "Malformed chunked body: a chunk-size line is cut or too long") if line else Dropped
+            size = line.split(b";")[0].strip()
+            if not re.fullmatch(rb"[0-9a-fA-F]{1,16}", size):
+                raise APIError(400, f"Malformed chunked body: chunk size {size[:20]!r}")
+            size = int(size, 16)
+            if len(body) + size > MAX_BODY_BYTES:
+                raise APIError(413, f"The body exceeds {MAX_BODY_BYTES} bytes", "RequestEntityTooLargeError")
+            if size == 0:
+                break
+            chunk = self.rfile.read(size)
+            if len(chunk) < size:
+                raise Dropped
+            body += chunk
+            if self.rfile.readline(MAX_LINE) not in (b"\r\n", b"\n"):
+                raise APIError(400, "Malformed chunked body: a chunk is longer than its size")
+        for _ in range(64):                        # trailer lines, up to the blank line
+            line = self.rfile.readline(MAX_LINE)
+            if line in (b"\r\n", b"\n"):
+                return bytes(body)
+            if not line:
+                raise Dropped
+        raise APIError(400, "Malformed chunked body: too many trailer lines")
+
+    def alive(self) -> bool:
+        """False once the client has closed its side (a readable socket with nothing to read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
+        except OSError:
+            return False
+
+    def reply(self, status: int, reply) -> None:
         if reply is None:
             data, ctype = b"", "application/json"
         elif isinstance(reply, str):
@@ -466,8 +637,26 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        if self.close_connection:
+            self.linger()
+
+    def linger(self) -> None:
+        """Closing with unread request bytes makes TCP reset the connection, and the client may lose the
+        reply: stop writing, then read and discard what the client still sends, for a short while."""
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(0.5)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and self.connection.recv(1 << 16):
+                pass
+        except OSError:
+            pass
 
     def log_message(self, format, *args):          # one line per request is noise for tests and runs
         pass
@@ -491,6 +680,9 @@ def main() -> None:
     ap.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"])
     ap.add_argument("--kv-cache-tokens", type=int, help="KV capacity in tokens (default 16 × max_model_len)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                    help="require `Authorization: Bearer <key>` on every route but /health and /metrics "
+                         "(default: $VLLM_API_KEY, as vLLM)")
     args = ap.parse_args()
     wt = args.weight_transfer_config
     if wt is not None and (set(wt) != {"backend"} or wt["backend"] not in ("gloo", "nccl")):
@@ -532,7 +724,7 @@ def main() -> None:
         torch.set_num_threads(1)                   # see the docstring: the trainer shares these cores
 
     httpd = Server((args.host, args.port), Handler)
-    httpd.engine = Engine(model, tokenizer, args)
+    httpd.engine, httpd.api_key = Engine(model, tokenizer, args), args.api_key or None
     print(f"serve_local: {args.model} ({dtype}, {device}) on http://{args.host}:{args.port}", flush=True)
     httpd.serve_forever()
 

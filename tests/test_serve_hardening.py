@@ -1,0 +1,366 @@
+"""serve_local.py survives any request (issue: hardening): bad requests get a 4xx in vLLM's JSON shape,
+never a 500, a hang or a dropped connection; one failing request never fails another; a client that
+goes away frees its sequences; --api-key guards the API as vLLM's does.
+
+Requests are written from vLLM's own rules (SamplingParams._verify_args, the protocol's field types),
+and at the byte level for framing (raw sockets: encodings, Content-Length, chunked bodies, methods).
+The property test draws request bodies from the schema, valid and invalid; `SERVE_FUZZ_EXAMPLES=N`
+runs the `slow` fuzz test with N examples (with raw-byte requests too).
+"""
+import http.client
+import json
+import math
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import LocalServer
+from test_serve_local import PROMPT, TARGETS, assert_error, metrics, wait_for
+
+VOCAB = 105            # the toy model's vocabulary
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def srv(toy_dir):
+    s = LocalServer(toy_dir, "--max-model-len", str(MAX_LEN), "--enable-lora", "--max-lora-rank", "8",
+                    "--max-loras", "2", "--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs",
+                    "--enable-scale-out")
+    yield s
+    s.stop()
+
+
+def post(server, path, body, timeout=60, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=timeout, **kw)
+
+
+def ok(server) -> list[int]:
+    """A normal request still works: the server kept serving."""
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "seed": 1, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def raw(server, data: bytes, timeout: float = 15.0) -> tuple[int, dict | None, http.client.HTTPResponse]:
+    """Send bytes as they are; (status, JSON body or None, response) of the one reply."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
+        sock.sendall(data)
+        response = http.client.HTTPResponse(sock, method="HEAD" if data.startswith(b"HEAD") else "POST")
+        response.begin()
+        body = response.read()
+    return response.status, json.loads(body) if body else None, response
+
+
+def request(method: str, path: str, body: bytes = b"", headers: dict | None = None) -> bytes:
+    headers = {"Host": "x", **({"Content-Length": str(len(body))} if headers is None else headers)}
+    return f"{method} {path} HTTP/1.1\r\n".encode() + b"".join(
+        f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n" + body
+
+
+def error_message(body) -> str:
+    err = body["error"]
+    return err if isinstance(err, str) else err["message"]
+
+
+# ── one request never hurts another ───────────────────────────────────────────────────────────
+
+
+def nan_adapter(toy_dir, path):
+    """A peft LoRA adapter with NaN weights, as a diverged run would push: valid files, poisoned output."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(toy_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(math.nan)
+    model.save_pretrained(path)
+
+
+def test_a_poisoned_request_fails_alone(srv, toy_dir, tmp_path):
+    nan_adapter(toy_dir, str(tmp_path / "nan"))
+    assert post(srv, "/v1/load_lora_adapter", {"lora_name": "nan", "lora_path": str(tmp_path / "nan")}).status_code == 200
+    long = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "n": 2, "seed": 3, "return_token_ids": True,
+            "logprobs": 0}
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(post, srv, "/v1/completions", long)
+        wait_for(lambda: metrics(srv)["vllm:num_requests_running"] == 2)
+        poisoned = post(srv, "/v1/completions", {"prompt": PROMPT, "model": "nan", "max_tokens": 5})
+        assert not running.done()                                  # failed while the long one still runs
+        result = running.result()
+    assert_error(poisoned, 500)
+    assert "NaN" in poisoned.json()["error"]["message"]
+    assert result.status_code == 200
+    choices = result.json()["choices"]
+    assert [len(c["token_ids"]) for c in choices] == [200, 200]
+    alone = post(srv, "/v1/completions", long).json()["choices"]   # the same request, now without a neighbour
+    assert [c["token_ids"] for c in alone] == [c["token_ids"] for c in choices]
+    assert [c["logprobs"]["token_logprobs"] for c in alone] == [c["logprobs"]["token_logprobs"] for c in choices]
+    post(srv, "/v1/unload_lora_adapter", {"lora_name": "nan"})
+
+
+def test_a_client_that_disconnects_frees_its_sequences(srv):
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "n": 4}).encode()
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.sendall(request("POST", "/v1/completions", body))
+        wait_for(lambda: metrics(srv)["vllm:num_requests_running"] == 4)
+    start = time.monotonic()
+    wait_for(lambda: metrics(srv)["vllm:num_requests_running"] + metrics(srv)["vllm:num_requests_waiting"] == 0,
+             timeout=5)
+    assert time.monotonic() - start < 2                            # aborted, not generated to the end
+    ok(srv)
+
+
+# ── vLLM's parameter rules ────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": 2.5}, "temperature"),                         # vLLM: temperature in [0, 2]
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"n": 0}, "n"),
+    ({"n": 16385}, "n"),                                           # VLLM_MAX_N_SEQUENCES' default
+    ({"n": 2, "temperature": 0}, "n"),                             # greedy needs n == 1
+    ({"seed": 2**63}, "seed"),                                     # 64-bit signed
+    ({"seed": -2**63 - 1}, "seed"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"logprobs": -2}, "logprobs"),
+    ({"max_tokens": True}, "max_tokens"),                          # a bool is not an int
+    ({"max_tokens": 4.0}, "max_tokens"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": 10**400}, "temperature"),                     # an integer beyond any float
+    ({"model": ["toy"]}, "model"),
+    ({"model": 3}, "model"),
+    ({"stream": "no"}, "stream"),
+    ({"stop_token_ids": [1, "2"]}, "stop_token_ids"),
+    ({"prompt": [PROMPT] * 8193, "n": 2}, "prompt"),               # 16386 sequences in one request
+    ({"prompt": {"ids": PROMPT}}, "prompt"),
+])
+def test_vllm_parameter_rules(srv, fields, param):
+    r = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **fields})
+    assert_error(r, 400)
+    assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity"])
+def test_non_finite_floats_are_refused(srv, value):
+    for field in (b"temperature", b"top_p", b"min_p", b"repetition_penalty"):
+        body = b'{"prompt": [5, 17], "max_tokens": 2, "' + field + b'": ' + value + b"}"
+        status, reply, _ = raw(srv, request("POST", "/v1/completions", body))
+        assert status == 400 and reply["error"]["param"] == field.decode(), reply
+
+
+def test_tiny_temperatures_are_raised_to_vllms_floor(srv):
+    def run(t):
+        r = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": t, "seed": 9,
+                                          "logprobs": 0, "return_token_ids": True, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        return c["token_ids"], c["logprobs"]["token_logprobs"]
+    floor = run(0.01)
+    assert run(1e-300) == run(1e-6) == run(1e-3) == floor          # 0 < t < 0.01 samples at 0.01
+    assert all(math.isfinite(v) for v in floor[1]) and floor != run(0.0)   # only 0 is greedy
+
+
+def test_extreme_but_valid_values_are_served(srv):
+    for fields in ({"seed": 2**63 - 1, "n": 3}, {"seed": -2**63}, {"seed": -1}, {"repetition_penalty": 1e300},
+                   {"top_p": 1e-300}, {"top_k": 10**30}, {"top_k": -1}, {"min_p": 1.0},
+                   {"stop_token_ids": list(range(VOCAB)) * 50}):
+        r = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, **fields})
+        assert r.status_code == 200, (fields, r.text)
+
+
+def test_work_is_bounded_before_the_engine(srv):
+    start = time.monotonic()
+    r = post(srv, "/v1/completions", {"prompt": "ab " * (1 << 19), "max_tokens": 2})  # 1.5 MB of text
+    assert_error(r, 400)
+    assert "maximum context length" in r.json()["error"]["message"]
+    assert time.monotonic() - start < 30
+    r = post(srv, "/v1/completions", {"prompt": [PROMPT] * 5000, "max_tokens": 250})   # every prompt checked
+    assert_error(r, 400)
+    assert metrics(srv)["vllm:num_requests_waiting"] == 0
+
+
+# ── malformed requests, byte by byte ──────────────────────────────────────────────────────────
+
+BODY = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+CHUNKED = {"Transfer-Encoding": "chunked"}
+
+
+@pytest.mark.parametrize("data, status", [
+    (request("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}'), 400),                    # not UTF-8
+    (request("POST", "/v1/completions", b"[" * 100000 + b"]" * 100000), 400),                 # nested deeply
+    (request("POST", "/v1/completions", b'{"prompt": [1, 2'), 400),                          # truncated JSON
+    (request("POST", "/v1/completions", b'"text"'), 400),                                     # not an object
+    (request("POST", "/v1/completions", b'{"max_tokens": 1' + b"0" * 5000 + b"}"), 400),       # 5000 digits
+    (request("POST", "/v1/completions", b"", {"Content-Length": "abc"}), 400),
+    (request("POST", "/v1/completions", b"", {"Content-Length": "-5"}), 400),
+    (request("POST", "/v1/completions", b"", {"Content-Length": str(1 << 40)}), 413),
+    (request("POST", "/v1/completions", BODY, {"Content-Length": str(len(BODY)), **CHUNKED}), 400),
+    (request("POST", "/v1/completions", BODY, {"Transfer-Encoding": "gzip"}), 400),
+    (request("POST", "/v1/completions", b"zz\r\n" + BODY + b"\r\n0\r\n\r\n", CHUNKED), 400),   # bad size
+    (request("POST", "/v1/completions", b"5\r\n" + BODY + b"\r\n0\r\n\r\n", CHUNKED), 400),    # chunk overruns
+    (request("POST", "/v1/completions", b"%x\r\n" % (40 << 20) + b"x" * 1000, CHUNKED), 413),
+    (request("POST", "/v1/completions", b"", {}), 400),           # no body: the prompt is missing
+    (request("PUT", "/v1/completions", BODY), 405),
+    (request("DELETE", "/health"), 405),
+    (request("GET", "/v1/completions"), 405),
+    (request("BREW", "/v1/completions", BODY), 405),             # a method http.server has no handler for
+    (request("POST", "/v2/nowhere", BODY), 404),
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"GET /health HTTP/1.1\r\n" + b"X: " + b"y" * 70000 + b"\r\n\r\n", 431),
+])
+def test_malformed_requests_get_a_json_4xx(srv, data, status):
+    got, reply, _ = raw(srv, data)
+    assert got == status, reply
+    assert error_message(reply)
+    ok(srv)
+
+
+def test_a_valid_chunked_body_is_served(srv):
+    body = b"".join(b"%x\r\n%s\r\n" % (len(BODY[i:i + 7]), BODY[i:i + 7]) for i in range(0, len(BODY), 7))
+    status, reply, _ = raw(srv, request("POST", "/v1/completions", body + b"0\r\n\r\n", CHUNKED))
+    assert status == 200 and len(reply["choices"]) == 1
+
+
+def test_head_gets_headers_only(srv):
+    status, reply, response = raw(srv, request("HEAD", "/v1/completions"))
+    assert status == 405 and reply is None and response.getheader("Content-Type") == "application/json"
+
+
+def test_an_oversized_body_is_refused_and_the_client_reads_why(srv):
+    r = httpx.post(srv.url + "/v1/completions", content=b" " * (33 << 20), timeout=60)
+    assert_error(r, 413)
+
+
+def test_a_client_that_stops_sending_does_not_block_others(srv):
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.sendall(request("POST", "/v1/completions", b"", {"Content-Length": "100"}) + b'{"pro')
+        ok(srv)                                                    # served while that body never arrives
+
+
+# ── --api-key ─────────────────────────────────────────────────────────────────────────────────
+
+
+def test_api_key_guards_every_route_but_health_and_metrics(toy_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")                   # read when --api-key is absent, as vLLM
+    s = LocalServer(toy_dir, "--max-model-len", "64")
+    try:
+        assert httpx.get(s.url + "/health").status_code == 200
+        assert httpx.get(s.url + "/metrics").status_code == 200
+        for method, path in [("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/inference/v1/generate"),
+                             ("GET", "/server_info"), ("POST", "/pause"), ("GET", "/nowhere")]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                r = httpx.request(method, s.url + path, json={}, headers=headers)
+                assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}, (method, path, r.text)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                       headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200
+        assert "s3cret" not in s.output()
+    finally:
+        s.stop()
+
+
+# ── generated requests ────────────────────────────────────────────────────────────────────────
+
+ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                    max_size=3), max_leaves=8)
+TOKEN = st.integers(0, VOCAB - 1)
+
+
+def field(valid, invalid):
+    """A field's value: mostly valid, sometimes invalid (a wrong value or a wrong type)."""
+    return st.one_of(valid, valid, invalid, ANY_JSON)
+
+
+SAMPLING = {
+    "max_tokens": field(st.integers(1, 4), st.integers(max_value=0) | st.integers(MAX_LEN, 2**70)),
+    "n": field(st.integers(1, 3), st.integers(max_value=0) | st.integers(16385, 2**64)),
+    "temperature": field(st.floats(0, 2), st.floats(allow_nan=True) | st.floats(2.0001, 1e308)),
+    "top_p": field(st.floats(1e-9, 1), st.floats(max_value=0) | st.floats(1.0001)),
+    "top_k": field(st.integers(-1, 200), st.integers(max_value=-2)),
+    "min_p": field(st.floats(0, 1), st.floats(1.0001) | st.floats(max_value=-1e-9)),
+    "repetition_penalty": field(st.floats(0.01, 10), st.floats(max_value=0)),
+    "seed": field(st.integers(-2**63, 2**63 - 1), st.integers(2**63) | st.integers(max_value=-2**63 - 1)),
+    "stop_token_ids": field(st.lists(TOKEN, max_size=4), st.lists(st.integers(), max_size=3)),
+    "ignore_eos": field(st.booleans(), st.integers()),
+    "logprobs": field(st.integers(-1, 5), st.integers(max_value=-2)),
+}
+COMPLETION = {**SAMPLING,
+              "prompt": field(st.lists(TOKEN, min_size=1, max_size=12) | st.text(min_size=1, max_size=20)
+                              | st.lists(st.lists(TOKEN, min_size=1, max_size=6), min_size=1, max_size=2),
+                              st.lists(st.integers(), max_size=4) | st.just([])),
+              "model": field(st.just("toy-dir") | st.none(), st.text(max_size=5)),
+              "return_token_ids": field(st.booleans(), st.text(max_size=2)),
+              "return_tokens_as_token_ids": field(st.booleans(), st.integers()),
+              "stream": field(st.just(False), st.just(True)),
+              "max_tokns": ANY_JSON}                            # a typo: always refused
+GENERATE = {"token_ids": COMPLETION["prompt"], "sampling_params": st.fixed_dictionaries(
+    {}, optional={**SAMPLING, "top_k": field(st.integers(1, 50), st.integers(max_value=0))}) | ANY_JSON,
+    "request_id": field(st.text(max_size=8), st.integers()), "model": COMPLETION["model"]}
+
+
+def bodies():
+    """(path, body) for the generation routes and the small control routes (not /pause: it would stop the
+    shared server; not weight transfer: a valid init_info joins a group and waits for a trainer)."""
+    return st.one_of(st.tuples(st.just("/v1/completions"), st.fixed_dictionaries({}, optional=COMPLETION)),
+                     st.tuples(st.just("/inference/v1/generate"), st.fixed_dictionaries({}, optional=GENERATE)),
+                     st.tuples(st.sampled_from(["/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                                                "/weight_checker", "/update_weight_version"]),
+                               st.dictionaries(st.sampled_from(["lora_name", "lora_path", "load_inplace", "action",
+                                                                "baseline", "new_version"]), ANY_JSON)))
+
+
+def check_reply(server, path, body) -> None:
+    r = httpx.post(server.url + path, content=json.dumps(body).encode(), timeout=60)
+    assert r.status_code == 200 or 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
+    if r.status_code >= 400:
+        assert error_message(r.json()), r.text
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(request_=bodies())
+def test_generated_requests_get_200_or_a_4xx_and_the_server_keeps_serving(srv, request_):
+    check_reply(srv, *request_)
+    ok(srv)
+
+
+@pytest.mark.slow
+def test_fuzz_run_stays_green(srv):
+    """Needs SERVE_FUZZ_EXAMPLES (a slow run): schema requests, then raw byte mutations of valid ones."""
+    examples = int(os.environ.get("SERVE_FUZZ_EXAMPLES", 0))
+    if not examples:
+        pytest.skip("set SERVE_FUZZ_EXAMPLES=N to run N fuzz examples")
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(bodies(), st.binary(max_size=64), st.integers(0, 400), st.booleans())
+    def fuzz(req, noise, cut, mangle_bytes):
+        path, body = req
+        if not mangle_bytes:
+            check_reply(srv, path, body)
+        else:
+            data = request("POST", path, json.dumps(body).encode())
+            data = data[:cut] + noise + data[cut:]
+            try:
+                status, reply, _ = raw(srv, data, timeout=10)
+            except (http.client.HTTPException, ConnectionError):    # cut before a whole request: no reply is due
+                status, reply = None, None
+            except socket.timeout:
+                status, reply = None, None                          # a body promised but never sent: 60 s rule
+            if status is not None:
+                assert status == 200 or 400 <= status < 500, (data, status, reply)
+        ok(srv)
+    fuzz()
+
