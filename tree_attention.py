@@ -9,35 +9,50 @@ token are exactly the earlier tokens whose subtree still contains it:
                                                    q 5 (p3):  ■ ■ · · · ■ · ·   p1 p2, then itself
                                                    q 7 (b2):  ■ ■ · · · ■ ■ ■   never a1 a2 (other branch)
 
+Sliding windows count along each token's own path: kv j stays visible to query i only while
+position_ids[i] - position_ids[j] < window (a token's ancestors are its path, depth = position).
+Attention logit softcapping (Gemma 2) is softcap·tanh(score / softcap) before the mask.
+
 Three backends compute that same attention, chosen by `install(model, backend)`:
 
-    sdpa   a dense [N, N] boolean mask from subtree_end: the exact reference (CPU, tests). O(N²) memory.
-    flex   torch flex_attention (compiled) with a BlockMask whose mask_mod is the rule above; the
-           CUDA default. The BlockMask is built once per row by row_kwargs and reused by every layer.
+    sdpa   a dense [N, N] boolean mask from subtree_end (and positions, per window): the exact reference
+           (CPU, tests), O(N²) memory; softcapped layers run eagerly (SDPA has no softcap).
+    flex   torch flex_attention (compiled) with a BlockMask whose mask_mod is the rule above, softcap as
+           a score_mod; the CUDA default. Each row builds one BlockMask per window, shared by the layers.
     flash  the spec's path: per segment, K/V gathered along its root-to-segment path (kv_index) and
            one varlen flash-attention call with causal=True. Flash aligns the causal mask bottom-right
            when a segment has fewer queries than keys, so segment S2 = [p3 b1 b2] with keys
-           [p1 p2 | p3 b1 b2] sees its ancestors and its own causal past. Needs `flash_attn_interface`
-           (FA3) or `flash_attn` (FA2) importable; selecting it otherwise is an error.
+           [p1 p2 | p3 b1 b2] sees its ancestors and its own causal past; a path index is a depth, so
+           window_size=(window-1, 0) is the path window. The kernel comes from the `kernels` hub library
+           as in the spec (flash-attn3; flash-attn4 on Blackwell; aiter-flash-attn on ROCm), else from
+           an installed flash_attn_interface (FA3) or flash_attn (FA2); none: an error naming each.
 
     install(model)                           # "flex" on CUDA, "sdpa" on CPU; refuses unsupported models
     out = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
                 **row_kwargs(model, row))    # batch size 1: one row per DP rank
 
-(The flash backend registers as "tree_varlen": transformers treats any implementation name containing
-"flash" as one of its own flash-attention kernels.) Transformers hands our function q [1, Hq, N, D] and k/v [1, Hkv, N, D] (GQA not expanded) plus every
-extra forward kwarg; AttentionMaskInterface returns None for our names so it builds no dense mask.
+Gated DeltaNet layers (Qwen3.5, Qwen3-Next hybrids) are tree_gated_delta_rule.py's; install() and
+row_kwargs() bring them in, so a caller sees one API. decoder_layers(model) and text_config(model) find
+the language model's layers and config by structure (also under a vision-language model).
 
-Departures from the spec: the spec's only kernel is FA3 varlen; we add sdpa (flex has no CPU
-backward in torch 2.13) and flex (what we could measure on an H200: 88% of the FLOP bound). Models
-are refused at install, not at the first forward: non-attention layers (a recurrence would run
-across samples), sliding windows and softcapping (no backend honours them), attention sinks,
-attention dropout, and logits that are not lm_head(h) (final softcapping, Granite's logits_scaling,
-Cohere's logit_scale: loss.py takes the hidden states and the LM head, so its ratios would be
-biased). The spec supports Gated DeltaNet hybrids; we do not.
+(The flash backend registers as "tree_varlen": transformers treats any implementation name containing
+"flash" as one of its own flash-attention kernels.) Transformers hands our function q [1, Hq, N, D] and
+k/v [1, Hkv, N, D] (GQA not expanded) plus every extra forward kwarg (sliding_window and softcap per
+layer); AttentionMaskInterface returns None for our names so it builds no dense mask.
+
+Departures from the spec:
+- Besides the spec's flash varlen path: sdpa (flex has no CPU backward in torch 2.13) and flex (the
+  default on CUDA: what we could measure on an H200, 88% of the FLOP bound).
+- Refused at install, with every reason, per backend: non-attention layers other than Gated DeltaNet,
+  layer types other than full/sliding/linear attention (e.g. chunked), attention sinks, attention
+  dropout, logits that are not lm_head(h) (Granite's logits_scaling, Cohere's logit_scale), and on
+  flash a window or softcap its kernel lacks (softcapping on flash-attn4 and aiter, as the spec says).
+- Final logit softcapping (Gemma 2) is loss.py's: the trainer passes final_logit_softcapping to it.
 """
 import functools
 import importlib
+import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -45,52 +60,142 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+import tree_gated_delta_rule as gdn
+
 BACKENDS = ("sdpa", "flex", "flash")
 _MISSING = "tree attention needs the row's kwargs: model(..., **tree_attention.row_kwargs(model, row))"
 
 
-def _tree_sdpa(module, query, key, value, attention_mask, scaling=None, tree_mask=None, **_):
-    if tree_mask is None:
+class _PerWindow(dict):
+    """sliding window (None: none) -> the row's mask for it, built on first use and shared by every layer."""
+
+    def __init__(self, build):
+        super().__init__()
+        self.build = build
+
+    def __missing__(self, window):
+        mask = self[window] = self.build(window)
+        return mask
+
+
+def _eager_softcapped(query, key, value, mask, scale, softcap):
+    """Attention with scores softcap·tanh(s / softcap) (Gemma 2), which SDPA cannot do.  [1, Hq, N, D]"""
+    rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)     # [1, Hq, N, D]
+    scores = (query @ key.transpose(-1, -2)) * scale                                 # [1, Hq, N, N]
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1, dtype=torch.float32).to(query.dtype) @ value
+
+
+def _tree_sdpa(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
+               tree_masks=None, **_):
+    if tree_masks is None:
         raise ValueError(_MISSING)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=tree_mask, scale=scaling,
-                                         enable_gqa=query.shape[1] != key.shape[1])   # [1, Hq, N, D]
-    return out.transpose(1, 2).contiguous(), None                                      # [1, N, Hq, D]
+    mask = tree_masks[sliding_window]                                                # [1, 1, N, N]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])   # [1, Hq, N, D]
+    else:
+        out = _eager_softcapped(query, key, value, mask, scaling or query.shape[-1] ** -0.5, softcap)
+    return out.transpose(1, 2).contiguous(), None                                    # [1, N, Hq, D]
 
 
 _flex = torch.compile(flex_attention)   # compiled on first call; one recompile makes row length dynamic
 
 
-def _tree_flex(module, query, key, value, attention_mask, scaling=None, tree_block_mask=None, **_):
-    if tree_block_mask is None:
+@functools.cache
+def _softcap_mod(softcap: float):
+    """A flex score_mod, one function object per value (a new closure per call would recompile)."""
+    def score_mod(score, b, h, q, kv):
+        return torch.tanh(score / softcap) * softcap
+    return score_mod
+
+
+def _tree_flex(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
+               tree_block_masks=None, **_):
+    if tree_block_masks is None:
         raise ValueError(_MISSING)
-    out = _flex(query, key, value, block_mask=tree_block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    out = _flex(query, key, value, block_mask=tree_block_masks[sliding_window], scale=scaling,
+                score_mod=None if softcap is None else _softcap_mod(softcap),
+                enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
+# ---- flash: a varlen kernel from the `kernels` hub library, else an installed flash-attn package ----
+
+@dataclass
+class FlashKernel:
+    name: str               # hub repo or package it came from
+    varlen: object          # flash_attn_varlen_func
+    params: frozenset       # its keyword names (FA4's differ from FA2/FA3's)
+    window: bool            # honours window_size
+    softcap: bool           # honours softcap
+
+
+_HUB_VERSIONS = {"kernels-community/flash-attn3": 1, "kernels-community/flash-attn4": 0,
+                 "kernels-community/aiter-flash-attn": 2}
+_NO_SOFTCAP = ("kernels-community/flash-attn4", "kernels-community/aiter-flash-attn")   # spec: AMD GPU
+
+
+def hub_kernel_repo(rocm: bool, capability: tuple[int, int]) -> str:
+    """The spec's kernel for a device: aiter on ROCm, flash-attn4 on Blackwell (10.x), else flash-attn3."""
+    if rocm:
+        return "kernels-community/aiter-flash-attn"
+    return "kernels-community/flash-attn4" if capability[0] == 10 else "kernels-community/flash-attn3"
+
+
+def _kernel(name, varlen) -> FlashKernel:
+    params = frozenset(inspect.signature(varlen).parameters)
+    return FlashKernel(name, varlen, params, "window_size" in params,
+                       "softcap" in params and name not in _NO_SOFTCAP)
+
+
 @functools.cache
-def _flash_varlen():
-    """flash_attn_varlen_func of FA3, else FA2, else None."""
-    for name in ("flash_attn_interface", "flash_attn"):
+def flash_kernel() -> FlashKernel:
+    """The spec's hub kernel through `kernels`, else flash_attn_interface (FA3) or flash_attn (FA2);
+    a RuntimeError naming what was tried when none loads."""
+    tried = []
+    if not torch.cuda.is_available():
+        tried.append("hub kernels: no CUDA/ROCm device")
+    else:
+        repo = hub_kernel_repo(torch.version.hip is not None, torch.cuda.get_device_capability())
         try:
-            return importlib.import_module(name).flash_attn_varlen_func
+            kernels = importlib.import_module("kernels")
+            return _kernel(repo, kernels.get_kernel(repo, version=_HUB_VERSIONS[repo]).flash_attn_varlen_func)
         except ImportError:
-            continue
-    return None
+            tried.append(f"{repo}: the `kernels` library is not installed (pip install -r requirements-gpu.txt)")
+        except Exception as e:  # noqa: BLE001  no hub access, no build for this GPU/torch, ...
+            tried.append(f"{repo} through `kernels`: {type(e).__name__}: {e}")
+    for package in ("flash_attn_interface", "flash_attn"):
+        try:
+            return _kernel(package, importlib.import_module(package).flash_attn_varlen_func)
+        except (ImportError, AttributeError) as e:
+            tried.append(f"{package}: {e}")
+    raise RuntimeError("backend 'flash' needs a flash-attention varlen kernel and none loads: "
+                       + "; ".join(tried) + ". Use backend 'flex' instead.")
 
 
-def _tree_flash(module, query, key, value, attention_mask, scaling=None, tree_kv_index=None, tree_cu_seqlens_q=None,
-                tree_cu_seqlens_k=None, tree_max_seqlen_q=None, tree_max_seqlen_k=None, **_):
+def _tree_flash(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
+                tree_kv_index=None, tree_cu_seqlens_q=None, tree_cu_seqlens_k=None, tree_max_seqlen_q=None,
+                tree_max_seqlen_k=None, **_):
     if tree_kv_index is None:
         raise ValueError(_MISSING)
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))   # [N, H, D]
-    k, v = k.index_select(0, tree_kv_index), v.index_select(0, tree_kv_index)   # [K, Hkv, D]: paths
-    out = _flash_varlen()(q, k, v, tree_cu_seqlens_q, tree_cu_seqlens_k, tree_max_seqlen_q, tree_max_seqlen_k,
-                          softmax_scale=scaling, causal=True)
+    kernel = flash_kernel()
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))                 # [N, H, D]
+    k, v = k.index_select(0, tree_kv_index), v.index_select(0, tree_kv_index)     # [K, Hkv, D]: paths
+    kw = dict(cu_seqlens_q=tree_cu_seqlens_q, cu_seqlens_k=tree_cu_seqlens_k, max_seqlen_q=tree_max_seqlen_q,
+              max_seqlen_k=tree_max_seqlen_k, softmax_scale=scaling, causal=True)
+    if sliding_window is not None:      # a path index is a depth: the window counts along the path
+        kw["window_size"] = (sliding_window - 1, 0)
+    if softcap is not None:
+        kw["softcap"] = softcap
+    out = kernel.varlen(q, k, v, **{n: x for n, x in kw.items() if n in kernel.params})
     out = out[0] if isinstance(out, tuple) else out                # FA3 may also return the LSE
     return out.unsqueeze(0), None                                  # [1, N, Hq, D]
 
 
-_IMPLS = {"sdpa": ("tree_sdpa", _tree_sdpa), "flex": ("tree_flex", _tree_flex), "flash": ("tree_varlen", _tree_flash)}
+_IMPLS = {"sdpa": ("tree_sdpa", _tree_sdpa), "flex": ("tree_flex", _tree_flex),
+          "flash": ("tree_varlen", _tree_flash)}
 for _name, _fn in _IMPLS.values():
     AttentionInterface.register(_name, _fn)
     AttentionMaskInterface.register(_name, lambda *args, **kwargs: None)
@@ -120,67 +225,98 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return layers
 
 
-def _refusals(model) -> list[str]:
+def _windows(cfg) -> bool:
+    """Whether any attention layer slides a window: per layer (sliding_attention types, Gemma 2/3, Qwen) or
+    model-wide (Mistral's config.sliding_window, passed by every layer)."""
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return "sliding_attention" in types and getattr(cfg, "sliding_window", None) is not None
+    return bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True) is not False
+
+
+def _refusals(model, backend: str) -> list[str]:
     cfg = text_config(model)
     why = []
     if not model._can_set_attn_implementation():
         why.append("its attention does not go through transformers' AttentionInterface")
-    other = sorted(set(getattr(cfg, "layer_types", None) or []) - {"full_attention"})
+    other = sorted(set(getattr(cfg, "layer_types", None) or [])
+                   - {"full_attention", "sliding_attention", "linear_attention"})
     if other:
-        why.append(f"layer types {other}: only full_attention layers see exactly their own path in a trie")
+        why.append(f"layer types {other}: only full, sliding-window and Gated DeltaNet layers are tree-packed")
     try:
         layers = decoder_layers(model)
-    except ValueError:
-        layers = None
-    if layers is None or any(not hasattr(layer, "self_attn") for layer in layers):
-        why.append("decoder layers without self_attn (non-attention layers would run across samples)")
-    if any(getattr(m, "sliding_window", None) for m in model.modules()):
-        why.append("sliding-window attention (no backend honours the window)")
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        why.append("attention logit softcapping")
+    except ValueError as e:
+        layers = []
+        why.append(str(e))
+    mixers, deltanets = [x for x in layers if not hasattr(x, "self_attn")], gdn.gated_deltanet_layers(layers)
+    if len(mixers) != len(deltanets):
+        why.append("non-attention decoder layers other than Gated DeltaNet (they would run across samples)")
+    elif deltanets and gdn.unsupported(deltanets):
+        why.append(gdn.unsupported(deltanets))
+    if backend == "flash":
+        kernel = flash_kernel()
+        if _windows(cfg) and not kernel.window:
+            why.append(f"sliding-window attention: the flash kernel {kernel.name} has no window_size; use 'flex'")
+        if getattr(cfg, "attn_logit_softcapping", None) is not None and not kernel.softcap:
+            why.append(f"attention logit softcapping: the flash kernel {kernel.name} does not support it "
+                       "(the spec: not on AMD or Blackwell GPUs); use 'flex'")
     if any(n.endswith("sinks") for n, _ in model.named_parameters()):
         why.append("attention sinks")
     if getattr(cfg, "attention_dropout", 0.0):
         why.append("attention_dropout > 0")
-    for name, neutral in (("final_logit_softcapping", None), ("logits_scaling", 1.0), ("logit_scale", 1.0)):
+    for name, neutral in (("logits_scaling", 1.0), ("logit_scale", 1.0)):
         if getattr(cfg, name, neutral) not in (neutral, None):
             why.append(f"{name}={getattr(cfg, name)} (loss.py computes log-probs from lm_head(h) / temperature)")
     return why
 
 
 def install(model, backend: str | None = None) -> str:
-    """Switch `model` to tree attention; returns the backend (None: flex on CUDA, sdpa on CPU)."""
-    why = _refusals(model)
-    if why:
-        raise ValueError(f"tree packing cannot train model_type={model.config.model_type!r}: " + "; ".join(why))
+    """Switch `model` to tree attention (and its Gated DeltaNet layers to the tree rule); returns the backend
+    (None: flex on CUDA, sdpa on CPU). Refuses, with every reason, what the backend cannot compute exactly."""
     device = next(model.parameters()).device
     backend = backend or ("flex" if device.type == "cuda" else "sdpa")
     if backend not in _IMPLS:
         raise ValueError(f"unknown tree attention backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "flash" and _flash_varlen() is None:
-        raise RuntimeError("backend 'flash' needs a flash-attention kernel: neither flash_attn_interface (FA3) nor "
-                           "flash_attn (FA2) can be imported; use backend 'flex' instead")
+    why = _refusals(model, backend)
+    if why:
+        raise ValueError(f"tree packing ({backend}) cannot train model_type={model.config.model_type!r}: "
+                         + "; ".join(why))
+    gdn.install(gdn.gated_deltanet_layers(decoder_layers(model)))
     model.set_attn_implementation(_IMPLS[backend][0])
     model.config.use_cache = False           # a KV cache would only hold every layer's K/V for nothing
     return backend
 
 
 def row_kwargs(model, row) -> dict:
-    """Extra forward kwargs for one packed row, on the model's device, for the installed backend."""
+    """Extra forward kwargs for one packed row, on the model's device, for the installed backend (and the
+    Gated DeltaNet layout when the model has such layers)."""
     backend = next((b for b, (name, _) in _IMPLS.items() if name == model.config._attn_implementation), None)
     if backend is None:
         raise ValueError("call tree_attention.install(model) first")
     device = next(model.parameters()).device
-    end = row.subtree_end.to(device)                                # [N]
+    end, pos = row.subtree_end.to(device), row.position_ids.to(device)            # [N], [N] depth
+    out = {}
+    deltanets = gdn.gated_deltanet_layers(decoder_layers(model))
+    if deltanets:
+        out["tree_gdn"] = gdn.layout(row, deltanets[0].conv_kernel_size, device)
     if backend == "sdpa":
         i = torch.arange(len(end), device=device)
-        return {"tree_mask": ((i[None, :] <= i[:, None]) & (i[:, None] <= end[None, :]))[None, None]}  # [1,1,N,N]
-    if backend == "flex":
-        def visible(b, h, q, kv):
-            return (kv <= q) & (q <= end[kv])
-        # compiled on CUDA (as transformers does): uncompiled it materialises all N² mask values at once
-        return {"tree_block_mask": create_block_mask(visible, None, None, len(end), len(end), device=device,
-                                                     _compile=device.type == "cuda")}
-    return {"tree_kv_index": row.kv_index.to(device), "tree_cu_seqlens_q": row.cu_seqlens_q.to(device),
-            "tree_cu_seqlens_k": row.cu_seqlens_k.to(device), "tree_max_seqlen_q": row.max_seqlen_q,
-            "tree_max_seqlen_k": row.max_seqlen_k}
+        tree = (i[None, :] <= i[:, None]) & (i[:, None] <= end[None, :])        # [N, N] kv j visible to i
+        near = lambda w: pos[:, None] - pos[None, :] < w                         # [N, N] along the path
+        out["tree_masks"] = _PerWindow(lambda w: (tree if w is None else tree & near(w))[None, None])
+    elif backend == "flex":
+        def block_mask(window):
+            def visible(b, h, q, kv):
+                return (kv <= q) & (q <= end[kv])
+
+            def visible_near(b, h, q, kv):
+                return (kv <= q) & (q <= end[kv]) & (pos[q] - pos[kv] < window)
+            # compiled on CUDA (as transformers does): uncompiled it materialises all N² mask values at once
+            return create_block_mask(visible if window is None else visible_near, None, None, len(end), len(end),
+                                     device=device, _compile=device.type == "cuda")
+        out["tree_block_masks"] = _PerWindow(block_mask)
+    else:
+        out.update(tree_kv_index=row.kv_index.to(device), tree_cu_seqlens_q=row.cu_seqlens_q.to(device),
+                   tree_cu_seqlens_k=row.cu_seqlens_k.to(device), tree_max_seqlen_q=row.max_seqlen_q,
+                   tree_max_seqlen_k=row.max_seqlen_k)
+    return out

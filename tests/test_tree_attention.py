@@ -1,5 +1,7 @@
 """tree_attention.py: one packed forward equals every sample forwarded alone (log-probs and gradients)."""
 import dataclasses
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -19,6 +21,30 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 def model(seed=0, **cfg):
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(Qwen3Config(**{**SMALL, **cfg})).float()
+
+
+WINDOW = 5                        # shorter than every sample below
+
+
+def windowed(family: str, seed=0, attn_implementation=None, window=WINDOW):
+    """Tiny models whose windows and softcaps change the result: Mistral (one window for every layer),
+    Qwen3 and Gemma 3 (sliding_attention layer types), Gemma 2 (types, attention and final softcapping)."""
+    import transformers as tf
+    small = {k: v for k, v in SMALL.items() if k != "tie_word_embeddings"}
+    cfg = {"mistral": lambda: tf.MistralConfig(**small, sliding_window=window),
+           "qwen3": lambda: tf.Qwen3Config(**small, use_sliding_window=True, sliding_window=window,
+                                           layer_types=["sliding_attention", "full_attention"]),
+           "gemma2": lambda: tf.Gemma2Config(**small, sliding_window=window, attn_logit_softcapping=0.05,
+                                             final_logit_softcapping=3.0, query_pre_attn_scalar=16),
+           "gemma3": lambda: tf.Gemma3TextConfig(**small, sliding_window=window, query_pre_attn_scalar=16,
+                                                 layer_types=["sliding_attention", "full_attention"]),
+           }[family]()
+    cls = {"mistral": tf.MistralForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "gemma2": tf.Gemma2ForCausalLM,
+           "gemma3": tf.Gemma3ForCausalLM}[family]
+    torch.manual_seed(seed)
+    if attn_implementation:
+        cfg._attn_implementation = attn_implementation
+    return cls(cfg).float()
 
 
 def samples(seed: int) -> list:
@@ -99,27 +125,59 @@ def test_packed_equals_unpacked_for_duplicates_prefixes_and_tiny_samples():
         assert (a.grad - b.grad).norm() <= 1e-5 * b.grad.norm() + 1e-12, name
 
 
-def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
-    """What flash_attn_varlen_func computes, per segment, with the causal mask aligned bottom-right."""
-    assert causal
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2", "gemma3"])
+def test_windowed_and_softcapped_models_packed_equal_unpacked(family):
+    """The window counts positions along each token's own path; attention softcapping (Gemma 2) runs eagerly
+    (transformers' sdpa path ignores it, so the reference is its eager path). Mistral's model-wide
+    sliding_window is honoured, never silently dropped: a model with a window 100x longer differs."""
+    batch = samples(7)
+    row = pack(batch)
+    assert max(len(s.input_ids) for s in batch) > 3 * WINDOW
+    ref_impl = "eager" if family == "gemma2" else "sdpa"
+    tree, ref = windowed(family, 7), windowed(family, 7, attn_implementation=ref_impl)
+    assert tree_attention.install(tree) == "sdpa"
+    lp_tree, lp_ref = packed_logps(tree, row), alone_logps(ref, batch)
+    assert (lp_tree - lp_ref).abs().max().item() <= 1e-5
+    wide = windowed(family, 7, attn_implementation=ref_impl, window=100 * WINDOW)
+    with torch.no_grad():
+        assert (alone_logps(wide, batch) - lp_ref).abs().max().item() > 1e-3       # the window matters here
+        if family == "gemma2":                                                      # and so does the softcap
+            assert (alone_logps(windowed(family, 7), batch) - lp_ref).abs().max().item() > 1e-3
+    (row.advantages * lp_tree).sum().backward()
+    adv = torch.tensor([x.advantage for x in batch])
+    counts = torch.tensor([int(np.count_nonzero(x.completion_mask[1:])) for x in batch])
+    (adv.repeat_interleave(counts) * lp_ref).sum().backward()
+    for (name, a), b in zip(tree.named_parameters(), ref.parameters()):
+        assert (a.grad - b.grad).norm() <= 1e-5 * b.grad.norm() + 1e-12, name
+
+
+def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                     causal=False, window_size=(-1, -1), softcap=0.0):
+    """What flash_attn_varlen_func computes, per segment, with the causal mask aligned bottom-right, a left
+    window of window_size[0] keys and tanh softcapping of the scores."""
+    assert causal and window_size[1] in (-1, 0)
     out = []
-    for s in range(len(cu_q) - 1):
-        qs, ks, vs = (x[a:b].transpose(0, 1) for x, a, b in ((q, cu_q[s], cu_q[s + 1]), (k, cu_k[s], cu_k[s + 1]),
-                                                              (v, cu_k[s], cu_k[s + 1])))
+    for s in range(len(cu_seqlens_q) - 1):
+        (a, b), (c, d) = cu_seqlens_q[s:s + 2].tolist(), cu_seqlens_k[s:s + 2].tolist()
+        qs, ks, vs = q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1)   # [H, n|m, D]
         n, m = qs.shape[1], ks.shape[1]
-        assert n <= max_q and m <= max_k
-        mask = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
-        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale,
-                                                  enable_gqa=True).transpose(0, 1))
+        assert n <= max_seqlen_q and m <= max_seqlen_k
+        ks, vs = (x.repeat_interleave(qs.shape[0] // x.shape[0], 0) for x in (ks, vs))
+        i, j = torch.arange(n)[:, None] + (m - n), torch.arange(m)[None, :]
+        mask = (j <= i) & ((j >= i - window_size[0]) if window_size[0] >= 0 else True)
+        scores = qs @ ks.transpose(1, 2) * (softmax_scale or qs.shape[-1] ** -0.5)
+        scores = torch.tanh(scores / softcap) * softcap if softcap else scores
+        out.append((scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vs).transpose(0, 1))
     return torch.cat(out)
 
 
-def test_flash_path_gathers_segment_paths(monkeypatch):
-    """The flash backend's gather and cu_seqlens, with a pure-torch stand-in for the kernel."""
-    monkeypatch.setattr(tree_attention, "_flash_varlen", lambda: reference_varlen)
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_flash_path_gathers_segment_paths(monkeypatch, family):
+    """The flash backend's gather, cu_seqlens, window and softcap, with a pure-torch stand-in for the kernel."""
+    monkeypatch.setattr(tree_attention, "flash_kernel", lambda: tree_attention._kernel("stand-in", reference_varlen))
     batch = samples(3)
     row = pack(batch)
-    flash, sdpa = model(3), model(3)
+    flash, sdpa = (model(3) if family == "qwen3" else windowed("gemma2", 3) for _ in range(2))
     assert tree_attention.install(flash, "flash") == "flash"
     tree_attention.install(sdpa, "sdpa")
     a, b = packed_logps(flash, row), packed_logps(sdpa, row)
@@ -130,17 +188,75 @@ def test_flash_path_gathers_segment_paths(monkeypatch):
         assert (p.grad - q.grad).norm() <= 1e-5 * q.grad.norm() + 1e-12
 
 
-def test_flash_without_a_kernel_is_a_clear_error():
-    if tree_attention._flash_varlen() is not None:
-        pytest.skip("a flash-attention kernel is installed here")
-    with pytest.raises(RuntimeError, match="flash_attn"):
-        tree_attention.install(model(), "flash")
+def test_flash_without_a_kernel_names_what_it_tried_and_suggests_flex(monkeypatch):
+    monkeypatch.setitem(sys.modules, "kernels", None)                  # `import kernels` raises ImportError
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    tree_attention.flash_kernel.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"flash-attn3: the `kernels` library is not installed.*"
+                                               r"flash_attn_interface.*flash_attn.*Use backend 'flex'"):
+            tree_attention.install(model(), "flash")
+    finally:
+        tree_attention.flash_kernel.cache_clear()
 
 
-def test_flex_forward_on_cpu_equals_sdpa():
-    """flex has no CPU backward in torch 2.13; its forward (compiled on first call) must match."""
+def test_flash_kernel_comes_from_the_hub_repo_of_the_device(monkeypatch):
+    """kernels.get_kernel(repo) for the device (a fake `kernels` module: the hub is a boundary we do not own),
+    and the flash-attn package when the hub fails."""
+    assert tree_attention.hub_kernel_repo(rocm=True, capability=(9, 4)) == "kernels-community/aiter-flash-attn"
+    assert tree_attention.hub_kernel_repo(rocm=False, capability=(10, 0)) == "kernels-community/flash-attn4"
+    assert tree_attention.hub_kernel_repo(rocm=False, capability=(9, 0)) == "kernels-community/flash-attn3"
+    assert tree_attention.hub_kernel_repo(rocm=False, capability=(8, 0)) == "kernels-community/flash-attn3"
+    asked = []
+
+    def get_kernel(repo, version=None):
+        asked.append((repo, version))
+        if repo.endswith("flash-attn4"):
+            raise OSError("no build for this torch")
+        return types.SimpleNamespace(flash_attn_varlen_func=reference_varlen)
+
+    monkeypatch.setitem(sys.modules, "kernels", types.SimpleNamespace(get_kernel=get_kernel))
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=reference_varlen))
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        for capability, name in (((9, 0), "kernels-community/flash-attn3"), ((10, 0), "flash_attn")):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+            tree_attention.flash_kernel.cache_clear()
+            kernel = tree_attention.flash_kernel()
+            assert kernel.name == name and kernel.varlen is reference_varlen and kernel.window and kernel.softcap
+        assert asked == [("kernels-community/flash-attn3", 1), ("kernels-community/flash-attn4", 0)]
+    finally:
+        tree_attention.flash_kernel.cache_clear()
+
+
+def test_flash_refuses_what_its_kernel_cannot_do(monkeypatch):
+    """Softcapping on flash-attn4/aiter (the spec: not on Blackwell or AMD) and windows on a kernel without
+    window_size are refused at install with the reason; flex takes them."""
+    def no_window(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                  causal=False, softcap=0.0):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(tree_attention, "flash_kernel",
+                        lambda: tree_attention._kernel("kernels-community/flash-attn4", reference_varlen))
+    with pytest.raises(ValueError, match="softcapping: the flash kernel kernels-community/flash-attn4"):
+        tree_attention.install(windowed("gemma2"), "flash")
+    assert tree_attention.install(windowed("mistral"), "flash") == "flash"
+    monkeypatch.setattr(tree_attention, "flash_kernel", lambda: tree_attention._kernel("old", no_window))
+    with pytest.raises(ValueError, match="mistral.*sliding-window attention: the flash kernel old"):
+        tree_attention.install(windowed("mistral"), "flash")
+    assert tree_attention.install(windowed("mistral"), "flex") == "flex"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_flex_forward_on_cpu_equals_sdpa(family):
+    """flex has no CPU backward in torch 2.13; its forward (compiled on first call) must match, with the
+    window as a mask_mod and softcapping as a score_mod (gemma2)."""
     row = pack(samples(4))
-    flex, sdpa = model(4), model(4)
+    flex, sdpa = (model(4) if family == "qwen3" else windowed(family, 4) for _ in range(2))
     tree_attention.install(flex, "flex")
     tree_attention.install(sdpa, "sdpa")
     with torch.no_grad():
@@ -148,8 +264,11 @@ def test_flex_forward_on_cpu_equals_sdpa():
 
 
 def test_install_refuses_models_it_cannot_pack():
-    with pytest.raises(ValueError, match="qwen3.*sliding"):
-        tree_attention.install(model(use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    from transformers import Llama4TextConfig, Llama4ForCausalLM
+    small = {k: v for k, v in SMALL.items() if k not in ("tie_word_embeddings",)}
+    with pytest.raises(ValueError, match=r"llama4_text.*layer types \['chunked_attention'\]"):
+        tree_attention.install(Llama4ForCausalLM(Llama4TextConfig(**small, intermediate_size_mlp=128,
+                                                                  num_local_experts=2, attention_chunk_size=4)))
     with pytest.raises(ValueError, match="mamba.*non-attention"):
         tree_attention.install(MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4)))
     with pytest.raises(ValueError, match="attention_dropout"):
@@ -159,9 +278,9 @@ def test_install_refuses_models_it_cannot_pack():
 
 
 def test_install_refuses_models_whose_logits_are_not_the_lm_head():
-    """loss.py computes log π from lm_head(h) / T: a model that scales or softcaps its logits after the head would
-    get biased ratios on every token (all masked), silently. Granite divides by logits_scaling, Cohere multiplies
-    by logit_scale; both have plain full attention, so only this check stops them."""
+    """loss.py computes log π from lm_head(h) / T (and final softcapping): a model that scales its logits after the
+    head would get biased ratios on every token (all masked), silently. Granite divides by logits_scaling, Cohere
+    multiplies by logit_scale; both have plain full attention, so only this check stops them."""
     from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
     small = {k: v for k, v in SMALL.items() if k not in ("head_dim", "tie_word_embeddings")}
     with pytest.raises(ValueError, match="granite.*logits_scaling"):

@@ -1,0 +1,113 @@
+"""tree_gated_delta_rule.py: Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5) packed equal each sample alone."""
+import numpy as np
+import pytest
+import torch
+
+import tree_attention
+import tree_gated_delta_rule as gdn
+from rollout_samples import RolloutSample
+from test_tree_attention import VOCAB, alone_logps, pack, packed_logps, samples
+
+HYBRID = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512,
+              layer_types=["linear_attention", "full_attention", "linear_attention"])
+
+
+def hybrid(family: str, seed=0):
+    import transformers as tf
+    torch.manual_seed(seed)
+    if family == "qwen3_next":
+        m = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**HYBRID, num_experts=0)).float()
+    else:
+        m = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**HYBRID)).float()
+    # Random init draws decay rates A up to 16 (a state that forgets in one token), whose in-chunk cumulative
+    # decays underflow fp32 differently for each chunk alignment; trained checkpoints decay far slower.
+    with torch.no_grad():
+        for layer in gdn.gated_deltanet_layers(tree_attention.decoder_layers(m)):
+            layer.A_log.uniform_(-4.0, -1.0)                                    # A in [0.02, 0.37]
+    return m
+
+
+def sample(ids, mask, adv=1.0):
+    return RolloutSample(np.array(ids, np.int64), np.array(mask, np.int8), np.zeros(len(ids), np.float32), adv, 0, 0)
+
+
+def long_samples(seed: int) -> list:
+    """Prompts longer than the 64-token chunk of the delta rule, forks inside and across chunks, multi-turn."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, VOCAB, 90)
+    out = []
+    for _ in range(3):
+        ids = np.concatenate([prompt, rng.integers(0, VOCAB, rng.integers(40, 80))])
+        mask = np.r_[np.zeros(90, np.int8), rng.integers(0, 2, len(ids) - 90).astype(np.int8)]
+        out.append(RolloutSample(ids, mask, np.zeros(len(ids), np.float32), float(rng.normal()), 0, 0))
+        cut = int(rng.integers(91, len(ids)))           # a later turn re-using part of this one
+        turn = np.concatenate([ids[:cut], rng.integers(0, VOCAB, 30)])
+        out.append(RolloutSample(turn, np.r_[np.zeros(cut, np.int8), np.ones(30, np.int8)],
+                                 np.zeros(len(turn), np.float32), float(rng.normal()), 0, 0))
+    return out
+
+
+EDGES = [sample([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 0, 1]), sample([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 0, 1], -1.0),
+         sample([1, 2, 3, 4], [0, 0, 1, 1]), sample([1, 2], [0, 1]), sample([7], [0]), sample([7, 8], [0, 1]),
+         sample([1, 2, 3, 4, 5, 6, 9, 9], [0, 0, 0, 1, 0, 1, 1, 1]), sample([1, 2, 3, 9], [0, 0, 0, 0]),
+         sample([1, 2, 3, 4, 5, 7, 7, 7, 7], [0, 0, 0, 0, 0, 1, 1, 1, 1])]   # segments shorter than the kernel
+
+
+def check(family, batch, seed):
+    row = pack(batch)
+    assert row.unique_tokens < row.raw_tokens
+    tree, ref = hybrid(family, seed), hybrid(family, seed)
+    assert tree_attention.install(tree) == "sdpa"
+    lp_tree, lp_ref = packed_logps(tree, row), alone_logps(ref, batch)
+    assert (lp_tree - lp_ref).abs().max().item() <= 1e-5
+    with torch.no_grad():                       # the recurrence across packed positions would be wrong
+        kwargs = tree_attention.row_kwargs(tree, row)
+        del kwargs["tree_gdn"]
+        out = tree(input_ids=row.input_ids[None], position_ids=row.position_ids[None], **kwargs).logits[0]
+        lp_flat = out[row.token_index].log_softmax(-1).gather(1, row.targets[:, None])[:, 0]
+        assert (lp_flat - lp_ref).abs().max().item() > 1e-3
+    (row.advantages * lp_tree).sum().backward()
+    adv = torch.tensor([s.advantage for s in batch])
+    counts = torch.tensor([int(np.count_nonzero(s.completion_mask[1:])) for s in batch])
+    (adv.repeat_interleave(counts) * lp_ref).sum().backward()
+    for (name, a), b in zip(tree.named_parameters(), ref.parameters()):    # segments start new 64-token
+        assert (a.grad - b.grad).norm() <= 1e-5 * b.grad.norm() + 1e-12, name
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("which", ["groups", "edges", "long"])
+def test_hybrid_packed_equals_unpacked_logprobs_and_gradients(family, which):
+    batch = {"groups": lambda: samples(1), "edges": lambda: EDGES, "long": lambda: long_samples(2)}[which]()
+    check(family, batch, seed=3)
+
+
+def test_layout_parents_and_extended_convolution():
+    """The module docstring's example: S1 and S2 hang below S0; each segment reads K-1 = 3 path predecessors."""
+    row = pack([sample([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), sample([1, 2, 3, 6, 7], [0, 0, 0, 1, 1])])
+    assert row.cu_seqlens_q.tolist() == [0, 2, 5, 8]
+    lay = gdn.layout(row, kernel_size=4, device="cpu")
+    assert [(lv.segments, lv.parents) for lv in lay.levels] == [([0], [-1]), ([1, 2], [0, 0])]
+    N = 8                                                   # slot N reads zeros
+    assert lay.conv_index.tolist() == [N, N, N, 0, 1, N, 0, 1, 2, 3, 4, N, 0, 1, 5, 6, 7]
+    assert lay.conv_keep.tolist() == [3, 4, 8, 9, 10, 14, 15, 16]
+    assert torch.equal(torch.cat([lv.index for lv in lay.levels])[lay.unlevel], torch.arange(N))
+
+
+def test_a_tree_kwarg_never_leaks_into_other_models():
+    """The modeling file's functions are patched module-wide: without the row's layout they are the originals."""
+    m = hybrid("qwen3_5")
+    tree_attention.install(hybrid("qwen3_5"))
+    import transformers.models.qwen3_5.modeling_qwen3_5 as mod
+    assert hasattr(mod.torch_chunk_gated_delta_rule, "tree_original")
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        a = m(input_ids=ids).logits
+        saved = mod.causal_conv1d_fn, mod.torch_chunk_gated_delta_rule
+        mod.causal_conv1d_fn, mod.torch_chunk_gated_delta_rule = (f.tree_original for f in saved)
+        try:
+            b = m(input_ids=ids).logits
+        finally:
+            mod.causal_conv1d_fn, mod.torch_chunk_gated_delta_rule = saved
+    assert torch.equal(a, b)
