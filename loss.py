@@ -5,7 +5,8 @@ num_sampler_logprobs, temperature, top_k, top_p, min_p, router_aux_loss_coef).
 Per trained token t (M of them in a packed row; each is the prediction made at packed position
 token_index[t] of the target token y_t, sampled by vLLM from its processed distribution q_t):
 
-    z_t      = W h[token_index[t]] / T                    [V]    logits with the sampling temperature
+    z_t      = cap(W h[token_index[t]]) / T               [V]    logits with the sampling temperature; cap(x) =
+                                                                  c·tanh(x/c) with final_logit_softcapping c
     log π_t  = z_t - logsumexp_{v ∈ S_t} z_t               [V]    normalised over S_t, the candidate set y_t
                                                                   was drawn from (all of V without top-k/top-p)
     r_t      = exp(log π_t(y_t) - log q_t(y_t))            []     ratio to the sampler (no separate π_old)
@@ -61,6 +62,10 @@ Departures from the spec and why:
 - Clipping applies to the centred term too (through w), and ĉ accounts for it with the token's own A.
 - Masked tokens stay in n (the count is known before the forward; ICE-POP style, no renormalisation).
 - The LM-head matmul runs in the weight's dtype, the softmax in at least fp32; autocast is not used here.
+  The LM-head weight and bias gradients are summed over chunks in fp32 and rounded once at the end (a
+  bf16 sum per chunk was off by 0.4-0.8%).
+- Final logit softcapping (Gemma 2) is applied here, from the model config the trainer passes: loss.py
+  takes hidden states and the LM head, not the model's logits. The temperature divides the capped logits.
 """
 import functools
 import warnings
@@ -82,18 +87,36 @@ class TokenLogProbs:
     entropy: torch.Tensor    # [M]    entropy of π_θ over the candidate set
 
 
-def _chunk_logits(hidden, weight, bias, token_index, candidate_ids, candidate_offsets, temperature, lo, hi):
-    """Logits/T of rows lo..hi, -inf outside each row's candidate set; also the set mask (None = vocab)."""
+def _chunk_logits(hidden, weight, bias, token_index, candidate_ids, candidate_offsets, temperature, softcap,
+                  lo, hi, slope=False):
+    """Logits of rows lo..hi, softcapped (softcap·tanh(z / softcap), when softcap) then divided by T, -inf
+    outside each row's candidate set; also the set mask (None = vocab) and, if asked, the softcap's
+    derivative 1 - tanh² (None without softcap)."""
     h = hidden[token_index[lo:hi]].to(weight.dtype)                        # [c, H]
     z = F.linear(h, weight, bias)                                          # [c, V]
-    z = z.to(torch.promote_types(z.dtype, torch.float32)).div_(temperature)  # [c, V] softmax in >= fp32
+    z = z.to(torch.promote_types(z.dtype, torch.float32))                  # [c, V] softmax in >= fp32
+    d = None
+    if softcap is not None:
+        z = z.div_(softcap).tanh_()                                        # [c, V] tanh(z / softcap)
+        d = 1 - z.square() if slope else None                              # [c, V] d capped / d z
+        z = z.mul_(softcap)
+    z = z.div_(temperature)
     counts = candidate_offsets[lo + 1:hi + 1] - candidate_offsets[lo:hi]   # [c] 0 = whole vocabulary
     if not counts.any():
-        return h, z, None
+        return h, z, None, d
     allowed = (counts == 0)[:, None].repeat(1, z.shape[1])                 # [c, V]
     rows = torch.repeat_interleave(torch.arange(hi - lo, device=z.device), counts)  # [Σc]
     allowed[rows, candidate_ids[candidate_offsets[lo]:candidate_offsets[hi]]] = True
-    return h, z.masked_fill_(~allowed, float("-inf")), allowed
+    return h, z.masked_fill_(~allowed, float("-inf")), allowed, d
+
+
+def _mm_fp32(a, b):
+    """a @ b accumulated and returned in fp32: a bf16 product is rounded once, where the caller casts."""
+    if a.dtype in (torch.float32, torch.float64):
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()                 # CPU matmul has no fp32 output for bf16 inputs
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -101,7 +124,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
     logsumexp per row, and backward recomputes each chunk's logits: no [M, V] tensor lives at any time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, token_index, targets, top_ids, cand_ids, cand_offsets, temperature, chunk):
+    def forward(ctx, hidden, weight, bias, token_index, targets, top_ids, cand_ids, cand_offsets, temperature, softcap,
+                chunk):
         M, k, V = targets.numel(), top_ids.shape[1], weight.shape[0]
         acc = torch.promote_types(weight.dtype, torch.float32)
         logp, lse = torch.empty(M, dtype=acc, device=weight.device), torch.empty(M, dtype=acc, device=weight.device)
@@ -110,8 +134,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         entropy, tail = torch.empty_like(logp), torch.empty_like(logp)
         for lo in range(0, M, chunk):
             hi = min(M, lo + chunk)
-            _, z, allowed = _chunk_logits(hidden, weight, bias, token_index, cand_ids, cand_offsets, temperature,
-                                          lo, hi)                            # [c, V], [c, V] | None
+            _, z, allowed, _ = _chunk_logits(hidden, weight, bias, token_index, cand_ids, cand_offsets, temperature,
+                                             softcap, lo, hi)                # [c, V], [c, V] | None
             t, ids = targets[lo:hi, None], top_ids[lo:hi].clamp(min=0)     # [c, 1], [c, k]
             if allowed is not None:
                 if not allowed.gather(1, t).all():
@@ -133,41 +157,49 @@ class _ChunkedLogProbs(torch.autograd.Function):
             del z, p, head                                                  # before the next chunk's logits
         ctx.save_for_backward(hidden, weight, bias, token_index, targets, top_ids.clamp(min=0), valid, cand_ids,
                               cand_offsets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.softcap, ctx.chunk = temperature, softcap, chunk
         ctx.mark_non_differentiable(valid, tail, entropy)
         return logp, top, valid, tail, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_top, *_):
         hidden, weight, bias, token_index, targets, top_ids, valid, cand_ids, cand_offsets, lse = ctx.saved_tensors
-        T = ctx.temperature
+        T, acc = ctx.temperature, torch.promote_types(weight.dtype, torch.float32)
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None          # [N, H]
-        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None          # [V, H]
-        grad_b = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None    # [V]
+        grad_w = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None   # [V, H] >= fp32
+        grad_b = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[2] else None
         for lo in range(0, targets.numel(), ctx.chunk):
             hi = min(targets.numel(), lo + ctx.chunk)
-            h, z, _ = _chunk_logits(hidden, weight, bias, token_index, cand_ids, cand_offsets, T, lo, hi)
+            h, z, _, slope = _chunk_logits(hidden, weight, bias, token_index, cand_ids, cand_offsets, T,
+                                           ctx.softcap, lo, hi, slope=True)
             gt, gk = g_logp[lo:hi], torch.where(valid[lo:hi], g_top[lo:hi], 0)          # [c], [c, k]
-            # d log π(v)/dz = e_v - π over the set; z = Wh/T, so every logit gradient carries 1/T
+            # d log π(v)/dz = e_v - π over the set; z = cap(Wh)/T, so every logit gradient carries 1/T
+            # and, with softcapping, the tanh's slope
             grad_z = z.sub_(lse[lo:hi, None]).exp_().mul_(-(gt + gk.sum(1))[:, None])   # [c, V] in place
             grad_z.scatter_add_(1, targets[lo:hi, None], gt[:, None]).scatter_add_(1, top_ids[lo:hi], gk)
-            grad_z = grad_z.div_(T).to(weight.dtype)                                     # [c, V]
+            grad_z = grad_z.div_(T) if slope is None else grad_z.div_(T).mul_(slope)     # [c, V] >= fp32
+            if grad_b is not None:
+                grad_b += grad_z.sum(0)                                                  # [V]
+            grad_z = grad_z.to(weight.dtype)                                             # [c, V]
             if grad_h is not None:
                 grad_h.index_add_(0, token_index[lo:hi], (grad_z @ weight).to(hidden.dtype))  # [c, H]
             if grad_w is not None:
-                grad_w.addmm_(grad_z.T, h)                                               # [V, H]
-            if grad_b is not None:
-                grad_b += grad_z.sum(0)                                                  # [V]
-            del z, grad_z                                                                # before the next chunk
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+                grad_w += _mm_fp32(grad_z.T, h)                                          # [V, H] fp32 sum
+            del z, grad_z, slope                                                         # before the next chunk
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None                 # one rounding
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def token_logprobs(hidden, weight, bias, token_index, targets, *, temperature=1.0, top_ids=None,
-                   candidate_ids=None, candidate_offsets=None, chunk_size=None) -> TokenLogProbs:
+                   candidate_ids=None, candidate_offsets=None, final_logit_softcapping=None,
+                   chunk_size=None) -> TokenLogProbs:
     """log π_θ(targets) at packed positions token_index, from hidden [N, H] and the LM head weight [V, H]
-    (+ bias [V]), with logits/temperature, normalised over each term's candidate set (candidate_ids [C] laid
-    end to end, candidate_offsets [M+1]; an empty set means the vocabulary); also for top_ids [M, k] (-1 pads).
-    Extra peak memory is O(chunk_size × V); chunk_size defaults to 2^26 / V rows (256 MiB of fp32 logits)."""
+    (+ bias [V]), with logits softcapped (final_logit_softcapping: Gemma 2's softcap·tanh(z / softcap), as
+    the model's own forward does) then divided by temperature, normalised over each term's candidate set
+    (candidate_ids [C] laid end to end, candidate_offsets [M+1]; an empty set means the vocabulary); also
+    for top_ids [M, k] (-1 pads). Extra peak memory is O(chunk_size × V); chunk_size defaults to 2^26 / V
+    rows (256 MiB of fp32 logits). The weight and bias gradients accumulate over chunks in fp32."""
     M, dev = targets.numel(), weight.device
     top_ids = top_ids if top_ids is not None else torch.empty(M, 0, dtype=torch.long, device=dev)  # [M, k]
     if candidate_ids is None:
@@ -175,7 +207,8 @@ def token_logprobs(hidden, weight, bias, token_index, targets, *, temperature=1.
         candidate_offsets = torch.zeros(M + 1, dtype=torch.long, device=dev)                    # [M+1]
     chunk = chunk_size or max(1, 2**26 // weight.shape[0])
     out = _ChunkedLogProbs.apply(hidden, weight, bias, token_index, targets, top_ids, candidate_ids,
-                                 candidate_offsets, float(temperature), chunk)
+                                 candidate_offsets, float(temperature),
+                                 None if final_logit_softcapping is None else float(final_logit_softcapping), chunk)
     return TokenLogProbs(*out)
 
 
@@ -246,10 +279,11 @@ def _warn_biased_ratios():
                   "(>= 0.28) with --return-sampling-mask --enable-scale-out.", stacklevel=3)
 
 
-def compute_loss(hidden, weight, bias, row, config, num_tokens, chunk_size=None):
+def compute_loss(hidden, weight, bias, row, config, num_tokens, chunk_size=None, final_logit_softcapping=None):
     """(loss, metrics) of a packed row (any object with PackedRow's tensors: token_index, targets,
     sampler_logprobs, advantages and optional top_ids, top_logprobs, candidate_ids, candidate_offsets), from the
-    final hidden states [N, H] and the LM head; num_tokens as in `policy_loss`."""
+    final hidden states [N, H] and the LM head; num_tokens as in `policy_loss`; final_logit_softcapping: the
+    model config's (Gemma 2: 30.0), None for models without it."""
     top_ids, top_logprobs = getattr(row, "top_ids", None), getattr(row, "top_logprobs", None)
     candidate_ids = getattr(row, "candidate_ids", None)
     if (config.top_k > 0 or config.top_p < 1 or config.min_p is not None) and candidate_ids is None:
@@ -259,7 +293,8 @@ def compute_loss(hidden, weight, bias, row, config, num_tokens, chunk_size=None)
                          "set num_sampler_logprobs >= 1 or score_centering=False")
     lp = token_logprobs(hidden, weight, bias, row.token_index, row.targets, temperature=config.temperature,
                         top_ids=top_ids if config.score_centering else None, candidate_ids=candidate_ids,
-                        candidate_offsets=getattr(row, "candidate_offsets", None), chunk_size=chunk_size)
+                        candidate_offsets=getattr(row, "candidate_offsets", None),
+                        final_logit_softcapping=final_logit_softcapping, chunk_size=chunk_size)
     return policy_loss(lp, row.sampler_logprobs, row.advantages, num_tokens, config, top_logprobs)
 
 

@@ -338,3 +338,77 @@ def test_router_aux_loss_on_a_tiny_moe_and_error_on_a_dense_model():
     assert loss.router_aux_loss_coef(dense, None) == 0.0
     with pytest.raises(ValueError, match="router_aux_loss_coef"):
         loss.router_aux_loss_coef(dense, 0.01)
+
+
+def test_final_logit_softcapping_matches_the_models_own_logits_values_and_gradients():
+    """Gemma 2 softcaps its logits after the head, softcap·tanh(z / softcap); token_logprobs with the config's
+    final_logit_softcapping equals log_softmax of the model's own logits / T, in value and in gradient."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    torch.manual_seed(0)
+    m = Gemma2ForCausalLM(Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                       final_logit_softcapping=0.5, attn_implementation="eager")).float()
+    ids, T = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(1)), 0.7
+    token_index, targets = torch.arange(11), ids[0, 1:]
+    out = m(input_ids=ids, output_hidden_states=True)
+    ref = (out.logits[0, :-1] / T).log_softmax(-1).gather(1, targets[:, None])[:, 0]        # [11]
+    hidden = out.hidden_states[-1][0]                                                        # [12, H] after norm
+    lp = loss.token_logprobs(hidden, m.lm_head.weight, None, token_index, targets, temperature=T,
+                             final_logit_softcapping=m.config.final_logit_softcapping, chunk_size=4).target
+    uncapped = loss.token_logprobs(hidden, m.lm_head.weight, None, token_index, targets, temperature=T).target
+    assert (lp - ref).abs().max() <= 1e-6 and (uncapped - ref).abs().max() > 1e-2
+    u = torch.randn(11, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad((lp * u).sum(), m.parameters(), retain_graph=True)
+    want = torch.autograd.grad((ref * u).sum(), m.parameters())
+    for a, b in zip(got, want):
+        assert (a - b).norm() <= 1e-5 * b.norm() + 1e-9
+
+
+def test_softcapped_chunked_logprobs_with_candidate_sets_and_top_tokens_equal_full_logits():
+    hidden, weight, bias = leaves(6)
+    token_index, targets = torch.tensor([0, 1, 1, 3, 4, 5]), torch.tensor([5, 6, 7, 8, 9, 10])
+    top_ids = torch.tensor([[5, 1], [6, 2], [7, -1], [8, 4], [9, 50], [10, 3]])
+    sets = [[], list(range(0, 40)), [], list(range(5, 30)), [], [9, 10, 11, 50]]
+    cand_ids, cand_offsets = packed_sets(sets)
+    cap, T = 1.5, 0.8
+    lp = loss.token_logprobs(hidden, weight, bias, token_index, targets, temperature=T, top_ids=top_ids,
+                             candidate_ids=cand_ids, candidate_offsets=cand_offsets, final_logit_softcapping=cap,
+                             chunk_size=4)
+    z = cap * torch.tanh(F.linear(hidden[token_index], weight, bias) / cap) / T               # [M, V]
+    allowed = torch.tensor([[not s or v in s for v in range(V)] for s in sets])
+    full = z.masked_fill(~allowed, float("-inf")).log_softmax(-1)
+    ref_t, ref_top = full.gather(1, targets[:, None])[:, 0], full.gather(1, top_ids.clamp(min=0))
+    valid = lp.top_valid
+    assert (lp.target - ref_t).abs().max() <= 1e-6
+    assert (lp.top - torch.where(valid, ref_top, 0)).abs().max() <= 1e-6
+    u_t, u_top = torch.randn(6), torch.randn(6, 2)
+    got = torch.autograd.grad((lp.target * u_t).sum() + (lp.top * u_top).sum(), (hidden, weight, bias))
+    want = torch.autograd.grad((ref_t * u_t).sum() + (torch.where(valid, ref_top, 0) * u_top).sum(),
+                               (hidden, weight, bias))
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-5
+
+
+def test_bf16_head_gradients_accumulate_in_fp32_as_one_matmul_would():
+    """64 chunks of bf16 LM-head gradients: summed in bf16 they were ~1% off; summed in fp32 and rounded once,
+    the error is that of a single bf16 matmul (both against an fp64 reference on the same bf16 inputs)."""
+    g = torch.Generator().manual_seed(0)
+    M, Vb, Hb = 1024, 256, 32
+    hidden, bias = torch.randn(M, Hb, generator=g).bfloat16(), torch.randn(Vb, generator=g).bfloat16()
+    weight = (torch.randn(Vb, Hb, generator=g) / Hb**0.5).bfloat16()
+    targets, u = torch.randint(0, Vb, (M,), generator=g), torch.randn(M, generator=g)
+
+    def head_grads(h, w, b, chunk=None):
+        h, w, b = (x.clone().requires_grad_() for x in (h, w, b))
+        if chunk:
+            lp = loss.token_logprobs(h, w, b, torch.arange(M), targets, chunk_size=chunk).target
+        else:
+            lp = F.linear(h, w, b).float().log_softmax(-1).gather(1, targets[:, None])[:, 0]
+        return torch.autograd.grad((lp * u).sum(), (w, b))
+
+    ref = head_grads(hidden.double(), weight.double(), bias.double())
+    err = lambda got: [((a.double() - r).norm() / r.norm()).item() for a, r in zip(got, ref)]
+    single, chunked = err(head_grads(hidden, weight, bias)), err(head_grads(hidden, weight, bias, chunk=16))
+    assert all(c.dtype == torch.bfloat16 for c in head_grads(hidden, weight, bias, chunk=16))
+    assert chunked[0] <= 1.01 * single[0] and chunked[1] <= 1.01 * single[1], (chunked, single)
+    assert single[0] < 4e-3                                                    # bf16: 2^-8 relative at most
