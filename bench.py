@@ -94,7 +94,10 @@ def packing(argv):
     no sharing    every rollout with its own prompt: the tree path must cost what padding-free costs
     Both sides build their masks inside the timed step. The FLOP bound is linear 6·params·tokens +
     attention 14·head_dim·heads·layers·pairs + LM head 6·hidden·vocab·trained, as in
-    reference/tree_flex_probe_results.md. Without CUDA a tiny model runs instead: correctness only.
+    reference/tree_flex_probe_results.md (× 8/6 on the first two with --checkpointing, which recomputes
+    each decoder layer's forward in backward, on both sides). Without CUDA a tiny model runs instead:
+    correctness only. Layouts gpu_check.py runs: the defaults (4 prompts of 1024 tokens, 8 rollouts of
+    256) and the long prompt `--groups 1 --prompt 8192 --completion 128 --checkpointing` (bound ~7x).
     """
     import argparse
     import statistics
@@ -115,6 +118,8 @@ def packing(argv):
     ap.add_argument("--completion", type=int, default=256)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="activation checkpointing per decoder layer (both sides): long layouts fit in memory")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     shape = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -130,6 +135,8 @@ def packing(argv):
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg).to(dtype)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_linear = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
     rng = np.random.default_rng(0)
     vocab, P, C = shape["vocab_size"], args.prompt, args.completion
@@ -194,7 +201,8 @@ def packing(argv):
 
     def flops(tokens, pairs, trained):
         attn = 14 * cfg.head_dim * cfg.num_attention_heads * cfg.num_hidden_layers
-        return 6 * n_linear * tokens + attn * pairs + 6 * cfg.hidden_size * vocab * trained
+        recompute = 8 / 6 if args.checkpointing else 1.0
+        return recompute * (6 * n_linear * tokens + attn * pairs) + 6 * cfg.hidden_size * vocab * trained
 
     shared = [s for g in range(args.groups) for s in group(g, True)]
     unshared = [s for g in range(args.groups) for s in group(g, False)]
@@ -220,7 +228,7 @@ def packing(argv):
     print(f"padding_free_s={t_free:.4f} tree_s={t_tree:.4f} tree_unshared_s={t_lonely:.4f} (medians of {args.iters})")
     print(f"no_sharing ratio={t_free / t_lonely:.3f} (padding-free / tree path on unshared samples; target >= 0.97)")
     print(f"packing speedup={t_free / t_tree:.3f} flop_bound={bound:.3f} efficiency={t_free / t_tree / bound:.3f} "
-          f"max_logprob_gap={gap:.3g}")
+          f"no_sharing={t_free / t_lonely:.3f} max_logprob_gap={gap:.3g}")
 
 
 # ---- logprobs (loss.py) -------------------------------------------------------------------------

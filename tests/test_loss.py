@@ -412,3 +412,26 @@ def test_bf16_head_gradients_accumulate_in_fp32_as_one_matmul_would():
     assert all(c.dtype == torch.bfloat16 for c in head_grads(hidden, weight, bias, chunk=16))
     assert chunked[0] <= 1.01 * single[0] and chunked[1] <= 1.01 * single[1], (chunked, single)
     assert single[0] < 4e-3                                                    # bf16: 2^-8 relative at most
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_head_gradients_on_cuda_are_as_exact_as_one_matmul():
+    g = torch.Generator().manual_seed(0)
+    M, Vb, Hb = 4096, 4096, 256
+    hidden = torch.randn(M, Hb, generator=g).bfloat16().cuda()
+    weight = (torch.randn(Vb, Hb, generator=g) / Hb**0.5).bfloat16().cuda()
+    targets, u = torch.randint(0, Vb, (M,), generator=g).cuda(), torch.randn(M, generator=g).cuda()
+
+    def head_grad(h, w, chunk=None):
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if chunk:
+            lp = loss.token_logprobs(h, w, None, torch.arange(M, device="cuda"), targets, chunk_size=chunk).target
+        else:
+            lp = F.linear(h, w).float().log_softmax(-1).gather(1, targets[:, None])[:, 0]
+        return torch.autograd.grad((lp * u).sum(), w)[0]
+
+    ref = head_grad(hidden.double(), weight.double())
+    err = lambda got: ((got.double() - ref).norm() / ref.norm()).item()
+    single, chunked = err(head_grad(hidden, weight)), err(head_grad(hidden, weight, chunk=64))
+    assert chunked <= 1.05 * single, (chunked, single)

@@ -328,3 +328,42 @@ def test_decoder_layers_are_the_language_models_even_beside_a_vision_tower_of_eq
     assert len(vlm.model.visual.blocks) == 2                              # as deep as the text model
     assert tree_attention.decoder_layers(vlm) is vlm.model.language_model.layers
     assert tree_attention.text_config(vlm) is vlm.config.text_config
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_windowed_and_softcapped_flex_on_cuda_matches_sdpa_bf16(family):
+    row = pack(samples(8))
+    row = dataclasses.replace(row, **{k: v.cuda() for k, v in vars(row).items() if torch.is_tensor(v)})
+    flex, sdpa = (windowed(family, 8).cuda().bfloat16() for _ in range(2))
+    assert tree_attention.install(flex) == "flex"
+    tree_attention.install(sdpa, "sdpa")
+    a, b = packed_logps(flex, row), packed_logps(sdpa, row)
+    assert (a - b).abs().max().item() <= 0.05
+    a.sum().backward()
+    b.sum().backward()
+    for p, q in zip(flex.parameters(), sdpa.parameters()):
+        assert (p.grad.float() - q.grad.float()).norm() <= 0.05 * q.grad.float().norm() + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_rows_of_varying_length_under_compile():
+    """Rows of 5 different lengths through compiled flex: every one matches sdpa, and compiling stops after the
+    first dynamic recompile (transformers-style dynamic shapes), so later lengths cost no compile."""
+    from torch._dynamo.utils import counters
+    flex, sdpa = (model(9).cuda().bfloat16() for _ in range(2))
+    tree_attention.install(flex)
+    tree_attention.install(sdpa, "sdpa")
+    rows = []
+    for seed in range(10, 15):
+        row = pack(samples(seed)[: 3 + seed % 4])
+        rows.append(dataclasses.replace(row, **{k: v.cuda() for k, v in vars(row).items() if torch.is_tensor(v)}))
+    assert len({r.unique_tokens for r in rows}) == 5
+    frames = []
+    for row in rows:
+        with torch.no_grad():
+            assert (packed_logps(flex, row) - packed_logps(sdpa, row)).abs().max().item() <= 0.05
+        frames.append(counters["stats"]["unique_graphs"])
+    assert frames[-1] == frames[2], frames          # no compile after the third length

@@ -111,3 +111,20 @@ def test_a_tree_kwarg_never_leaks_into_other_models():
         finally:
             mod.causal_conv1d_fn, mod.torch_chunk_gated_delta_rule = saved
     assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_hybrid_on_cuda_packed_equals_unpacked(family):
+    """On CUDA (fla's varlen kernel, one call per level, where installed; else the torch reference), fp32."""
+    import dataclasses
+    batch = long_samples(4) + samples(5)
+    row = pack(batch)
+    row = dataclasses.replace(row, **{k: v.cuda() for k, v in vars(row).items() if torch.is_tensor(v)})
+    tree, ref = hybrid(family, 6).cuda(), hybrid(family, 6).cuda()
+    assert tree_attention.install(tree) == "flex"
+    lp_tree = packed_logps(tree, row)
+    lp_ref = torch.cat([alone_logps(ref.cpu(), [s]) for s in batch]).cuda()   # the CPU torch reference
+    assert (lp_tree - lp_ref).abs().max().item() <= 2e-3
+    lp_tree.sum().backward()
