@@ -251,8 +251,8 @@ def _refusals(model, backend: str) -> list[str]:
     mixers, deltanets = [x for x in layers if not hasattr(x, "self_attn")], gdn.gated_deltanet_layers(layers)
     if len(mixers) != len(deltanets):
         why.append("non-attention decoder layers other than Gated DeltaNet (they would run across samples)")
-    elif deltanets and gdn.unsupported(deltanets):
-        why.append(gdn.unsupported(deltanets))
+    elif deltanets and (reason := gdn.unsupported(deltanets)):
+        why.append(reason)
     if backend == "flash":
         kernel = flash_kernel()
         if _windows(cfg) and not kernel.window:

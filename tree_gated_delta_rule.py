@@ -89,8 +89,8 @@ def install(modules) -> None:
 
 def layout(row, kernel_size: int, device) -> GDNLayout:
     """The GDNLayout of a trie_pack.PackedRow (see the module docstring)."""
-    cu_q, cu_k = row.cu_seqlens_q.numpy().astype(np.int64), row.cu_seqlens_k.numpy().astype(np.int64)
-    kv = row.kv_index.numpy()
+    cu_q = row.cu_seqlens_q.cpu().numpy().astype(np.int64)     # [S+1] (a row may already be on the GPU)
+    cu_k, kv = row.cu_seqlens_k.cpu().numpy().astype(np.int64), row.kv_index.cpu().numpy()
     S, N, pad = len(cu_q) - 1, int(cu_q[-1]), kernel_size - 1
     n = np.diff(cu_q)                                           # [S] segment lengths
     depth0 = np.diff(cu_k) - n                                  # [S] depth of each segment's first token
