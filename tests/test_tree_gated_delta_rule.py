@@ -129,3 +129,26 @@ def test_hybrid_on_cuda_packed_equals_unpacked(family):
     lp_ref = alone_logps(ref, batch).cuda()                                   # the CPU torch reference
     assert (lp_tree - lp_ref).abs().max().item() <= 2e-3
     lp_tree.sum().backward()
+
+
+def test_vision_language_hybrid_text_only_through_its_decoder():
+    """A Qwen3.5 vision-language checkpoint on text: the trainer forwards the text decoder (get_decoder()) and
+    the LM head; tree packing finds the language model's layers (not the vision tower's, as many) and its
+    Gated DeltaNet layers, and the packed log-probs equal the whole model run on each sample alone."""
+    import transformers as tf
+    text = {**HYBRID, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=1, spatial_merge_size=1)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(8)
+        models.append(tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision)))
+    vlm, ref = (m.float() for m in models)
+    assert tree_attention.install(vlm) == "sdpa"
+    batch = samples(2)
+    row = pack(batch)
+    hidden = vlm.get_decoder()(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
+                               **tree_attention.row_kwargs(vlm, row)).last_hidden_state[0]            # [N, H]
+    logits = vlm.get_output_embeddings()(hidden[row.token_index])
+    lp = logits.log_softmax(-1).gather(1, row.targets[:, None])[:, 0]
+    assert (lp - alone_logps(ref, batch)).abs().max().item() <= 1e-5
