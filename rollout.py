@@ -5,15 +5,17 @@ A separate process keeps the vLLM server busy while the trainer trains: it sends
 reconciles each conversation into training sequences, scores groups, computes advantages and queues
 `RolloutSample`s. The trainer starts and watches it through `rollout_worker.RolloutWorker`; tool calling
 and environments live in `rollout_tools.py` (they stand alone: parsing a model's tool calls and running
-Python callables knows nothing of groups, queues or the server).
+Python callables knows nothing of groups, queues or the server); the servers (one or several replicas,
+each with its live concurrency cap, the checks at start and the routing of groups) in `rollout_servers.py`.
 
     trainer, rank 0                          spawned child (CUDA_VISIBLE_DEVICES="", no torchrun env)
     ───────────────                          ─────────────────────────────────────────────────────────
     RolloutWorker.start() ── pickle check ─► _child_main → AsyncRolloutLoop.run()   (one asyncio loop)
-        waits for `ready` (or `failed`)        _connect: server checks, first concurrency cap; setup()
+        waits for `ready` (or `failed`)        _connect: every replica checked, its first cap; setup()
                                                _generate_loop   prompt_stream → filter_prompt → admit
-    set_model_version(v) ── model_version ─►     (staleness, score queue) → rollouts under the live cap
-                         ── C_v, R ────────►     each rollout: generate_one → reconcile → group slot
+    set_model_version(v) ── model_version ─►     (staleness, score queue) → a replica for the group →
+                         ── C_v, R ────────►     rollouts under its cap, each under the version it started
+                                                 in: generate_one → reconcile → group slot
                                                      │ a complete group
                                                      ▼ score queue (asyncio.Queue, score_queue_maxsize)
     get() ◄── rollout_buffer (mp.Queue) ────── _score_loop   rewards → compute_advantages → samples
@@ -23,8 +25,8 @@ Python callables knows nothing of groups, queues or the server).
     get() checks health ◄── heartbeat, failed + traceback ── _heartbeat, _child_main
     stop() ── stop ──► the loop returns; close(); join → terminate → kill
 
-Reading order: ConcurrencyCap → prompt_stream (epochs, resume) → Channels → AsyncRolloutLoop (hooks,
-then the machinery) → scoring helpers. This file is what runs inside the rollout process. The records
+Reading order: prompt_stream (epochs, resume) → Channels → TurnContext → AsyncRolloutLoop (hooks, then
+the machinery) → scoring helpers. This file is what runs inside the rollout process. The records
 (Rollout, TurnRecord, RolloutGroup, RolloutSample) and how a rollout's turns become training samples
 (reconcile and fork, with a worked example) are in rollout_samples.py; the trainer's side of the
 boundary (RolloutWorker, the spawn and its checks) is rollout_worker.py.
@@ -46,21 +48,29 @@ Departures from the spec, and why:
   rollout/backpressure_s: it is the rollout queue being full in the staleness sense.
 - The inter-process primitives travel as one `Channels` record rather than six constructor arguments,
   and the loop takes `max_concurrent_rollouts` already resolved (the parent knows num_processes).
-- `generate_one_turn(prompt_ids, max_tokens=None)`: the extra keyword carries the rollout's remaining
-  generated-token budget (max_completion_length counts across turns, which TRL does not enforce).
+- max_completion_length counts the generated tokens of all turns (TRL does not enforce it across turns):
+  generate_one leaves the budget in the rollout's TurnContext, where generate_one_turn(prompt_ids), the
+  spec's signature, reads it (so an override with that signature works with the default generate_one).
+- A rollout's requests name the policy version it started under: with `lora_name` (LoRA adapter sync),
+  version N > 0 is the adapter `<lora_name>-v<N>`, version 0 the base model (the adapter starts at
+  zero); a rollout that spans a sync finishes under its start version. The trainer keeps those loaded.
 - A rollout that raises (a 4xx, a malformed reply, retries exhausted, a tool loop bug) drops its group
   with a logged error; the process stops only once rollouts of FAILED_GROUPS_TO_STOP groups have failed in a
   row (counted by group, so that one bad prompt with num_generations ≥ 8 does not stop the run).
 - Rewards and `compute_advantages` follow the spec; the default advantage is (r − mean)/(std + 1e-4)
   over the scored rollouts (population std, the same as reward_group_std).
 - Environments are created one per rollout and `reset(**row)` gets the dataset row (TRL's contract).
-- `rollout/backpressure_s`, `rollout/score_block_s`, `rollout/vllm_retry_total` and
-  `rollout/vllm_preemptions_total` are emitted every metrics_interval_s as the amount since the last
-  emission (sum them over a logging window); every other metric is one observation to average (or
-  max/min as named). Per-group metrics are averaged within the group before they are sent.
-- Not implemented: LoRA adapter names per policy version (rollouts request `model_name`).
+  Without a dataset (spec: only with an environment_factory and max_steps > 0, checked at start) each
+  prompt is one user message holding what reset() returns; reward_funcs may then be empty.
+- Metric kinds: every metric named `*_total` (rollout/vllm_retry_total, rollout/vllm_preemptions_total,
+  tools/unknown_name_total, tools/<name>/call_total, tools/<name>/failure_total) is a running total since
+  the rollout process started: report the latest value. `rollout/backpressure_s` and
+  `rollout/score_block_s` are emitted every metrics_interval_s as the seconds since the last emission
+  (sum them over a logging window); every other metric is one observation to average (or max/min as
+  named). Per-group metrics are averaged within the group before they are sent.
 """
 import asyncio
+import contextvars
 import logging
 import math
 import queue
@@ -69,74 +79,37 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+import httpx
 import numpy as np
 
 from rollout_samples import (Rollout, RolloutGroup, RolloutSample, TurnRecord, parse_completion, parse_generate,
                              reconcile, to_sample)
-from rollout_tools import (ToolCall, call_maybe_async, environment_reward, environment_tools,
-                           parse_tool_calls, run_tool_calls, start_environment)
-from vllm_client import VLLMClient, VLLMError
+from rollout_servers import Replica, connect, make_replicas, pick
+from rollout_tools import (ToolCall, call_maybe_async, environment_reward, environment_tools, parse_turn,
+                           run_tool_calls, start_environment, tool_call_format)
+from vllm_client import VLLMError, server_urls
 
 log = logging.getLogger(__name__)
 
-RAISE_BELOW, RAISE_BY = 0.6, 0.25  # spec: +25% per cap's worth of rollouts while KV usage < 0.6 and none waits
-CUT_ABOVE, CUT_BY = 0.8, 0.30      # spec: −30% when KV usage > 0.8
 FAILED_GROUPS_TO_STOP = 4          # failed rollouts in a row from this many groups stop the process
 WAKE_S = 0.05                      # the generate loop re-checks shared values at least this often
 
 
-# ── the live concurrency cap (spec: 並行性) ───────────────────────────────────────────────────
-
-
-@dataclass
-class ConcurrencyCap:
-    """The live cap on in-flight rollouts, kept just under `bound` (max_concurrent_rollouts).
-
-    Starts at KV-cache tokens // max_model_len (the requests that fit at full length). Every poll of
-    /metrics calls `observe`; every completed rollout calls `rollout_done`:
-      - KV usage > 0.8 cuts the cap by 30%; then no further cut until in-flight falls under the new cap
-        (running requests are never cancelled, so the pool drains first);
-      - while nothing waits on the server and usage stays < 0.6, each cap's worth of completed
-        rollouts raises the cap by 25% (at least +1), up to `bound`;
-      - a server without /metrics keeps the cap at `bound` (adaptive=False).
-    """
-    bound: int
-    cap: int
-    adaptive: bool = True
-    calm: bool = False    # the last poll saw no waiting request and usage < 0.6
-    completed: int = 0    # rollouts completed since the last change, all while calm
-    draining: bool = False
-
-    @classmethod
-    def start(cls, bound: int, kv_cache_tokens: int | None, max_model_len: int, has_metrics: bool) -> "ConcurrencyCap":
-        if not has_metrics:
-            return cls(bound, bound, adaptive=False)
-        fits = kv_cache_tokens // max_model_len if kv_cache_tokens else bound
-        return cls(bound, max(1, min(bound, fits)))
-
-    def observe(self, kv_usage: float, waiting: float, inflight: int) -> None:
-        if not self.adaptive:
-            return
-        self.draining = self.draining and inflight >= self.cap
-        self.calm = waiting == 0 and kv_usage < RAISE_BELOW
-        if not self.calm:
-            self.completed = 0
-        if kv_usage > CUT_ABOVE and not self.draining:
-            self.cap = max(1, int(self.cap * (1 - CUT_BY)))
-            self.draining, self.completed = inflight >= self.cap, 0
-
-    def rollout_done(self, inflight: int) -> None:
-        if not self.adaptive:
-            return
-        self.draining = self.draining and inflight >= self.cap
-        if self.calm:
-            self.completed += 1
-            if self.completed >= self.cap:
-                self.cap = min(self.bound, max(self.cap + 1, math.ceil(self.cap * (1 + RAISE_BY))))
-                self.completed = 0
-
-
 # ── the prompt stream: epochs and resume ─────────────────────────────────────────────────────
+
+
+def check_prompt_source(dataset, environment_factory, max_steps: int) -> None:
+    """Spec: train_dataset may be omitted only when environment_factory supplies the prompts from
+    reset(), and max_steps must then set the run's length."""
+    if dataset is not None:
+        return
+    if environment_factory is None or isinstance(environment_factory, dict):
+        raise ValueError("no train_dataset: pass a dataset with a 'prompt' column, or an environment_factory "
+                         "(one factory, not a dict: a dict picks environments by a dataset column) whose reset() "
+                         "returns each prompt")
+    if max_steps <= 0:
+        raise ValueError("no train_dataset: the environment supplies the prompts, so set max_steps > 0 to define "
+                         "the length of the run")
 
 
 def prompt_stream(dataset, start_index: int, num_train_epochs: float, max_steps: int) -> Iterator[tuple[int, int, int, dict]]:
@@ -145,9 +118,15 @@ def prompt_stream(dataset, start_index: int, num_train_epochs: float, max_steps:
     prompt_index counts prompts across epochs (epoch = prompt_index // len(dataset)), so a resume index
     saved in rollout_state.json also restores the epoch. The stream ends after ceil(num_train_epochs ×
     len(dataset)) prompts, or never when max_steps > 0 (the trainer stops by steps). A streaming
-    dataset (no len) cannot be repositioned: it restarts at prompt 0 and counts whole passes.
+    dataset (no len) cannot be repositioned: it restarts at prompt 0 and counts whole passes. Without a
+    dataset (an environment's reset() writes each prompt) every row is empty, in epoch 0.
     """
     endless = max_steps > 0
+    if dataset is None:
+        index = start_index
+        while True:
+            yield index, 0, index, {}
+            index += 1
     if not hasattr(dataset, "__len__"):
         if start_index:
             log.warning("a streaming dataset cannot be repositioned: the rollout restarts at prompt 0, not %d",
@@ -192,6 +171,19 @@ class Channels:
     failed: Any             # Event child → parent: exception_info holds the reason
 
 
+@dataclass
+class TurnContext:
+    """Where the current rollout's requests go (its task's context, so an override of generate_one_turn
+    with the spec's signature needs no extra argument): the group's replica, the adapter of the policy
+    version the rollout started under, and the generated-token budget left (None = max_completion_length)."""
+    replica: Replica
+    model: str
+    budget: int | None = None
+
+
+_TURN: contextvars.ContextVar[TurnContext] = contextvars.ContextVar("rollout_turn")
+
+
 # ── the loop ─────────────────────────────────────────────────────────────────────────────────
 
 
@@ -208,24 +200,27 @@ class AsyncRolloutLoop:
         setup(), close()                       when the loop starts/stops  nothing
     """
     metrics_interval_s = 2.0  # seconds between /metrics polls and periodic metric emissions
+    vllm_max_retries = 8      # retries of a failed request before it fails (vllm_client's policy)
 
-    def __init__(self, config, model_name: str | None, dataset, reward_funcs: list[Callable], processing_class,
+    def __init__(self, config, model_name: str | None, dataset, reward_funcs: list[Callable] | None, processing_class,
                  eos_token_ids: list[int], channels: Channels, max_concurrent_rollouts: int,
                  tools: list[Callable] | None = None,
                  environment_factory: Callable | dict[str, Callable] | None = None,
-                 score_queue_maxsize: int = 16, dataset_start_index: int = 0):
-        self.config, self.model_name, self.dataset = config, model_name, dataset
-        self.reward_funcs, self.tokenizer, self.eos_token_ids = list(reward_funcs), processing_class, list(eos_token_ids)
+                 score_queue_maxsize: int = 16, lora_name: str | None = None, dataset_start_index: int = 0):
+        check_prompt_source(dataset, environment_factory, config.max_steps)
+        self.config, self.model_name, self.dataset, self.lora_name = config, model_name, dataset, lora_name
+        self.reward_funcs = [f for f in reward_funcs or [] if f is not None]  # None: the environment scores
+        self.tokenizer = processing_class
+        self.eos_token_ids = list(eos_token_ids)
         self.channels, self.tools, self.environment_factory = channels, list(tools or []), environment_factory
         self.dataset_start_index = dataset_start_index
-        self.client = VLLMClient(config.vllm_server_base_url, timeout=config.vllm_server_timeout)
+        self.replicas = make_replicas(server_urls(config), max_concurrent_rollouts, config.vllm_server_timeout,
+                                      self.vllm_max_retries)
         self.num_top = config.num_sampler_logprobs if config.score_centering else None
-        self.cap = ConcurrencyCap(max_concurrent_rollouts, max_concurrent_rollouts, adaptive=False)
         self.tool_pool = ThreadPoolExecutor(max_concurrent_rollouts, thread_name_prefix="rollout-tool")
+        self.tool_format = tool_call_format(processing_class)
         self.score_queue: asyncio.Queue = asyncio.Queue(score_queue_maxsize)
-        self.max_model_len = 0
-        self.use_generate = False   # candidate sets come from /inference/v1/generate
-        self.inflight = 0           # rollouts generating now (rollout/concurrency)
+        self.max_model_len = 0      # the smallest over the replicas
         self.pending_rollouts = 0   # rollouts of admitted groups not yet scored
         self.queued = 0             # samples put on rollout_buffer
         self.rollouts_scored = 0
@@ -235,6 +230,8 @@ class AsyncRolloutLoop:
         self.tasks: set[asyncio.Task] = set()
         self.wake = asyncio.Event()
         self.since_emit = {"rollout/backpressure_s": 0.0, "rollout/score_block_s": 0.0, "generated_tokens": 0}
+        self.totals: dict[str, float] = {}  # the tools/*_total counters since the process started
+        self.warned_tool_format = False
 
     # ── hooks ──
 
@@ -245,13 +242,18 @@ class AsyncRolloutLoop:
     async def generate_one(self, prompt, tools: list[Callable], group_id: int = 0) -> Rollout:
         """One rollout: render → sample → run the tool calls → repeat until no call, the iteration limit,
         the generated-token budget (max_completion_length across turns) or the context is used up."""
-        config = self.config
+        config, context = self.config, self._turn_context()
         if isinstance(prompt, str):  # a standard (plain text) prompt: one turn, no chat template
             if tools:
                 raise ValueError("tools and environments need conversational prompts (lists of messages)")
             turn = await self.generate_one_turn(self.tokenizer(prompt)["input_ids"])
             return Rollout(self.tokenizer.decode(turn.output_ids, skip_special_tokens=True), turn.output_ids, [turn])
         by_name = {tool.__name__: tool for tool in tools}
+        if by_name and self.tool_format is None and not self.warned_tool_format:
+            self.warned_tool_format = True
+            log.warning("tools are given but the tokenizer neither defines a response_template nor writes "
+                        "<tool_call> blocks in its chat template: tool calls are parsed as Qwen <tool_call> "
+                        "blocks, which this model may never write")
         messages, completion, completion_ids, turns = list(prompt), [], [], []
         calls: list[ToolCall] = []
         exhausted = False
@@ -261,11 +263,13 @@ class AsyncRolloutLoop:
                 **(config.chat_template_kwargs or {}))["input_ids"]
             if len(prompt_ids) >= self.max_model_len:
                 break
-            turn = await self.generate_one_turn(prompt_ids, max_tokens=budget)
+            context.budget = budget  # generate_one_turn reads it from the rollout's context
+            turn = await self.generate_one_turn(prompt_ids)
             turns.append(turn)
             completion_ids += turn.output_ids
             text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-            content, requested = parse_tool_calls(text) if by_name else (text, [])
+            content, requested = (parse_turn(self.tokenizer, self.tool_format, text, prompt_ids, tools) if by_name
+                                  else (text, []))
             message = {"role": "assistant", "content": content}
             if requested:
                 message["tool_calls"] = [{"type": "function", "function": c} for c in requested if "error" not in c]
@@ -285,11 +289,13 @@ class AsyncRolloutLoop:
         return Rollout(completion, completion_ids, turns, tool_call_count=len(calls),
                        tool_failure_count=sum(c.failed for c in calls), tool_calls=calls, loop_exhausted=exhausted)
 
-    async def generate_one_turn(self, prompt_ids: list[int], max_tokens: int | None = None) -> TurnRecord:
-        """One sampling request with the config's sampling settings; `max_tokens` defaults to
-        max_completion_length and is capped by the context left (max_model_len − prompt)."""
-        config = self.config
-        max_tokens = min(max_tokens or config.max_completion_length, self.max_model_len - len(prompt_ids))
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """One sampling request with the config's sampling settings, to the rollout's replica and adapter
+        (TurnContext); max_tokens is the rollout's budget left (max_completion_length across turns), capped
+        by the context left (max_model_len − prompt)."""
+        config, context = self.config, self._turn_context()
+        client, model, use_generate = context.replica.client, context.model, context.replica.use_generate
+        max_tokens = min(context.budget or config.max_completion_length, self.max_model_len - len(prompt_ids))
         params = {"max_tokens": max_tokens, "temperature": config.temperature, "top_p": config.top_p,
                   "repetition_penalty": config.repetition_penalty, "stop_token_ids": self.eos_token_ids,
                   "logprobs": self.num_top or 0}
@@ -297,23 +303,36 @@ class AsyncRolloutLoop:
             params["top_k"] = config.top_k
         if config.min_p is not None:
             params["min_p"] = config.min_p
-        if self.use_generate:
+        if use_generate:
             endpoint = "/inference/v1/generate"
-            reply = await self.client.agenerate({"model": self.model_name, "token_ids": list(prompt_ids),
-                                                 "sampling_params": params})
+            reply = await client.agenerate({"model": model, "token_ids": list(prompt_ids), "sampling_params": params})
         else:
             endpoint = "/v1/completions"
-            reply = await self.client.acompletions({"model": self.model_name, "prompt": list(prompt_ids), **params,
-                                                    "return_token_ids": True, "return_tokens_as_token_ids": True})
+            reply = await client.acompletions({"model": model, "prompt": list(prompt_ids), **params,
+                                               "return_token_ids": True, "return_tokens_as_token_ids": True})
         try:
-            turn = (parse_generate if self.use_generate else parse_completion)(prompt_ids, reply, self.num_top)
+            turn = (parse_generate if use_generate else parse_completion)(prompt_ids, reply, self.num_top)
             if len(turn.output_log_probs) != len(turn.output_ids) or len(turn.output_ids) > max_tokens:
                 raise ValueError(f"{len(turn.output_ids)} tokens, {len(turn.output_log_probs)} log-probs, "
                                  f"max_tokens {max_tokens}")
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise VLLMError(f"malformed reply ({type(e).__name__}: {e}): {str(reply)[:300]}",
-                            self.client.base_url + endpoint) from e
+                            client.base_url + endpoint) from e
         return turn
+
+    def _turn_context(self) -> TurnContext:
+        """The running rollout's TurnContext; outside one (a hook called directly), the first replica and
+        the base model, set for the caller's context."""
+        context = _TURN.get(None)
+        if context is None:
+            context = TurnContext(self.replicas[0], self.model_name)
+            _TURN.set(context)
+        return context
+
+    def adapter_name(self, version: int) -> str:
+        """The model a rollout started under policy `version` requests: the trainer's LoRA adapter of that
+        version (`<lora_name>-v<version>`), or the base model before the first sync and without LoRA."""
+        return self.model_name if self.lora_name is None or version == 0 else f"{self.lora_name}-v{version}"
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards standardised within the group; NaN rewards get 0 and are
@@ -361,52 +380,18 @@ class AsyncRolloutLoop:
             try:
                 await self.close()
             finally:
-                await self.client.aclose()
+                for replica in self.replicas:
+                    await replica.client.aclose()
                 self.tool_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _connect(self) -> None:
-        """Check the server (flags the config needs) and start the concurrency cap from its KV size."""
-        config, url = self.config, self.config.vllm_server_base_url
-        await asyncio.to_thread(self.client.wait_for_health)
-        info = await asyncio.to_thread(self.client.server_info)
-        model_config, problems, flags = info.get("model_config") or {}, [], []
-        if (mode := model_config.get("logprobs_mode")) != "processed_logprobs":
-            problems.append(f"it returns {mode} log-probs, not those of the distribution it samples from")
-            flags.append("--logprobs-mode processed_logprobs")
-        max_logprobs = model_config.get("max_logprobs", 20)
-        if self.num_top is not None and max_logprobs != -1 and max_logprobs < self.num_top:
-            problems.append(f"it returns at most {max_logprobs} log-probs per token and num_sampler_logprobs is "
-                            f"{self.num_top}")
-            flags.append(f"--max-logprobs {self.num_top}")
-        if problems:
-            raise ValueError(f"the vLLM server at {url} cannot serve this config: {'; '.join(problems)}. Restart it "
-                             f"with `{' '.join(flags)}`")
-        if self.model_name is None:
-            self.model_name = (await asyncio.to_thread(self.client.models))["data"][0]["id"]
-        self.max_model_len = await asyncio.to_thread(self.client.max_model_len)
-        if config.top_k > 0 or config.top_p < 1 or config.min_p is not None:
-            self.use_generate = await self._server_returns_candidates()
-            if not self.use_generate:
-                log.warning("top_p/top_k/min_p are set but the vLLM server at %s returns no candidate sets, so the "
-                            "trainer normalises over the whole vocabulary and importance ratios are biased: restart "
-                            "it with `--return-sampling-mask --enable-scale-out` (vLLM >= 0.28)", url)
-        cache = info.get("cache_config") or {}
-        kv_tokens = cache.get("kv_cache_size_tokens") or (cache.get("num_gpu_blocks") or 0) * (cache.get("block_size") or 0)
-        has_metrics = await self.client.ametrics() is not None
-        self.cap = ConcurrencyCap.start(self.cap.bound, kv_tokens or None, self.max_model_len, has_metrics)
-
-    async def _server_returns_candidates(self) -> bool:
-        """Probe /inference/v1/generate with one token: 403/404 = no --enable-scale-out; no sampling_mask =
-        no --return-sampling-mask."""
-        params = {"max_tokens": 1, "temperature": self.config.temperature, "top_k": self.config.top_k, "logprobs": 0}
-        try:
-            reply = await self.client.agenerate({"model": self.model_name, "token_ids": [self.eos_token_ids[0]],
-                                                 "sampling_params": params})
-        except VLLMError as e:
-            if e.status in (403, 404):
-                return False
-            raise
-        return bool(reply["choices"][0].get("sampling_mask"))
+        """Check every replica (flags the config needs, one model) and start each cap from its KV size."""
+        served = [await connect(r, self.config, self.num_top, self.eos_token_ids[0]) for r in self.replicas]
+        if len(set(served)) > 1:
+            raise ValueError(f"the vLLM replicas serve different models {dict(zip(server_urls(self.config), served))}"
+                             ": every URL in vllm_server_base_url must serve the same model")
+        self.model_name = self.model_name or served[0]
+        self.max_model_len = min(r.max_model_len for r in self.replicas)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -459,14 +444,16 @@ class AsyncRolloutLoop:
             accepted += 1
             await self._wait_until(lambda: not self.score_queue.full(), "rollout/score_block_s")
             await self._wait_until(self._admissible, "rollout/backpressure_s")
-            group = _PendingGroup(group_id, row_index, prompt_index, row, G)
+            replica = pick(self.replicas)  # every rollout of the group: its prompt stays in one prefix cache
+            group = _PendingGroup(group_id, row_index, prompt_index, row, G, replica)
             group_id += 1
             self.pending_rollouts += G
+            replica.assigned += G
             for i in range(G):
-                await self._wait_until(lambda: self.inflight < self.cap.cap)
+                await self._wait_until(lambda: replica.inflight < replica.cap.cap)
                 if i == 0:
                     group.model_version = self.model_version  # the version when the group's first rollout starts
-                self.inflight += 1
+                replica.inflight += 1
                 task = asyncio.create_task(self._rollout(group, i))
                 self.tasks.add(task)
                 task.add_done_callback(self._rollout_ended)
@@ -489,17 +476,19 @@ class AsyncRolloutLoop:
 
     async def _rollout(self, group: "_PendingGroup", i: int) -> None:
         """Run one rollout of a group (in its own task); hand the group to scoring when it is complete."""
-        start, generating = time.monotonic(), True
+        start, generating, replica = time.monotonic(), True, group.replica
+        _TURN.set(TurnContext(replica, self.adapter_name(self.model_version)))  # all its turns: this version
         try:
-            prompt, env, stats, tools = group.row["prompt"], None, {}, list(self.tools)
+            prompt, env, stats, tools = group.row.get("prompt"), None, {}, list(self.tools)
             if self.environment_factory is not None:
                 env, prompt, stats["env/reset_s"] = await start_environment(self.environment_factory, group.row,
                                                                             self.tool_pool)
                 tools += environment_tools(env)
             rollout = await self.generate_one(prompt, tools, group.group_id)
             generating = False
-            self.inflight -= 1
-            self.cap.rollout_done(self.inflight)
+            replica.inflight -= 1
+            replica.assigned -= 1
+            replica.cap.rollout_done(replica.inflight)
             env_reward = None
             if env is not None:
                 env_reward, stats["env/reward_s"] = await environment_reward(env, self.tool_pool)
@@ -510,7 +499,11 @@ class AsyncRolloutLoop:
             self.failures_in_a_row = self.failed_groups_in_a_row = 0
         except Exception as e:
             if generating:
-                self.inflight -= 1
+                replica.inflight -= 1
+                replica.assigned -= 1
+            if isinstance(e, VLLMError) and isinstance(e.__cause__, httpx.TransportError):
+                raise RuntimeError(f"the vLLM server at {replica.url} stopped answering ({e}); is it running? "
+                                   "Restart it, or remove it from vllm_server_base_url") from e
             self.failed_groups_in_a_row += not group.failed
             group.failed = True
             self.failures_in_a_row += 1
@@ -571,6 +564,8 @@ class AsyncRolloutLoop:
         scored = group.rewards[~np.isnan(group.rewards)]
         kept = len(scored) >= 2 and scored.max() > scored.min()
         metrics = group_metrics(group, self.eos_token_ids) | {"frac_reward_zero_std": float(not kept)}
+        for name in [n for n in metrics if n.endswith("_total")]:  # a group's counts → totals since the start
+            self.totals[name] = metrics[name] = self.totals.get(name, 0) + metrics[name]
         if len(scored):
             metrics["reward"] = float(scored.mean())
         if not kept:
@@ -590,37 +585,28 @@ class AsyncRolloutLoop:
         return samples, metrics
 
     async def _poll_server(self) -> None:
-        """Every metrics_interval_s: read /metrics, move the cap, and emit the periodic metrics."""
-        last_preemptions, last_retries, last_time = None, 0, time.monotonic()
+        """Every metrics_interval_s: read each replica's /metrics, move its cap, emit the periodic metrics
+        (KV usage: the max over replicas; requests, caps and counters: summed)."""
+        last_time = time.monotonic()
         while True:
             await asyncio.sleep(self.metrics_interval_s)
+            polled = [r for r in self.replicas if r.cap.adaptive]
+            await asyncio.gather(*(r.poll() for r in polled))
             metrics: dict[str, float] = {}
-            if self.cap.adaptive:
-                try:
-                    samples = await self.client.ametrics()
-                except (VLLMError, TimeoutError) as e:
-                    log.warning("could not read /metrics (%s); the concurrency cap stays at %d", e, self.cap.cap)
-                    samples = None
-                if samples:
-                    def values(name):
-                        return [v for _, v in samples.get(name, [])]
-                    usage = max(values("vllm:kv_cache_usage_perc"), default=0.0)
-                    waiting = sum(values("vllm:num_requests_waiting"))
-                    preemptions = sum(values("vllm:num_preemptions_total"))
-                    self.cap.observe(usage, waiting, self.inflight)
-                    metrics |= {"rollout/kv_cache_usage": usage, "rollout/vllm_queued_requests": waiting,
-                                "rollout/vllm_running_requests": sum(values("vllm:num_requests_running")),
-                                "rollout/vllm_preemptions_total": preemptions - last_preemptions
-                                if last_preemptions is not None else 0.0}
-                    last_preemptions = preemptions
+            if polled:
+                metrics |= {"rollout/kv_cache_usage": max(r.kv_usage for r in polled),
+                            "rollout/vllm_queued_requests": sum(r.waiting for r in polled),
+                            "rollout/vllm_running_requests": sum(r.running for r in polled),
+                            "rollout/vllm_preemptions_total": sum(r.preemptions for r in polled)}
             now = time.monotonic()
-            metrics |= {"rollout/concurrency": self.inflight, "rollout/concurrency_cap": self.cap.cap,
+            metrics |= {"rollout/concurrency": sum(r.inflight for r in self.replicas),
+                        "rollout/concurrency_cap": sum(r.cap.cap for r in self.replicas),
                         "rollout/score_queue_size": self.score_queue.qsize(),
-                        "rollout/vllm_retry_total": self.client.retry_total - last_retries,
+                        "rollout/vllm_retry_total": sum(r.client.retry_total for r in self.replicas),
                         "rollout/generated_tok_s": self.since_emit["generated_tokens"] / (now - last_time),
                         "rollout/backpressure_s": self.since_emit["rollout/backpressure_s"],
                         "rollout/score_block_s": self.since_emit["rollout/score_block_s"]}
-            last_retries, last_time = self.client.retry_total, now
+            last_time = now
             self.since_emit = dict.fromkeys(self.since_emit, 0)
             self._emit(metrics)
             self.wake.set()
@@ -640,6 +626,7 @@ class _PendingGroup:
     prompt_index: int
     row: dict
     size: int
+    replica: Replica
     model_version: int = 0
     done: set[int] = field(default_factory=set)
     failed: bool = False
@@ -723,7 +710,7 @@ def group_metrics(group: RolloutGroup, eos_token_ids: list[int]) -> dict[str, fl
               "tools/unknown_name_total": sum(c.unknown for c in calls),
               "tools/parallel_calls_mean": float(np.mean(list(per_turn.values()))),
               "tools/loop_exhausted_frac": float(np.mean([r.loop_exhausted for r in rollouts]))}
-        for name in {c.name for c in calls if not c.unknown}:
+        for name in {c.name for c in calls if c.name is not None and not c.unknown}:  # malformed: no name
             mine = [c for c in calls if c.name == name]
             m |= {f"tools/{name}/latency_s": float(np.mean([c.latency_s for c in mine])),
                   f"tools/{name}/call_total": len(mine), f"tools/{name}/failure_total": sum(c.failed for c in mine)}

@@ -9,17 +9,25 @@ awaited) and hands back the tool messages that the next turn renders.
     parse          content 'Let me add.'   requested [{"name": "add", "arguments": {"a": 1, "b": 2}}]
     run            [{"role": "tool", "name": "add", "content": "3"}]      ToolCall("add", latency_s, ...)
 
-Tool calls are Qwen-style `<tool_call>{json}</tool_call>` blocks, the format of Qwen2.5/Qwen3 chat
-templates and of `toy.py`'s template. A block whose JSON does not parse stays in the message text and is
-answered with an error tool message; an unknown name is answered the same way and counted apart
-(tools/unknown_name_total tracks a policy error, not a broken tool). Calls of one message run in the
-order the model wrote them.
+How a model writes its calls (`tool_call_format`, decided once per tokenizer):
+- "response_template": the tokenizer defines its own response parsing (transformers' chat response
+  templates, `tokenizer.parse_response`); the parsed message's `tool_calls` are the calls;
+- "qwen": `<tool_call>{json}</tool_call>` blocks, the format of Qwen2.5/Qwen3 chat templates and of
+  `toy.py`'s template; also the fallback (the loop warns once) when neither is known.
+Calls of one message run in the order the model wrote them; every call gets a tool message.
+
+Three kinds of call, counted apart as the spec's tool metrics separate them:
+    malformed  (its JSON or the template's fields do not parse)  failed: tools/failure_frequency,
+               Rollout.tool_failure_count; it has no name, so no tools/<name>/* metric
+    unknown    (a well-formed call to no tool of the rollout)     tools/unknown_name_total only: a policy
+               error, not a tool that ran and raised
+    known      runs; raised → failed                              tools/<name>/call_total, /failure_total
 
 Environments: `environment_factory` is a callable (one environment class for every row) or a dict of
 them chosen by the row's `environment` column. Each rollout gets its own instance; `reset(**row)` runs
-before the first turn and a string it returns is appended to the last user message; the instance's
-public methods (except reset and get_reward) become that rollout's tools; `get_reward()`, if defined,
-scores the finished rollout.
+before the first turn and a string it returns is appended to the last user message (without a dataset,
+that string is the prompt: one user message); the instance's public methods (except reset and
+get_reward) become that rollout's tools; `get_reward()`, if defined, scores the finished rollout.
 """
 import asyncio
 import functools
@@ -37,7 +45,8 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 @dataclass
 class ToolCall:
-    """One requested call: `name` None when its JSON did not parse; `unknown` when no tool has the name."""
+    """One requested call: `name` None when it did not parse (then `failed`); `unknown` when no tool has
+    the name (not `failed`: no tool ran)."""
     name: str | None
     latency_s: float
     failed: bool
@@ -53,6 +62,42 @@ async def call_maybe_async(fn: Callable, executor: Executor | None, *args, **kwa
         return await fn(*args, **kwargs)
     result = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args, **kwargs))
     return await result if inspect.isawaitable(result) else result
+
+
+def tool_call_format(tokenizer) -> str | None:
+    """"response_template" if the tokenizer parses its own responses, "qwen" if its chat template writes
+    <tool_call> blocks, None if neither (the loop then warns once and tries the Qwen format)."""
+    if getattr(tokenizer, "response_template", None) is not None:
+        return "response_template"
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "qwen" if "<tool_call>" in str(template) else None
+
+
+def parse_turn(tokenizer, fmt: str | None, text: str, prompt_ids: list[int],
+               tools: list[Callable]) -> tuple[str, list[dict]]:
+    """A sampled turn's text → (message content, requested calls), in the tokenizer's own format when it
+    has one (the prompt, special tokens kept, lets the template find where the assistant turn starts)."""
+    if fmt != "response_template":
+        return parse_tool_calls(text)
+    try:
+        message = tokenizer.parse_response(text, prefix=tokenizer.decode(prompt_ids), tools=tools)
+    except Exception as e:                             # the output does not fit the template: one malformed call
+        return text, [{"error": f"invalid tool call: the response does not parse ({type(e).__name__}: {e})"}]
+    requested = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        name, arguments = (fn.get("name"), fn.get("arguments")) if isinstance(fn, dict) else (None, None)
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        if isinstance(name, str) and isinstance(arguments, dict):
+            requested.append({"name": name, "arguments": arguments})
+        else:
+            requested.append({"error": f"invalid tool call {str(call)[:200]!r}"})
+    content = message.get("content")
+    return content if isinstance(content, str) else "", requested
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
@@ -90,7 +135,7 @@ async def run_tool_calls(requested: list[dict], tools: dict[str, Callable], exec
         if "error" in call:
             content = f"Error: {call['error']}"
         elif unknown:
-            content = f"Error: unknown tool {name!r}; the tools are {sorted(tools)}"
+            content, failed = f"Error: unknown tool {name!r}; the tools are {sorted(tools)}", False
         else:
             try:
                 content, failed = str(await call_maybe_async(tools[name], executor, **call["arguments"])), False
@@ -137,7 +182,12 @@ async def start_environment(factory: Callable | dict[str, Callable], row: dict, 
     start = time.monotonic()
     observation = await call_maybe_async(env.reset, executor, **row)
     reset_s = time.monotonic() - start
-    prompt = row["prompt"]
+    prompt = row.get("prompt")
+    if prompt is None:                                 # no dataset: reset() writes the prompt
+        if not isinstance(observation, str):
+            raise ValueError(f"{type(env).__name__}.reset() returned {observation!r:.80}: without a train_dataset "
+                             "it must return the prompt (a string)")
+        return env, [{"role": "user", "content": observation}], reset_s
     if isinstance(observation, str):
         prompt = [dict(m) for m in prompt]
         last_user = max(i for i, m in enumerate(prompt) if m["role"] == "user")

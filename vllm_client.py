@@ -1,7 +1,11 @@
 """The one place that talks HTTP to a vLLM server: endpoints, timeouts, retries.
 
 Every other module calls a method here instead of building a URL. The contract is vLLM 0.33's HTTP
-API (`serve_local.py` speaks the same subset); one `VLLMClient` talks to one server URL.
+API (`serve_local.py` speaks the same subset); one `VLLMClient` talks to one server URL, and
+`server_urls` splits `vllm_server_base_url` ("http://a:8000,http://b:8000") into the replicas' URLs.
+
+API keys: with VLLM_API_KEY set (the variable `vllm serve --api-key` also reads), every request carries
+`Authorization: Bearer <key>`; the key is never logged. A 401 is a 4xx: raised at once, naming the fix.
 
     purpose          endpoint                              method(s) here
     ---------------  ------------------------------------  ------------------------------------------
@@ -50,6 +54,7 @@ Departures from TRL's client (`reference/trl_async_grpo_notes.md` §2, §6.6):
 """
 import asyncio
 import logging
+import os
 import random
 import re
 import time
@@ -74,6 +79,19 @@ class VLLMError(RuntimeError):
         where = url if status is None else f"{url} -> HTTP {status}"
         super().__init__(f"{where}: {message}")
         self.message, self.url, self.status = message, url, status
+
+
+def server_urls(config_or_url) -> list[str]:
+    """The server URLs of `vllm_server_base_url` (a config or the string): comma-separated, one per replica.
+
+    >>> server_urls("http://a:8000/, http://b:8000")
+    ['http://a:8000', 'http://b:8000']
+    """
+    text = config_or_url if isinstance(config_or_url, str) else config_or_url.vllm_server_base_url
+    urls = [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+    if not urls or len(set(urls)) < len(urls):
+        raise ValueError(f"vllm_server_base_url={text!r}: give one or more distinct server URLs, comma-separated")
+    return urls
 
 
 def _server_message(response: httpx.Response) -> str:
@@ -142,7 +160,9 @@ class VLLMClient:
         self.base_url = base_url.rstrip("/")
         self.timeout, self.max_retries, self.backoff, self.max_backoff = timeout, max_retries, backoff, max_backoff
         self.retry_total = 0  # retries made so far, sync and async together (rollout/vllm_retry_total)
-        self._client = httpx.Client(timeout=timeout, limits=_POOL)
+        key = os.environ.get("VLLM_API_KEY")
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._client = httpx.Client(timeout=timeout, limits=_POOL, headers=self._headers)
         self._async: httpx.AsyncClient | None = None  # made in, and tied to, the event loop that first needs it
 
     # ---- the retry policy, shared by the sync and async paths ----
@@ -157,6 +177,9 @@ class VLLMClient:
             if response.status_code < 400:
                 return None
             status, message = response.status_code, _server_message(response)
+            if status == 401:
+                message += (": the server was started with --api-key; set VLLM_API_KEY to that key" if not
+                            self._headers else ": it refused the key in VLLM_API_KEY; set the key it was started with")
             if status < 500 or kind == "collective":
                 raise VLLMError(message, url, status)
             last = f"HTTP {status}: {message}"
@@ -193,7 +216,7 @@ class VLLMClient:
 
     async def _arequest(self, method: str, path: str, kind: str = "control", **kwargs) -> httpx.Response:
         if self._async is None:
-            self._async = httpx.AsyncClient(timeout=self.timeout, limits=_POOL)
+            self._async = httpx.AsyncClient(timeout=self.timeout, limits=_POOL, headers=self._headers)
         url, attempt = self.base_url + path, 0
         while True:
             try:

@@ -3,14 +3,16 @@
 The rollout process is spawned, so everything it runs must be importable by name: these cannot live
 inside test functions.
 """
+import asyncio
 import os
+import random
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from rollout import AsyncRolloutLoop
-from rollout_samples import TurnRecord
+from rollout_samples import Rollout, TurnRecord
 from train import AsyncGRPOConfig
 from vllm_client import VLLMError
 
@@ -46,7 +48,7 @@ class ScriptedToolLoop(AsyncRolloutLoop):
     """Turn 1 asks for add(1, 2); once a tool response is in the prompt, the model answers "3"."""
     call_json = '{"name": "add", "arguments": {"a": 1, "b": 2}}'  # exactly what the template re-renders
 
-    async def generate_one_turn(self, prompt_ids, max_tokens=None):
+    async def generate_one_turn(self, prompt_ids):
         answered = self.tokenizer.convert_tokens_to_ids("<tool_response>") in prompt_ids
         text = "3" if answered else f"<tool_call>{self.call_json}</tool_call>"
         ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
@@ -117,3 +119,70 @@ class CurriculumRolloutLoop(AsyncRolloutLoop):
         if len(scored):
             self.pass_rates[group.row_index] = float(np.mean(scored > 0))
         return super().compute_advantages(group)
+
+
+class PromptEnv:
+    """An environment that owns the data (no train_dataset): reset() writes the prompt; it scores itself."""
+
+    def reset(self, **row):
+        self.calls = 0
+        return "2+3="
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.calls += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return random.random()  # distinct within a group, so groups are kept
+
+
+class ModelRecordingLoop(FastPollLoop):
+    """Records which server answered each turn of a rollout and the model it says it served (the reply's
+    `model`), as "url|model,url|model" in the rollout's rollout_id, so the parent can read it off samples."""
+
+    async def setup(self):
+        self.served = {}
+        for replica in self.replicas:
+            replica.client.acompletions = self._recording(replica.client.acompletions, replica.url)
+
+    def _recording(self, call, url):
+        async def completions(body):
+            reply = await call(body)
+            self.served.setdefault(asyncio.current_task(), []).append(f"{url}|{reply['model']}")
+            return reply
+        return completions
+
+    def tag(self, rollout: Rollout) -> Rollout:
+        rollout.rollout_id = ",".join(self.served.pop(asyncio.current_task(), []))
+        return rollout
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        return self.tag(await super().generate_one(prompt, tools, group_id))
+
+
+class FailFastLoop(ModelRecordingLoop):
+    vllm_max_retries = 1
+
+
+class SpanningLoop(ModelRecordingLoop):
+    """LoRA naming (lora_name "policy"); two turns per rollout, and group 0's rollouts wait between their
+    turns until the trainer has published version 2, so they span a sync."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, lora_name="policy", **kwargs)
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"]
+        first = await self.generate_one_turn(ids)
+        while group_id == 0 and self.model_version < 2:
+            await asyncio.sleep(0.02)
+        second = await self.generate_one_turn(ids + first.output_ids)
+        completion = [{"role": "assistant", "content": self.tokenizer.decode(first.output_ids + second.output_ids)}]
+        return self.tag(Rollout(completion, first.output_ids + second.output_ids, [first, second]))

@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 import rollout_helpers as h
 import toy
 from conftest import LocalServer
-from rollout import AsyncRolloutLoop, ConcurrencyCap, prompt_stream
+from rollout import AsyncRolloutLoop, prompt_stream
+from rollout_servers import ConcurrencyCap
 from rollout_samples import Rollout, RolloutGroup, TurnRecord, parse_completion, parse_generate, reconcile, to_sample
 from rollout_worker import RolloutProcessError, RolloutWorker, check_picklable
 from rollout_tools import check_tools, parse_tool_calls, run_tool_calls
@@ -83,7 +84,7 @@ def test_malformed_reply_fails_with_a_clear_error(toy_dir):
 
     async def reply(body):
         return {"choices": [{"token_ids": [5, 6], "logprobs": {"token_logprobs": [-1.0]}}]}
-    loop.client.acompletions = reply
+    loop.replicas[0].client.acompletions = reply
     with pytest.raises(VLLMError, match="malformed reply"):
         asyncio.run(loop.generate_one_turn([1, 2]))
 
@@ -118,7 +119,7 @@ def test_run_tool_calls_in_order_with_errors_as_messages():
         messages, records = asyncio.run(run_tool_calls(requested, tools, pool, turn_index=0))
     assert [m["content"] for m in messages[:2]] == ["3", "8"]
     assert "unknown tool 'nope'" in messages[2]["content"] and "KeyError" in messages[3]["content"]
-    assert [(r.failed, r.unknown) for r in records] == [(False, False), (False, False), (True, True), (True, False),
+    assert [(r.failed, r.unknown) for r in records] == [(False, False), (False, False), (False, True), (True, False),
                                                         (True, False)]
 
 
