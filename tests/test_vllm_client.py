@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from vllm_client import VLLMClient, VLLMError, parse_prometheus
+from vllm_client import VLLMClient, VLLMError, parse_prometheus, server_urls
 
 FAST = dict(backoff=0.001, max_backoff=0.01)  # keep retries quick
 
@@ -25,6 +25,7 @@ class Scripted(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.replies, self.max_requests = replies, max_requests
         self.requests: list[tuple[str, str, object]] = []  # (method, path with query, JSON body or None)
+        self.authorizations: list[str | None] = []        # each request's Authorization header
         self.released = threading.Event()
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self.timeout = 0.05
@@ -49,6 +50,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self):
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.server.authorizations.append(self.headers.get("Authorization"))
         reply = self.server.reply_for(self.command, self.path, json.loads(raw) if raw else None)
         if reply == "stall":
             self.server.released.wait(10)
@@ -291,3 +293,37 @@ def test_async_methods_share_the_policy(serve):
     asyncio.run(run())
     assert (a.retry_total, b.retry_total, c.retry_total) == (1, 0, 1)
     assert len(refused.requests) == 1 and len(stalled.requests) == 2
+
+
+def test_server_urls_split_the_replicas():
+    assert server_urls("http://a:8000/") == ["http://a:8000"]
+    assert server_urls(" http://a:8000 ,http://b:9000/, ") == ["http://a:8000", "http://b:9000"]
+    for bad in ("", " , ", "http://a:8000,http://a:8000/"):
+        with pytest.raises(ValueError, match="vllm_server_base_url"):
+            server_urls(bad)
+
+
+@pytest.mark.parametrize("key, hint", [(None, "set VLLM_API_KEY to that key"),
+                                       ("wrong", "refused the key in VLLM_API_KEY")])
+def test_401_raises_at_once_naming_the_api_key_variable(serve, monkeypatch, key, hint):
+    if key is None:
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_API_KEY", key)
+    s = serve([(401, {"error": "Unauthorized"}), (200, COMPLETION)])
+    client = VLLMClient(s.url, **FAST)
+    with pytest.raises(VLLMError) as info:
+        client.completions({"prompt": [1]})
+    assert info.value.status == 401 and hint in str(info.value) and (key is None or key not in str(info.value))
+    assert len(s.requests) == 1 and client.retry_total == 0
+    assert s.authorizations == [None if key is None else f"Bearer {key}"]
+
+
+def test_the_api_key_goes_on_every_call_sync_and_async(serve, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "k3y")
+    s = serve([(200, COMPLETION)])
+    client = VLLMClient(s.url, **FAST)
+    client.completions({"prompt": [1]})
+    client.health()
+    asyncio.run(client.acompletions({"prompt": [1]}))
+    assert s.authorizations == ["Bearer k3y"] * 3
