@@ -142,6 +142,8 @@ class RolloutWorker:
         if self.finished:
             return None
         deadline = math.inf if timeout is None else time.monotonic() + timeout
+        if self.channels.rollout_buffer.empty():
+            self._starved()
         while True:
             try:
                 sample = self.channels.rollout_buffer.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
@@ -158,6 +160,17 @@ class RolloutWorker:
         self.channels.consumed.value = self.consumed
         self.left[sample.prompt_index] = self.left.get(sample.prompt_index, 0) - 1
         return sample
+
+    def _starved(self) -> None:
+        """The trainer waits on an empty queue, so this version consumes more samples than the rate R
+        assumed (token-budget rows take as many as fit): R > consumed − C_v. Raising R to that bound
+        lets the rollout process admit the groups the trainer is waiting for.
+
+        Worked example: G = 8, max_staleness = 4, prior R = 8, C_v = 0. Admission stops at 40 samples
+        (5 × 8); the planner needs ~64 to close one micro-batch, so the trainer starves at consumed =
+        40; R becomes 41, the window 5 × 41 = 205, and generation resumes."""
+        version_start = self.channels.version_start.value
+        self.channels.rate.value = max(self.channels.rate.value, self.consumed - version_start + 1)
 
     def qsize(self) -> int:
         """Samples waiting in the rollout queue (sample/rollout_queue_size)."""

@@ -101,10 +101,34 @@ def build_model(vocab_size: int, seed: int = 0) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(cfg)
 
 
-def save(path: str, seed: int = 0) -> str:
-    """Write the toy model and tokenizer to `path`; returns the path."""
+def warm_up(model, tokenizer, steps: int = 100, batch: int = 64, seed: int = 0) -> float:
+    """Supervised warm-up on the answer format only: each prompt is followed by a random digit and the
+    end of turn, so the model learns to answer with one digit and stop, but not which digit (RL learns
+    the arithmetic). Returns the last loss (ln 10 + ~0 is the floor: the digit is a coin of 10 faces)."""
+    rng = random.Random(seed)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{a}+{b}="}], add_generation_prompt=True,
+                                             return_dict=False) for a in range(5) for b in range(5)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        ids = torch.tensor([rng.choice(prompts) + [rng.choice(digits), end] for _ in range(batch)])  # [B, L]
+        logits = model(input_ids=ids[:, :-1]).logits[:, -2:]                   # [B, 2, V] digit, end
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, -2:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    return loss.item()
+
+
+def save(path: str, seed: int = 0, warm: bool = False) -> str:
+    """Write the toy model and tokenizer to `path` (random init, or `warm`: after warm_up); returns it."""
     tokenizer = build_tokenizer()
     model = build_model(len(tokenizer), seed)
+    if warm:
+        warm_up(model, tokenizer, seed=seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -112,11 +136,12 @@ def save(path: str, seed: int = 0) -> str:
 
 
 def ensure_saved(path: str | None = None) -> str:
-    """The toy model directory, built on first use (default: ~/.cache/async_grpo/toy)."""
-    path = path or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "async_grpo", "toy")
+    """The warmed-up toy model directory, built on first use (default: ~/.cache/async_grpo/toy-warm-v1)."""
+    cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    path = path or os.path.join(cache, "async_grpo", "toy-warm-v1")
     if not os.path.exists(os.path.join(path, "config.json")):
         tmp = f"{path}.tmp{os.getpid()}"
-        save(tmp)
+        save(tmp, warm=True)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
             os.rename(tmp, path)  # atomic: a concurrent builder either wins or finds it done
@@ -124,6 +149,20 @@ def ensure_saved(path: str | None = None) -> str:
             import shutil
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+NUM_PROMPTS = 256
+# `python train.py` (the toy run): what differs from AsyncGRPOConfig's defaults, and why
+TRAIN_DEFAULTS = dict(
+    output_dir="runs/toy",
+    learning_rate=1e-3,               # a 0.3M-parameter model from a format-only warm-up, not a 4B one
+    max_steps=150,
+    max_completion_length=8,          # one digit and the end of turn
+    token_budget=256,                 # rows of ~8 groups: the server's max_model_len (1024) is 4x that
+    gradient_checkpointing=False,     # nothing to save on a model this small
+    save_steps=50,
+    save_total_limit=2,
+)
 
 
 def make_dataset(n: int = 64, seed: int = 0) -> Dataset:

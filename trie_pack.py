@@ -338,7 +338,8 @@ class TreeRow:
         )
 
 
-def _rebuilt(samples: list) -> TreeRow:
+def build_row(samples: list) -> TreeRow:
+    """A row holding `samples`, added in order."""
     row = TreeRow()
     for s in samples:
         row.add(s)
@@ -412,7 +413,7 @@ class Planner:
             parts.remove(big)
             parts += [big[: len(big) // 2], big[len(big) // 2:]]
         rows = [TreeRow() for _ in range(self.world_size)]
-        for part in sorted(parts, key=lambda p: -_rebuilt(p).attention_cost):
+        for part in sorted(parts, key=lambda p: -build_row(p).attention_cost):
             row = min(rows, key=lambda r: r.attention_cost)
             for s in part:
                 row.add(s)
@@ -435,9 +436,23 @@ class Planner:
             if not row.samples:
                 j = max((j for j, r in enumerate(rows) if len(r.samples) > 1), key=lambda j: rows[j].attention_cost)
                 moved = rows[j].samples[-1]
-                rows[j] = _rebuilt(rows[j].samples[:-1])
-                rows[i] = _rebuilt([moved])
+                rows[j] = build_row(rows[j].samples[:-1])
+                rows[i] = build_row([moved])
         return rows
+
+    def held(self) -> list:
+        """Samples in the open micro-batch, not yet handed to the trainer."""
+        return list(self.pending) if self.token_budget <= 0 else [s for r in self.rows for s in r.samples]
+
+    def drop(self, stale) -> int:
+        """Remove the held samples for which stale(sample) is true (rows are rebuilt); returns how many."""
+        keep = [s for s in self.held() if not stale(s)]
+        dropped = len(self.held()) - len(keep)
+        if dropped and self.token_budget <= 0:
+            self.pending = keep
+        elif dropped:
+            self.rows = [build_row([s for s in r.samples if not stale(s)]) for r in self.rows]
+        return dropped
 
     def metrics(self, packed: list[PackedRow]) -> dict[str, float]:
         """Spec batch/* metrics of one micro-batch (row metrics are means over its rows)."""

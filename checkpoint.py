@@ -1,0 +1,143 @@
+"""Checkpoints and resume (spec: チェックポイントと再開 (checkpoints and resume)).
+
+    <output_dir>/checkpoint-20/          written as .checkpoint-20.tmp/, renamed when complete: a crash
+      model.safetensors, config.json,    leaves the last complete checkpoint as it was
+      tokenizer files                    the servable model in the training dtype (bf16 under bf16
+                                         mixed precision, not the fp32 master size) → from_pretrained
+      (LoRA: adapter_model.safetensors + adapter_config.json instead → PeftModel.from_pretrained)
+      fsdp/                              torch.distributed.checkpoint: the sharded master weights and
+                                         optimizer state, what a resume loads
+      scheduler.pt, rng_state_<rank>.pth
+      trainer_state.json                 {"global_step": 20, "model_version": 20, "num_tokens": ..., ...}
+      rollout_state.json                 {"prompt_index": 157}: the first prompt index not yet trained
+
+Resume (`resume_from_checkpoint=True`: the newest checkpoint in output_dir; or a path) restores all of
+it; the rollout process starts at prompt_index, the trainer syncs the saved weights to the servers
+before generation starts, and running totals (num_tokens, *_total) continue.
+
+Departures: the spec's resume files are pytorch_model_fsdp.bin / optimizer.bin (accelerate); ours are
+one torch.distributed.checkpoint directory, which reshards when the world size changes.
+"""
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+@dataclass
+class TrainState:
+    """What a resume needs besides the tensors (trainer_state.json, rollout_state.json)."""
+    global_step: int = 0
+    model_version: int = 0             # weight syncs so far
+    num_tokens: int = 0                # forwarded tokens since the start (num_tokens metric)
+    dropped_stale_total: int = 0
+    dropped_oversize_total: int = 0
+    prompt_index: int = 0              # first prompt not yet trained (rollout_state.json)
+
+
+def find(output_dir: str, resume) -> str | None:
+    """The checkpoint to resume from: None/False → none; True/"true" → the newest in output_dir."""
+    if resume in (None, False, "", "false", "False"):
+        return None
+    if resume in (True, "true", "True"):
+        found = sorted(checkpoints(output_dir), key=lambda p: p[0])
+        if not found:
+            raise ValueError(f"resume_from_checkpoint=True but {output_dir!r} holds no checkpoint-N directory")
+        return found[-1][1]
+    if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+        raise ValueError(f"resume_from_checkpoint={resume!r} is not a complete checkpoint (no trainer_state.json)")
+    return resume
+
+
+def checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoints in output_dir."""
+    if not os.path.isdir(output_dir):
+        return []
+    return [(int(m[1]), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
+            if (m := re.fullmatch(r"checkpoint-(\d+)", name))]
+
+
+def export_dtype(policy, config) -> torch.dtype:
+    master = next(p for p in policy.parameters()).dtype
+    bf16 = config.bf16 if config.bf16 is not None else next(policy.parameters()).device.type == "cuda"
+    return torch.bfloat16 if bf16 and master == torch.float32 else master
+
+
+def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, tokenizer, config) -> str:
+    """Write checkpoint-<global_step> (every rank calls it); prune to save_total_limit. Returns its path."""
+    rank = dist.get_rank()
+    final = os.path.join(output_dir, f"checkpoint-{state.global_step}")
+    tmp = os.path.join(output_dir, f".checkpoint-{state.global_step}.tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model, dtype = policy.model, export_dtype(policy, config)
+    peft = hasattr(model, "peft_config")
+    exported = {}
+    for name, value in model.state_dict().items():     # one gathered tensor at a time; rank 0 keeps them
+        if peft and "lora_" not in name:
+            continue
+        tensor = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if rank == 0:
+            exported[name] = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
+    if rank == 0:
+        model.save_pretrained(tmp, state_dict=exported)
+        tokenizer.save_pretrained(tmp)
+    model_state, optim_state = get_state_dict(policy, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "fsdp"))
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    torch.save(rng, os.path.join(tmp, f"rng_state_{rank}.pth"))
+    if rank == 0:
+        torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+        trainer_state = {k: v for k, v in asdict(state).items() if k != "prompt_index"}
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state, f, indent=2)
+        with open(os.path.join(tmp, "rollout_state.json"), "w") as f:
+            json.dump({"prompt_index": state.prompt_index}, f)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)                          # atomic: the checkpoint appears complete or not at all
+        prune(output_dir, config.save_total_limit)
+    dist.barrier()
+    return final
+
+
+def prune(output_dir: str, limit: int | None) -> None:
+    """Delete all but the newest `limit` checkpoints."""
+    if limit is None:
+        return
+    for _, path in sorted(checkpoints(output_dir))[:-limit]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load(path: str, policy, optimizer, scheduler) -> TrainState:
+    """Restore a checkpoint written by save() into the sharded model, optimizer, scheduler and RNGs."""
+    model_state, optim_state = get_state_dict(policy, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=os.path.join(path, "fsdp"))
+    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
+    rng_file = os.path.join(path, f"rng_state_{dist.get_rank()}.pth")
+    if os.path.exists(rng_file):                       # a resume on more ranks than saved starts fresh RNGs
+        rng = torch.load(rng_file, weights_only=False)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        saved = json.load(f)
+    with open(os.path.join(path, "rollout_state.json")) as f:
+        saved |= json.load(f)
+    return TrainState(**saved)

@@ -1,0 +1,156 @@
+"""AsyncGRPOConfig (spec: AsyncGRPOConfig, and its groups: モデル / 生成 / vLLMサーバー / 学習 /
+非同期ロールアウトパイプライン / ログ出力 を制御するパラメータ).
+
+Only the fields the project implements exist: an option that would be accepted and ignored is not
+declared, so a TRL config that uses one fails loudly here instead of training differently. Names and
+defaults are the spec's (which differ from TrainingArguments' in the places the spec lists):
+
+    config = AsyncGRPOConfig(output_dir="runs/x", top_p=0.95, top_k=512)   # needs a server with
+                                                                            # --return-sampling-mask --enable-scale-out
+    python train.py --learning_rate 1e-6 --max_steps 100 ...                # the CLI: one flag per field
+
+Departures: `bf16=None` resolves to True on CUDA and False on CPU (CPU bf16 matmuls are slow and the
+tests compare in fp32); `tree_attention_backend` is ours (the spec has one kernel); `report_to`
+accepts only "none" (every run writes metrics.jsonl in output_dir); `optim` offers the two AdamW
+variants only.
+"""
+import json
+import warnings
+from dataclasses import dataclass
+
+SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "polynomial")
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
+
+
+@dataclass
+class AsyncGRPOConfig:
+    # run
+    output_dir: str | None = None                # None: "trainer_output"
+    seed: int = 42
+    per_device_train_batch_size: int = 8         # samples per rank per micro-batch (token_budget <= 0)
+    gradient_accumulation_steps: int = 1         # micro-batches per optimizer step
+    num_train_epochs: float = 3.0                # passes over the prompts (the stop rule unless max_steps > 0)
+    max_steps: int = -1                          # > 0: stop after this many optimizer steps instead
+    # optimizer and schedule
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "constant"          # one of SCHEDULES; decaying ones need max_steps > 0
+    lr_scheduler_kwargs: dict | str | None = None  # extra arguments of the schedule (JSON on the CLI)
+    warmup_steps: float = 0                      # >= 1: steps; < 1: a fraction of max_steps
+    optim: str = "adamw_torch_fused"             # one of OPTIMIZERS (fused only where torch has it)
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0                   # <= 0: no clipping
+    # precision and memory
+    bf16: bool | None = None                     # bf16 compute, fp32 master weights; None: True on CUDA
+    dtype: str = "float32"                       # dtype the weights load in (auto|bfloat16|float16|float32)
+    gradient_checkpointing: bool = True          # recompute each decoder layer in backward
+    tree_attention_backend: str | None = None    # ours: sdpa | flex | flash; None: flex on CUDA, sdpa on CPU
+    # model
+    model_init_kwargs: dict | str | None = None  # from_pretrained kwargs (JSON on the CLI); its dtype wins
+    trust_remote_code: bool = False
+    router_aux_loss_coef: float | None = None    # MoE load-balancing weight; None: the model's value
+    # generation
+    num_generations: int = 8
+    max_completion_length: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    chat_template_kwargs: dict | str | None = None
+    max_tool_calling_iterations: int | None = None
+    # vLLM server
+    vllm_server_base_url: str = "http://localhost:8000"  # several replicas: comma-separated URLs
+    vllm_server_timeout: float = 1800.0
+    # objective
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    score_centering: bool = True
+    vllm_importance_sampling_clip_min: float = 0.5
+    vllm_importance_sampling_clip_max: float = 5.0
+    num_sampler_logprobs: int = 8
+    # packing
+    token_budget: int | None = None              # None: the server's max_model_len; <= 0: fixed sample count
+    # asynchronous rollout pipeline
+    max_concurrent_rollouts: int | None = None
+    max_staleness: int = 4
+    queue_maxsize: int = 1024
+    weight_sync_steps: int = 1
+    rollout_worker_timeout: float = 300.0
+    # logging and checkpoints
+    logging_steps: float = 1                     # >= 1: steps; < 1: a fraction of max_steps
+    log_completions: bool = False
+    num_completions_to_print: int | None = None
+    disable_tqdm: bool | None = None             # None: the progress bar shows on a terminal
+    report_to: str = "none"                      # metrics always go to <output_dir>/metrics.jsonl
+    save_strategy: str = "steps"                 # steps | no
+    save_steps: float = 500                      # >= 1: steps; < 1: a fraction of max_steps
+    save_total_limit: int | None = None          # keep the newest N checkpoints
+    resume_from_checkpoint: str | None = None    # a checkpoint directory, or "true" for the newest one
+
+    def __post_init__(self):
+        def need(ok: bool, field: str, fix: str):
+            if not ok:
+                raise ValueError(f"AsyncGRPOConfig.{field}: {fix}")
+
+        for name in ("lr_scheduler_kwargs", "model_init_kwargs", "chat_template_kwargs"):
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, json.loads(getattr(self, name)))
+        need(self.num_generations >= 2, "num_generations", "must be >= 2: advantages are standardised within a group")
+        need(self.temperature > 0, "temperature", "must be > 0")
+        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(self.top_k >= 0, "top_k", "must be >= 0 (0 disables top-k)")
+        truncated = self.top_p < 1 or self.min_p is not None
+        need(not truncated or self.top_k > 0, "top_k",
+             "top_p < 1 and min_p also need top_k > 0: vLLM bounds the returned candidate set by top_k")
+        need(self.min_p is None or 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        need(self.epsilon > 0 and (self.epsilon_high is None or self.epsilon_high > 0), "epsilon", "must be > 0")
+        need(0 <= self.vllm_importance_sampling_clip_min < 1 < self.vllm_importance_sampling_clip_max,
+             "vllm_importance_sampling_clip_min/max", "need clip_min < 1 < clip_max")
+        need(self.num_sampler_logprobs >= 1 or not self.score_centering, "num_sampler_logprobs",
+             "score centering needs >= 1 sampler log-probs per token")
+        need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        if self.repetition_penalty != 1.0:
+            warnings.warn("AsyncGRPOConfig.repetition_penalty != 1: the server's processed log-probs include the "
+                          "penalty and the trainer's log-probs do not, so every importance ratio is biased",
+                          stacklevel=2)
+        need(self.weight_sync_steps >= 1, "weight_sync_steps", "must be >= 1")
+        need(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1, "max_concurrent_rollouts",
+             "must be >= 1 (or None for the default)")
+        need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
+        need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
+        need(self.learning_rate >= 0, "learning_rate", "must be >= 0")
+        need(self.lr_scheduler_type in SCHEDULES, "lr_scheduler_type", f"must be one of {SCHEDULES}")
+        need(self.lr_scheduler_type.startswith("constant") or self.max_steps > 0, "lr_scheduler_type",
+             f"{self.lr_scheduler_type!r} decays over max_steps, which is not set: the number of optimizer steps "
+             "is not known in advance (forks vary it), so set max_steps > 0 or use 'constant'")
+        need(self.warmup_steps >= 0 and (self.warmup_steps >= 1 or self.warmup_steps == 0 or self.max_steps > 0),
+             "warmup_steps", "a fraction (< 1) of max_steps needs max_steps > 0")
+        need(self.optim in OPTIMIZERS, "optim", f"must be one of {OPTIMIZERS}")
+        need(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
+             "must be auto, bfloat16, float16 or float32")
+        need(self.tree_attention_backend in (None, "sdpa", "flex", "flash"), "tree_attention_backend",
+             "must be sdpa, flex or flash (or None for the device's default)")
+        need(self.report_to in ("none", None), "report_to",
+             "only 'none' is implemented: every run writes <output_dir>/metrics.jsonl (plot it with "
+             "`python train.py plot <output_dir>`)")
+        need(self.save_strategy in ("steps", "no"), "save_strategy", "must be 'steps' or 'no'")
+        for name in ("logging_steps", "save_steps"):
+            value = getattr(self, name)
+            need(value >= 1 or (0 < value < 1 and self.max_steps > 0), name,
+                 "must be >= 1 (steps), or a fraction in (0, 1) of max_steps when max_steps > 0")
+        need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be >= 1")
+
+    def default_max_concurrent_rollouts(self, num_processes: int) -> int:
+        """Spec: max(max_staleness, 1) × per_device_train_batch_size × gradient_accumulation_steps × num_processes."""
+        if self.max_concurrent_rollouts is not None:
+            return self.max_concurrent_rollouts
+        return (max(self.max_staleness, 1) * self.per_device_train_batch_size * self.gradient_accumulation_steps
+                * num_processes)
+
+    def every(self, name: str) -> int:
+        """logging_steps / save_steps / warmup_steps in optimizer steps (a fraction < 1 is of max_steps)."""
+        value = getattr(self, name)
+        return int(value) if value >= 1 or value == 0 else max(1, round(value * self.max_steps))

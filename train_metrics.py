@@ -1,0 +1,204 @@
+"""The trainer's metrics (spec: 記録されたメトリクス (logged metrics): サンプル, 報酬とオフポリシー性, バッチ,
+パフォーマンス, and the rollout metrics it drains from the rollout process).
+
+Per optimizer step rank 0 gathers four kinds, then every logging_steps steps writes one JSONL line:
+
+    sample/*  the samples the step took from the queue   forwarded/trained tokens, queue size and wait,
+                                                          staleness, dropped_stale_total; reward_group_std,
+                                                          rewards/<func>/mean and /group_std
+    batch/*   the planned rows                            the planner's row metrics + *_per_step sums
+    perf/*    timings (train.py, weight_sync.py)          + tokens/s and MFU on both time bases
+    loss.py   loss, sampling/*, clip_ratio/*, entropy     reduced over micro-batches and ranks
+    rollout   rollout/*, completions/*, tools/*, env/*, reward, reward_kept, frac_reward_zero_std
+
+A window of several steps (or several rollout emissions) reduces by name: `*_total` are running totals
+(the last value), `*max*` the max, `*min*` the min, rollout/backpressure_s and rollout/score_block_s
+(time amounts) the sum, everything else the mean. Example: two steps with sample/staleness_max 1 and 3
+and sample/dropped_stale_total 4 and 6 log 3 and 6.
+
+MFU counts model FLOPs of the packed rows (a row's attention work is its trie's score pairs, not the
+raw samples'), ×3 for forward + backward, over the peak of the local device at the compute precision;
+it is absent where the peak is unknown (CPU, unlisted GPUs), as the spec says.
+
+Departures: the spec prints completions with rich; we print plain text.
+"""
+import json
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+# dense peak FLOP/s per device (bf16 tensor cores; fp32 without TF32), from the vendors' datasheets
+PEAK_FLOPS = {"bf16": {"B200": 2.25e15, "H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12,
+                       "L40S": 362e12, "MI300X": 1307e12, "MI325X": 1307e12},
+              "fp32": {"B200": 80e12, "H200": 67e12, "H100": 67e12, "A100": 19.5e12, "L40S": 91.6e12}}
+SUMMED = ("rollout/backpressure_s", "rollout/score_block_s")
+
+
+def reduce_window(records: list[dict]) -> dict[str, float]:
+    """Many metric dicts → one, by name (module docstring)."""
+    out: dict[str, float] = {}
+    for name in dict.fromkeys(k for r in records for k in r):
+        values = [r[name] for r in records if name in r and r[name] is not None and not _nan(r[name])]
+        if not values:
+            continue
+        if name.endswith("_total"):
+            out[name] = values[-1]
+        elif name in SUMMED:
+            out[name] = float(sum(values))
+        elif "max" in name.rsplit("/", 1)[-1]:
+            out[name] = float(max(values))
+        elif "min" in name.rsplit("/", 1)[-1]:
+            out[name] = float(min(values))
+        else:
+            out[name] = float(np.mean(values))
+    return out
+
+
+def _nan(v) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def sample_metrics(feed) -> dict[str, float]:
+    """sample/* and the per-sample reward metrics of the samples one step took from the queue."""
+    s = feed.samples
+    out = {"sample/rollout_queue_size": float(feed.queue_size),
+           "sample/dropped_stale_total": float(feed.dropped_stale_total)}
+    if s:
+        lengths = [len(x.input_ids) for x in s]
+        out |= {"sample/forwarded_tokens_mean": float(np.mean(lengths)), "sample/forwarded_tokens_max": max(lengths),
+                "sample/trained_tokens_mean": float(np.mean([int(x.completion_mask.sum()) for x in s])),
+                "sample/time_in_queue_s": float(np.mean(feed.queue_s)),
+                "sample/staleness_mean": float(np.mean(feed.stale_seen)), "sample/staleness_max": max(feed.stale_seen)}
+        out |= reduce_window([x.metrics for x in s])        # reward_group_std, rewards/<func>/mean, /group_std
+    return out
+
+
+def batch_metrics(planner, step: list, packed: list) -> dict[str, float]:
+    """batch/*: the planner's row metrics per micro-batch (reduced over the step) and the step's sums."""
+    rows = [p for micro in packed for p in micro]
+    out = reduce_window([planner.metrics(micro) for micro in packed])
+    out |= {"batch/forwarded_tokens_per_step": sum(p.unique_tokens for p in rows),
+            "batch/trained_tokens_per_step": sum(p.trained_tokens for p in rows),
+            "batch/samples_per_step": sum(p.num_samples for p in rows),
+            "batch/groups_per_step": len(set().union(*(r.group_ids for micro in step for r in micro))),
+            "batch/microbatches_per_step": len(packed)}
+    return out
+
+
+class FlopCounter:
+    """Model FLOPs of packed rows: 2·P·N (matmuls) + 4·L·Hq·D·pairs (attention) + 2·V·H·M (LM head at the
+    loss terms); ×3 for forward + backward. P: decoder-layer parameters, N: forwarded tokens."""
+
+    def __init__(self, model):
+        import tree_attention
+        text = tree_attention.text_config(model)
+        self.p = sum(p.numel() for p in tree_attention.decoder_layers(model).parameters())
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.attn = 4 * text.num_hidden_layers * text.num_attention_heads * head_dim
+        self.head = 2 * text.vocab_size * text.hidden_size
+
+    def __call__(self, rows) -> float:
+        return 3.0 * sum(2 * self.p * r.unique_tokens + self.attn * r.attention_cost + self.head * r.trained_tokens
+                         for r in rows)
+
+
+def peak_flops(device: torch.device, bf16: bool) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    table = PEAK_FLOPS["bf16" if bf16 else "fp32"]
+    return next((v for k, v in table.items() if k in name), None)
+
+
+class MetricsLog:
+    """Rank 0's metrics: per-step records, one JSONL line per logging window, a progress bar, and a
+    few completions printed when log_completions is set."""
+
+    def __init__(self, config, output_dir: str, state, model, device, tokenizer):
+        from tqdm import tqdm
+        os.makedirs(output_dir, exist_ok=True)
+        self.config, self.tokenizer, self.window, self.last = config, tokenizer, [], {}
+        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+        self.flops = FlopCounter(model)
+        bf16 = config.bf16 if config.bf16 is not None else device.type == "cuda"
+        self.peak = peak_flops(device, bf16)
+        self.world = torch.distributed.get_world_size()
+        self.every = config.every("logging_steps")
+        self.completions: list = []
+        disable = config.disable_tqdm if config.disable_tqdm is not None else None   # None: tty only
+        self.bar = tqdm(total=config.max_steps if config.max_steps > 0 else None, initial=state.global_step,
+                        unit="step", disable=disable, dynamic_ncols=True)
+
+    def step(self, state, metrics: dict, feed, step: list, packed: list) -> None:
+        record = dict(metrics) | sample_metrics(feed) | batch_metrics(feed.planner, step, packed)
+        rows = [p for micro in packed for p in micro]
+        forwarded, trained = record["batch/forwarded_tokens_per_step"], record["batch/trained_tokens_per_step"]
+        record |= {"num_tokens": float(state.num_tokens), "perf/rollout_wait_s": feed.waited_s,
+                   "perf/forwarded_tok_s_fwd_bwd": forwarded / max(record["perf/fwd_bwd_s"], 1e-9),
+                   "perf/forwarded_tok_s_wall_clock": forwarded / record["perf/step_s"],
+                   "perf/trained_tok_s_wall_clock": trained / record["perf/step_s"]}
+        if self.peak is not None:
+            flops = self.flops(rows) / (self.peak * self.world)
+            record |= {"perf/mfu_fwd_bwd": flops / record["perf/fwd_bwd_s"],
+                       "perf/mfu_wall_clock": flops / record["perf/step_s"]}
+        self.window.append(record)
+        self.completions += feed.samples
+        self.bar.update(1)
+        if state.global_step % self.every == 0:
+            self.flush(state.global_step, feed.worker)
+
+    def flush(self, step: int, worker) -> None:
+        rollout = reduce_window(worker.drain_metrics())
+        line = {"step": step, "time": time.time()} | rollout | reduce_window(self.window)
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+        self.last, self.window = line, []
+        shown = {k: f"{line[k]:.3g}" for k in ("reward", "loss", "perf/step_s") if k in line}
+        self.bar.set_postfix(shown, refresh=False)
+        if self.config.log_completions:
+            self.print_completions()
+        self.completions = []
+
+    def print_completions(self) -> None:
+        n = self.config.num_completions_to_print
+        for s in self.completions[:n] if n is not None else self.completions:
+            prompt = s.prompt[-1]["content"] if isinstance(s.prompt, list) else s.prompt
+            completion = (" ".join(m.get("content") or "" for m in s.completion)
+                          if isinstance(s.completion, list) else s.completion)
+            self.bar.write(f"  reward {s.reward:+.2f}  {prompt!r} → {completion!r}")
+
+    def close(self) -> None:
+        self.bar.close()
+        self.file.close()
+
+
+def plot(run_dir: str) -> str:
+    """<run_dir>/metrics.png: reward, loss, staleness and throughput by step, from metrics.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    panels = [("reward", ["reward", "reward_kept"]), ("loss", ["loss"]),
+              ("staleness (versions)", ["sample/staleness_mean", "sample/staleness_max"]),
+              ("throughput (tokens/s)", ["perf/forwarded_tok_s_wall_clock", "perf/trained_tok_s_wall_clock"])]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    for ax, (title, names) in zip(axes.flat, panels):
+        for name in names:
+            points = [(r["step"], r[name]) for r in lines if name in r]
+            if points:
+                ax.plot(*zip(*points), label=name)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("optimizer step")
+    fig.suptitle(os.path.abspath(run_dir))
+    fig.tight_layout()
+    path = os.path.join(run_dir, "metrics.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

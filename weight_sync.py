@@ -1,0 +1,262 @@
+"""Full-weight sync: the trainer's weights into every vLLM server (spec: 概要, "weight_sync_steps 回の
+学習ステップごとに、更新された重みが NCCL を介して vLLM サーバーに転送され"; 記録されたメトリクス: perf/weight_sync_*).
+
+One sync, as vllm_api.md §6 orders it (every rank runs `push`; rank 0 talks to the servers):
+
+    rank 0                          servers (HTTP)                    every rank
+    ──────                          ──────────────                    ──────────
+    POST /pause?mode=keep ────────► freeze the scheduler               ┐ perf/weight_sync_pause_s
+    barrier ◄───────────────────────────────────────────────────────── ┘ perf/weight_sync_barrier_s
+    POST /start_weight_update ────► ready to receive
+    POST /update_weights (thread) ► blocks inside the collective      ┐
+    for each parameter, in order:                                      │ perf/weight_sync_transfer_s
+        full_tensor() (all-gather of the FSDP2 shards) ◄────────────── │ (every rank: the all-gather)
+        cast to the server dtype, append to the bucket                 │
+        bucket > packed_buffer_size_bytes → broadcast(bucket) ───────► │ receive, load by HF name
+    join the thread ◄──────────────── "Weights updated"                ┘
+    POST /finish_weight_update {"weight_version": "N"}
+    POST /resume  (on every path, also after a failure)
+
+Only one bucket (~packed_buffer_size_bytes) is ever held at once, never the whole model. A worked
+bucket layout (buffer 100 bytes; fp32 tensors of 40, 40, 80 and 16 bytes): the first bucket flushes
+after the running total first exceeds the buffer, [40 40 80] = 160 bytes, then [16]: vLLM's consumer
+recomputes the same boundaries from the declared names, dtypes and shapes.
+
+The collective: the trainer is rank 0 of a group with every server's workers (rank_offset 1, then
+each replica's GET /get_world_size after the previous one's). With real vLLM (`"backend": "nccl"` and
+vllm importable) the trainer joins through vLLM's own helpers (`nccl_common.trainer_init`, the packed
+producer); with serve_local.py both ends make a torch.distributed group from the same init_info over a
+TCPStore that rank 0 owns (gloo on CPU, NCCL where `vllm` is not installed).
+
+Departures: none from the HTTP sequence. A stalled transfer is bounded by `vllm_server_timeout`: the
+torch group is created with that timeout, and the HTTP thread is joined with it.
+"""
+import importlib.util
+import math
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from vllm_client import VLLMClient
+
+PACKED_BUFFER_BYTES = 1 << 30     # vLLM's default packed_buffer_size_bytes
+
+
+@dataclass
+class SyncStats:
+    """perf/weight_sync_* of one sync (seconds; bytes sent by rank 0)."""
+    total_s: float = 0.0
+    pause_s: float = 0.0
+    barrier_s: float = 0.0
+    transfer_s: float = 0.0
+    bytes: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        return {"perf/weight_sync_s": self.total_s, "perf/weight_sync_pause_s": self.pause_s,
+                "perf/weight_sync_barrier_s": self.barrier_s,
+                "perf/weight_sync_transfer_s": self.transfer_s, "perf/weight_sync_bytes": float(self.bytes)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def host_ip(server_url: str) -> str:
+    """An address of this host that the server can reach (the route the OS picks towards it)."""
+    host = server_url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((socket.gethostbyname(host), 9))     # UDP connect sends nothing
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def buckets(sizes: list[int], buffer_bytes: int) -> list[range]:
+    """vLLM's packed chunking: a bucket closes right after its running total first exceeds the buffer.
+
+    >>> buckets([40, 40, 80, 16], 100)
+    [range(0, 3), range(3, 4)]
+    """
+    out, start, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        total += n
+        if total > buffer_bytes:
+            out.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
+
+
+class WeightSync:
+    """The trainer's end of the weight-transfer group (state is real: the group joined once).
+
+        sync = WeightSync(clients, timeout=config.vllm_server_timeout)   # every rank
+        sync.connect()                                                    # rank 0 joins the servers
+        stats = sync.push(names_and_shapes, tensors, version)             # every rank, each sync
+    """
+
+    def __init__(self, clients: list[VLLMClient], timeout: float, buffer_bytes: int = PACKED_BUFFER_BYTES):
+        self.clients, self.timeout, self.buffer_bytes = clients, timeout, buffer_bytes
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.group = None           # rank 0: the group with the servers' workers
+        self.vllm_group = False     # joined through vLLM's helpers (real vLLM, NCCL)
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32  # the servers' dtype: what is sent
+
+    def connect(self) -> None:
+        """Rank 0: read every server's config, then join one group with all their workers."""
+        if self.rank != 0:
+            return
+        infos = [c.server_info() for c in self.clients]
+        backends = {(i.get("weight_transfer_config") or {}).get("backend") for i in infos}
+        if None in backends:
+            bad = [c.base_url for c, i in zip(self.clients, infos) if not i.get("weight_transfer_config")]
+            raise ValueError(f"the vLLM server(s) {bad} have no weight transfer: restart them with "
+                             "`--weight-transfer-config '{\"backend\":\"nccl\"}'` and VLLM_SERVER_DEV_MODE=1")
+        if len(backends) > 1:
+            raise ValueError(f"the servers use different weight-transfer backends {sorted(backends)}")
+        backend = backends.pop()
+        dtypes = {i["model_config"]["dtype"].removeprefix("torch.") for i in infos}
+        if len(dtypes) > 1:
+            raise ValueError(f"the servers serve different dtypes {sorted(dtypes)}")
+        self.dtype = getattr(torch, dtypes.pop())
+        sizes = [c.world_size(include_dp=True) for c in self.clients]
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        world = 1 + sum(sizes)
+        info = {"master_address": host_ip(self.clients[0].base_url), "master_port": free_port(),
+                "world_size": world, "packed": True, "packed_buffer_size_bytes": self.buffer_bytes,
+                "packed_num_buffers": 2}
+        self.vllm_group = backend == "nccl" and importlib.util.find_spec("vllm") is not None
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else self.device
+        with ThreadPoolExecutor(len(self.clients)) as pool:
+            joins = [pool.submit(c.init_weight_transfer_engine, info | {"rank_offset": off})
+                     for c, off in zip(self.clients, offsets)]
+            self.group = self._join(info, backend)
+            for c, j in zip(self.clients, joins):
+                _result(j, self.timeout, f"joining the weight-transfer group of {c.base_url}")
+
+    def _join(self, info: dict, backend: str):
+        if self.vllm_group:
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+            return trainer_init(info | {"rank_offset": 0})
+        store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"],
+                              is_master=True, timeout=timedelta(seconds=self.timeout))
+        store = dist.PrefixStore("weight_transfer", store)
+        timeout = timedelta(seconds=self.timeout)
+        if backend == "gloo":
+            return dist.ProcessGroupGloo(store, 0, info["world_size"], timeout)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, 0, info["world_size"], options)
+
+    def push(self, specs: list[tuple[str, torch.Size]], tensors: Callable[[], Iterator[torch.Tensor]],
+             version: int) -> SyncStats:
+        """Send the tensors (every rank iterates `tensors()`: FSDP2 gathers are collectives) as
+        `specs` names and shapes, in that order; publish `version`. Raises on any failure, after every
+        rank has left the gathers and the servers are resumed."""
+        stats, start = SyncStats(), time.perf_counter()
+        error = None
+        if self.rank == 0:
+            error = _attempt(lambda: self._each(lambda c: c.pause(mode="keep")))
+            stats.pause_s = time.perf_counter() - start
+        t = time.perf_counter()
+        if dist.is_initialized():
+            dist.barrier()
+        stats.barrier_s = time.perf_counter() - t
+        t = time.perf_counter()
+        try:
+            stats.bytes = self._transfer(specs, tensors, error)
+            stats.transfer_s = time.perf_counter() - t
+            if self.rank == 0:
+                self._each(lambda c: c.finish_weight_update(str(version)))
+        finally:
+            if self.rank == 0:
+                _attempt(lambda: self._each(lambda c: c.resume()))
+        stats.total_s = time.perf_counter() - start
+        return stats
+
+    def _transfer(self, specs, tensors, error: BaseException | None) -> int:
+        """Gather every tensor on every rank; rank 0 broadcasts the buckets while the servers receive.
+        A failure on rank 0 stops the sending, not the gathering, so no rank is left in a collective."""
+        sizes = [math.prod(shape) * self.dtype.itemsize for _, shape in specs]
+        plan = buckets(sizes, self.buffer_bytes)
+        update, pool = None, None
+        if self.rank == 0 and error is None:
+            error = _attempt(lambda: self._each(lambda c: c.start_weight_update()))
+        if self.rank == 0 and error is None:
+            info = {"names": [n for n, _ in specs], "dtype_names": [str(self.dtype).removeprefix("torch.")] * len(specs),
+                    "shapes": [list(s) for _, s in specs]}
+            pool = ThreadPoolExecutor(len(self.clients))
+            update = [pool.submit(c.update_weights, info) for c in self.clients]
+        sent, it = 0, iter(tensors())
+        for chunk in plan:
+            parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]   # all ranks gather
+            if self.rank != 0 or error is not None:
+                continue
+            flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])               # [Σ bytes] uint8
+            error = _attempt(lambda: self._broadcast(flat))
+            sent += flat.numel()
+        if self.rank == 0:
+            for c, u in zip(self.clients, update or []):
+                error = error or _attempt(lambda: _result(u, self.timeout, f"POST {c.base_url}/update_weights"))
+            if pool is not None:
+                pool.shutdown(wait=False)
+        _raise_everywhere(error)
+        return sent
+
+    def _broadcast(self, flat: torch.Tensor) -> None:
+        if self.vllm_group:                # PyNcclCommunicator: poll, so a stalled peer cannot hang us
+            self.group.broadcast(flat, src=0, stream=torch.cuda.current_stream())
+            done, deadline = torch.cuda.Event(), time.monotonic() + self.timeout
+            done.record()
+            while not done.query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"a weight bucket was not received within {self.timeout:g}s")
+                time.sleep(0.001)
+            return
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([flat], opts).wait()
+
+    def _each(self, call: Callable[[VLLMClient], object]) -> None:
+        """Call every server in parallel; the first failure is raised, naming the server."""
+        with ThreadPoolExecutor(len(self.clients)) as pool:
+            futures = [pool.submit(call, c) for c in self.clients]
+            for c, f in zip(self.clients, futures):
+                _result(f, self.timeout, f"weight sync with {c.base_url}")
+
+
+def _result(future, timeout: float, what: str):
+    try:
+        return future.result(timeout=timeout)
+    except TimeoutError as e:
+        raise TimeoutError(f"{what}: no answer within vllm_server_timeout={timeout:g}s") from e
+    except Exception as e:
+        raise RuntimeError(f"{what} failed: {e}") from e
+
+
+def _attempt(fn: Callable[[], object]) -> BaseException | None:
+    try:
+        fn()
+    except Exception as e:                 # noqa: BLE001 (reported to every rank by _raise_everywhere)
+        return e
+    return None
+
+
+def _raise_everywhere(error: BaseException | None) -> None:
+    """Rank 0's failure (or None) reaches every rank: all raise together, or none does."""
+    message = [None if error is None else f"{type(error).__name__}: {error}"]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise RuntimeError(f"weight sync failed: {message[0]}") from error
