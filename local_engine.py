@@ -23,6 +23,11 @@ capacity = `--kv-cache-tokens` (default 16 × max_model_len). A waiting sequence
 it fits in the free capacity; when running sequences grow past it, the most recently admitted goes
 back to the front of the queue (a preemption; its tokens are kept and recomputed on readmission).
 
+No request can hurt another: a forward that raises fails the requests of its adapter group, a
+sequence whose sampling raises (NaN logits from a diverged adapter, say) fails its own request; every
+other sequence goes on in the same step. A caller that goes away (`alive()` false) aborts its request's
+sequences between two steps, so nothing keeps generating for nobody.
+
 Departures from vLLM, and why:
 - No KV cache: every step recomputes each running sequence in full (right-padded batch, so causal
   attention never sees a pad). Exact and simple; O(L²) per step is fine for small models.

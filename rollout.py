@@ -25,8 +25,10 @@ each with its live concurrency cap, the checks at start and the routing of group
     get() checks health ◄── heartbeat, failed + traceback ── _heartbeat, _child_main
     stop() ── stop ──► the loop returns; close(); join → terminate → kill
 
-Reading order: prompt_stream (epochs, resume) → Channels → TurnContext → AsyncRolloutLoop (hooks, then
-the machinery) → scoring helpers. This file is what runs inside the rollout process. The records
+Reading order: Channels → TurnContext → AsyncRolloutLoop (hooks, then the machinery). This file is what
+runs inside the rollout process; the prompts it walks through (epochs, resume, no dataset) come from
+rollout_prompts.py, and scoring a finished group (reward sources, advantages, samples, the group's
+metrics) is rollout_scoring.py. The records
 (Rollout, TurnRecord, RolloutGroup, RolloutSample) and how a rollout's turns become training samples
 (reconcile and fork, with a worked example) are in rollout_samples.py; the trainer's side of the
 boundary (RolloutWorker, the spawn and its checks) is rollout_worker.py.
@@ -72,83 +74,28 @@ Departures from the spec, and why:
 import asyncio
 import contextvars
 import logging
-import math
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import httpx
 import numpy as np
 
+from rollout_prompts import check_prompt_source, prompt_stream
 from rollout_samples import (Rollout, RolloutGroup, RolloutSample, TurnRecord, parse_completion, parse_generate,
-                             reconcile, to_sample)
+                             reconcile)
+from rollout_scoring import score_group
 from rollout_servers import Replica, connect, make_replicas, pick
-from rollout_tools import (ToolCall, call_maybe_async, environment_reward, environment_tools, parse_turn,
-                           run_tool_calls, start_environment, tool_call_format)
+from rollout_tools import (ToolCall, environment_reward, environment_tools, parse_turn, run_tool_calls,
+                           start_environment, tool_call_format)
 from vllm_client import VLLMError, server_urls
 
 log = logging.getLogger(__name__)
 
 FAILED_GROUPS_TO_STOP = 4          # failed rollouts in a row from this many groups stop the process
 WAKE_S = 0.05                      # the generate loop re-checks shared values at least this often
-
-
-# ── the prompt stream: epochs and resume ─────────────────────────────────────────────────────
-
-
-def check_prompt_source(dataset, environment_factory, max_steps: int) -> None:
-    """Spec: train_dataset may be omitted only when environment_factory supplies the prompts from
-    reset(), and max_steps must then set the run's length."""
-    if dataset is not None:
-        return
-    if environment_factory is None or isinstance(environment_factory, dict):
-        raise ValueError("no train_dataset: pass a dataset with a 'prompt' column, or an environment_factory "
-                         "(one factory, not a dict: a dict picks environments by a dataset column) whose reset() "
-                         "returns each prompt")
-    if max_steps <= 0:
-        raise ValueError("no train_dataset: the environment supplies the prompts, so set max_steps > 0 to define "
-                         "the length of the run")
-
-
-def prompt_stream(dataset, start_index: int, num_train_epochs: float, max_steps: int) -> Iterator[tuple[int, int, int, dict]]:
-    """Yield (prompt_index, epoch, row_index, row): the prompts of the run in order, from `start_index`.
-
-    prompt_index counts prompts across epochs (epoch = prompt_index // len(dataset)), so a resume index
-    saved in rollout_state.json also restores the epoch. The stream ends after ceil(num_train_epochs ×
-    len(dataset)) prompts, or never when max_steps > 0 (the trainer stops by steps). A streaming
-    dataset (no len) cannot be repositioned: it restarts at prompt 0 and counts whole passes. Without a
-    dataset (an environment's reset() writes each prompt) every row is empty, in epoch 0.
-    """
-    endless = max_steps > 0
-    if dataset is None:
-        index = start_index
-        while True:
-            yield index, 0, index, {}
-            index += 1
-    if not hasattr(dataset, "__len__"):
-        if start_index:
-            log.warning("a streaming dataset cannot be repositioned: the rollout restarts at prompt 0, not %d",
-                        start_index)
-        index, epoch = 0, 0
-        while endless or epoch < math.ceil(num_train_epochs):
-            start = index
-            for row_index, row in enumerate(dataset):
-                yield index, epoch, row_index, row
-                index += 1
-            if index == start:
-                raise ValueError("the training dataset is empty")
-            epoch += 1
-        return
-    n = len(dataset)
-    if n == 0:
-        raise ValueError("the training dataset is empty")
-    end = math.inf if endless else math.ceil(num_train_epochs * n)
-    index = start_index
-    while index < end:
-        yield index, index // n, index % n, dataset[index % n]
-        index += 1
 
 
 # ── inter-process channels ───────────────────────────────────────────────────────────────────
@@ -428,7 +375,8 @@ class AsyncRolloutLoop:
         expected_yield = (self.queued + G) / (self.rollouts_scored + G)  # prior: one sample per rollout
         if self.queued + expected_yield * (self.pending_rollouts + G) <= start + (self.config.max_staleness + 1) * rate:
             return True
-        return self.pending_rollouts == 0 and self.queued <= consumed < start + rate  # else the trainer would wait forever
+        # else the trainer would wait forever
+        return self.pending_rollouts == 0 and self.queued <= consumed < start + rate
 
     async def _generate_loop(self) -> None:
         config, G = self.config, self.config.num_generations
@@ -510,8 +458,9 @@ class AsyncRolloutLoop:
             log.error("rollout %d of group %d (dataset row %d) failed; the group is dropped: %s: %s",
                       i, group.group_id, group.row_index, type(e).__name__, e, exc_info=True)
             if self.failed_groups_in_a_row >= FAILED_GROUPS_TO_STOP:
-                raise RuntimeError(f"{self.failures_in_a_row} rollouts failed in a row, in {self.failed_groups_in_a_row}"
-                                   f" groups; the last one: {type(e).__name__}: {e}") from e
+                raise RuntimeError(f"{self.failures_in_a_row} rollouts failed in a row, in "
+                                   f"{self.failed_groups_in_a_row} groups; the last one: "
+                                   f"{type(e).__name__}: {e}") from e
         finally:
             group.done.add(i)
             self.wake.set()
@@ -555,33 +504,11 @@ class AsyncRolloutLoop:
                 start = time.monotonic()
 
     async def _score_group(self, group: RolloutGroup) -> tuple[list[RolloutSample], dict[str, float]]:
-        """Rewards → group.rewards → compute_advantages → drop or build samples; and the group's metrics."""
-        columns = await score_rewards(self.reward_funcs, group)
-        total = np.stack(list(columns.values()), axis=1) if columns else np.full((len(group.rollouts), 1), np.nan)
-        scored_any = ~np.isnan(total).all(axis=1)
-        group.rewards = np.where(scored_any, np.nansum(total, axis=1), np.nan)
-        advantages = self.compute_advantages(group)
-        scored = group.rewards[~np.isnan(group.rewards)]
-        kept = len(scored) >= 2 and scored.max() > scored.min()
-        metrics = group_metrics(group, self.eos_token_ids) | {"frac_reward_zero_std": float(not kept)}
-        for name in [n for n in metrics if n.endswith("_total")]:  # a group's counts → totals since the start
+        """score_group (rollout_scoring.py), then the group's tools/*_total counts become running totals."""
+        samples, metrics = await score_group(group, self.reward_funcs, self.compute_advantages, self.eos_token_ids,
+                                             self.num_top)
+        for name in [n for n in metrics if n.endswith("_total")]:
             self.totals[name] = metrics[name] = self.totals.get(name, 0) + metrics[name]
-        if len(scored):
-            metrics["reward"] = float(scored.mean())
-        if not kept:
-            return [], metrics
-        metrics["reward_kept"] = float(scored.mean())
-        per_rollout = [{"reward_group_std": float(scored.std())} for _ in group.rollouts]
-        for name, column in columns.items():
-            std = float(np.nanstd(column)) if not np.isnan(column).all() else math.nan
-            for i, m in enumerate(per_rollout):
-                m |= {f"rewards/{name}/mean": float(column[i]), f"rewards/{name}/group_std": std}
-        samples = [to_sample(seq, self.num_top, advantage=float(advantages[i]), group_id=group.group_id,
-                             model_version=group.model_version, reward=float(group.rewards[i]),
-                             metrics=dict(per_rollout[i]), prompt=group.prompts[i], completion=group.completions[i],
-                             rollout_id=group.rollouts[i].rollout_id, row_index=group.row_index,
-                             prompt_index=group.prompt_index)
-                   for i, sequences in enumerate(group.completions_sequences) for seq in sequences]
         return samples, metrics
 
     async def _poll_server(self) -> None:
@@ -646,75 +573,3 @@ class _PendingGroup:
             group_id=self.group_id, row_index=self.row_index, env_rewards=env_rewards,
             rollout_rewards=[r.reward for r in rollouts], queued_at=time.monotonic(), prompt_index=self.prompt_index,
             rollouts=rollouts, stats=stats)
-
-
-def reward_name(func: Callable) -> str:
-    """rewards/<name>/...: a function's __name__, a partial's function, a callable instance's class."""
-    inner = getattr(func, "func", func)
-    return getattr(inner, "__name__", type(inner).__name__)
-
-
-async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup) -> dict[str, np.ndarray]:
-    """Every reward source of a group as a column (NaN where a source did not score a rollout):
-    reward functions (sync ones in threads, all concurrently), environment rewards (named after the
-    environment class) and Rollout.reward. Every source keeps its own column, so each is summed once;
-    a name already taken gets a suffix (_2, _3, ...) in the rewards/<name>/ metrics."""
-    async def call(func):
-        values = await call_maybe_async(func, None, prompts=group.prompts, completions=group.completions,
-                                        completion_ids=group.completions_ids, **group.reward_kwargs)
-        return np.array([math.nan if v is None else float(v) for v in values])
-
-    columns: dict[str, np.ndarray] = {}
-
-    def add(name: str, column: np.ndarray) -> None:  # a repeated name (two partials of one function) gets _2, _3, ...
-        key, k = name, 1
-        while key in columns:
-            k += 1
-            key = f"{name}_{k}"
-        columns[key] = column
-
-    for func, column in zip(reward_funcs, await asyncio.gather(*map(call, reward_funcs))):
-        add(reward_name(func), column)
-    for cls in dict.fromkeys(e[0] for e in group.env_rewards if e is not None):
-        add(cls.__name__, np.array([e[1] if e is not None and e[0] is cls else math.nan for e in group.env_rewards]))
-    if any(r is not None for r in group.rollout_rewards):
-        add("rollout", np.array([math.nan if r is None else float(r) for r in group.rollout_rewards]))
-    return columns
-
-
-def group_metrics(group: RolloutGroup, eos_token_ids: list[int]) -> dict[str, float]:
-    """The group's rollout/, completions/, tools/ and env/ metrics (spec: 記録されたメトリクス)."""
-    rollouts, stats = group.rollouts, group.stats
-    lengths = [len(r.completion_ids) for r in rollouts]
-    drifts = [d for s in stats for d in s["drifts"]]
-    last_ids = [r.turns[-1].output_ids if r.turns else [] for r in rollouts]
-    m = {"rollout/duration_s": float(np.mean([s["duration_s"] for s in stats])),
-         "rollout/turns_mean": float(np.mean([len(r.turns) for r in rollouts])),
-         "rollout/turns_max": max(len(r.turns) for r in rollouts),
-         "rollout/samples_per_rollout": float(np.mean([len(s) for s in group.completions_sequences])),
-         "completions/mean_length": float(np.mean(lengths)),
-         "completions/min_length": min(lengths), "completions/max_length": max(lengths),
-         "completions/clipped_ratio": float(np.mean([not ids or ids[-1] not in eos_token_ids for ids in last_ids]))}
-    if drifts:
-        m |= {"rollout/fork_frac": float(np.mean([d > 0 for d in drifts])),
-              "rollout/drift_tokens_mean": float(np.mean(drifts)), "rollout/drift_tokens_max": max(drifts)}
-    calls = [c for r in rollouts for c in r.tool_calls]
-    if calls:
-        per_turn = {}
-        for j, r in enumerate(rollouts):
-            for c in r.tool_calls:
-                per_turn[(j, c.turn_index)] = per_turn.get((j, c.turn_index), 0) + 1
-        m |= {"tools/call_frequency": len(calls) / len(rollouts),
-              "tools/failure_frequency": sum(c.failed for c in calls) / len(calls),
-              "tools/latency_s": float(np.mean([c.latency_s for c in calls])),
-              "tools/unknown_name_total": sum(c.unknown for c in calls),
-              "tools/parallel_calls_mean": float(np.mean(list(per_turn.values()))),
-              "tools/loop_exhausted_frac": float(np.mean([r.loop_exhausted for r in rollouts]))}
-        for name in {c.name for c in calls if c.name is not None and not c.unknown}:  # malformed: no name
-            mine = [c for c in calls if c.name == name]
-            m |= {f"tools/{name}/latency_s": float(np.mean([c.latency_s for c in mine])),
-                  f"tools/{name}/call_total": len(mine), f"tools/{name}/failure_total": sum(c.failed for c in mine)}
-    for key in ("env/reset_s", "env/reward_s"):
-        if any(key in s for s in stats):
-            m[key] = float(np.mean([s[key] for s in stats if key in s]))
-    return m

@@ -5,10 +5,20 @@ project uses (`reference/vllm_api.md` is the contract: paths, fields, status cod
 the plain-text LoRA replies), so the rollout process, weight sync and adapter sync run unchanged
 on a CPU laptop, in CI and in tests. `--model toy` builds the offline toy model (`toy.py`).
 
-This file is the HTTP side: request parsing and validation, one function per route (the reply
-shapes of the contract), the threaded HTTP server and the CLI. The engine behind it (continuous
-batching, KV accounting, sampling, LoRA by hooks, receiving weights) is `local_engine.py`; its
-docstring draws it and lists its own departures from vLLM.
+This file is vLLM's contract: request parsing and validation, one function per route (the reply
+shapes of the contract) and the CLI. Below it, `serve_http.py` is the transport (framing and bounding
+bodies, JSON errors for every refusal, --api-key, noticing a client that went away), and
+`local_engine.py` the engine (continuous batching, KV accounting, sampling, LoRA by hooks, receiving
+weights); their docstrings draw them and list their own departures from vLLM.
+
+Validation follows vLLM's SamplingParams and protocol rules for every field we implement, before the
+request reaches the engine (so one request's work is bounded before any lock is held):
+    temperature  finite, in [0, 2]; 0 < t < 0.01 is raised to 0.01; 0 is greedy, which needs n = 1
+    n            1 .. VLLM_MAX_N_SEQUENCES (16384), and prompts × n within it for a batch of prompts
+    seed         64-bit signed (-1 = none); top_p (0, 1]; top_k >= -1; min_p [0, 1]; penalty finite > 0
+    types        strict JSON types for every field, `model` included (a bool is not an int, "16" not 16)
+A bad request gets a 4xx in vLLM's JSON shape; a failure while generating fails its own request (500)
+and no other.
 
 Where to find the flags a client may check: `/server_info` → `vllm_config.model_config` carries
 `dtype`, `max_model_len`, `logprobs_mode`, `max_logprobs`, `return_sampling_mask` (as in vLLM);
@@ -21,33 +31,29 @@ Departures from vLLM, and why:
 - On CPU the engine uses one intra-op thread unless OMP_NUM_THREADS says otherwise: the trainer
   runs on the same cores, and a small model's step is many tiny ops that extra threads slow down.
 - Unknown request fields are refused with 400 (vLLM ignores them with a warning), so a typo never
-  silently changes sampling. String prompts are tokenized (no special tokens added).
+  silently changes sampling; types are strict where pydantic would coerce ("16", 16.0). String
+  prompts are tokenized (no special tokens added).
   `stop` strings, streaming, `min_tokens`, `prompt_logprobs` and the like do not exist here.
 - Weight transfer: `/weight_checker`'s `compare` checks the names of the baseline it is given (or the
   last `checksum` taken). "Weight transfer not configured" is a 400 so clients do not retry.
   `/finish_weight_update` keeps loaded adapters (vLLM 0.33 drops the workers' copies and reloads
   them from disk on next use, which looks the same from outside).
+- `--api-server-count` (vLLM's API-server processes, which serialise log-probs in parallel) has no
+  counterpart in one process: it is refused with that reason rather than accepted and ignored.
 """
 import argparse
-import hashlib
-import hmac
 import json
 import math
 import os
 import re
 import secrets
-import select
-import socket
 import sys
 import time
-import traceback
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
 
 import torch
 
-from local_engine import APIError, Cancelled, Engine, Request, SamplingParams, Sequence
+from local_engine import APIError, Engine, Request, SamplingParams, Sequence
+from serve_http import Server
 
 # ── request parsing ───────────────────────────────────────────────────────────────────────
 
@@ -463,205 +469,6 @@ def weight_checker(eng, body, query):
     raise APIError(400, f"Unknown action {action!r}: use checksum, reset or compare", param="action")
 
 
-# ── HTTP ──────────────────────────────────────────────────────────────────────────────────
-
-MAX_BODY_BYTES = 32 << 20      # a larger body gets 413 (uvicorn sets no limit; one here bounds memory)
-MAX_LINE = 1024                # a chunk-size or trailer line
-READ_TIMEOUT_S = 60.0          # a client silent this long mid-request (or idle on keep-alive) is dropped
-CLIENT_POLL_S = 0.1            # how often a generating request checks that its client is still there
-PUBLIC_PATHS = {"/health", "/metrics"}   # open without --api-key's token, as in vLLM
-
-
-class Dropped(Exception):
-    """The client went away (or stopped sending): close the connection without a reply."""
-
-
-def json_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw.decode("utf-8")) if raw.strip() else {}
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"The request body is not UTF-8: {e}") from None
-    except RecursionError:
-        raise APIError(400, "The request body is nested too deeply") from None
-    except ValueError as e:                        # also integer literals of over 4300 digits
-        raise APIError(400, f"Invalid JSON body: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object")
-    return body
-
-
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024                     # a rollout process opens many connections at once
-
-    def handle_error(self, request, client_address):
-        if not isinstance(sys.exc_info()[1], OSError):  # a client gone mid-reply is not worth a traceback
-            super().handle_error(request, client_address)
-
-
-class Handler(BaseHTTPRequestHandler):
-    """One connection. Every reply, http.server's own refusals included, is vLLM's JSON error shape."""
-    protocol_version = "HTTP/1.1"                 # keep-alive; every reply has a Content-Length
-    timeout = READ_TIMEOUT_S
-
-    def do_GET(self):
-        self.dispatch("GET")
-
-    def do_POST(self):
-        self.dispatch("POST")
-
-    def do_other(self):                            # a method no route has: 405 (404 for an unknown path)
-        self.dispatch(self.command)
-
-    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = do_TRACE = do_CONNECT = do_other
-
-    def send_error(self, code, message=None, explain=None):
-        """http.server's refusals (bad request line, headers, unknown method) as JSON; 501 → 405 as vLLM."""
-        if code == 501:
-            code, message = 405, f"Method Not Allowed: {self.command}"
-        if self.request_version == "HTTP/0.9":         # an unparsable request line: still a status line
-            self.request_version = "HTTP/1.0"
-        self.close_connection = True
-        self.reply(code, APIError(code, message or HTTPStatus(code).phrase, HTTPStatus(code).phrase.replace(
-            " ", "") + "Error").body())
-
-    def dispatch(self, method: str) -> None:
-        url = urlparse(self.path)
-        try:
-            try:
-                raw = self.read_body()
-                self.authorize(url.path)
-                fn = ROUTES.get((method, url.path))
-                if fn is None:
-                    if any(path == url.path for _, path in ROUTES):
-                        raise APIError(405, f"Method Not Allowed: {method} {url.path}", "MethodNotAllowedError")
-                    raise APIError(404, f"Not Found: {method} {url.path}", "NotFoundError")
-                body = json_body(raw) if method == "POST" else {}
-                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-                args = (self.alive,) if fn in WATCHING else ()
-                status, reply = 200, fn(self.server.engine, body, query, *args)
-            except APIError as e:
-                status, reply = e.status, e.body()
-            except Cancelled:
-                raise Dropped from None
-            except Exception as e:                 # a bug: answer 500 and keep serving
-                traceback.print_exc()
-                status, reply = 500, APIError(500, f"{type(e).__name__}: {e}", "InternalServerError").body()
-            self.reply(status, reply)
-        except (Dropped, OSError):                 # gone mid-request, or a reply it no longer reads
-            self.close_connection = True
-
-    def authorize(self, path: str) -> None:
-        """--api-key: every route but /health and /metrics needs `Authorization: Bearer <key>`."""
-        key = self.server.api_key
-        if key is None or path in PUBLIC_PATHS:
-            return
-        scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
-        given = hashlib.sha256(token.strip().encode("latin-1", "replace")).digest()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, hashlib.sha256(key.encode()).digest()):
-            raise APIError(401, "Unauthorized", bare=True)
-
-    def read_body(self) -> bytes:
-        """The body framed by Content-Length or chunked encoding, at most MAX_BODY_BYTES. A body whose
-        framing is wrong leaves the connection unusable: the reply closes it."""
-        length, coding = self.headers.get("Content-Length"), self.headers.get("Transfer-Encoding")
-        try:
-            if coding is not None:
-                if length is not None:
-                    raise APIError(400, "A request cannot have both Content-Length and Transfer-Encoding")
-                if coding.strip().lower() != "chunked":
-                    raise APIError(400, f"Transfer-Encoding {coding!r:.40} is not supported (use chunked)")
-                body = self.read_chunked()
-            elif length is None:
-                body = b""                         # HTTP/1.1: no framing header, no body
-            elif not re.fullmatch(r"[0-9]{1,19}", length.strip()):
-                raise APIError(400, f"Invalid Content-Length {length!r:.40}")
-            elif int(length) > MAX_BODY_BYTES:
-                raise APIError(413, f"The body ({int(length)} bytes) exceeds {MAX_BODY_BYTES} bytes",
-                               "RequestEntityTooLargeError")
-            else:
-                body = self.rfile.read(int(length))
-                if len(body) < int(length):
-                    raise Dropped
-        except APIError:
-            self.close_connection = True
-            raise
-        except TimeoutError:
-            self.close_connection = True
-            raise APIError(408, f"The body did not arrive within {READ_TIMEOUT_S:g}s", "RequestTimeoutError") from None
-        return body
-
-    def read_chunked(self) -> bytes:
-        body = bytearray()
-        while True:
-            line = self.rfile.readline(MAX_LINE)
-            if not line.endswith(b"\n"):
-                raise APIError(400, "Malformed chunked body: a chunk-size line is cut or too long") if line else Dropped
-            size = line.split(b";")[0].strip()
-            if not re.fullmatch(rb"[0-9a-fA-F]{1,16}", size):
-                raise APIError(400, f"Malformed chunked body: chunk size {size[:20]!r}")
-            size = int(size, 16)
-            if len(body) + size > MAX_BODY_BYTES:
-                raise APIError(413, f"The body exceeds {MAX_BODY_BYTES} bytes", "RequestEntityTooLargeError")
-            if size == 0:
-                break
-            chunk = self.rfile.read(size)
-            if len(chunk) < size:
-                raise Dropped
-            body += chunk
-            if self.rfile.readline(MAX_LINE) not in (b"\r\n", b"\n"):
-                raise APIError(400, "Malformed chunked body: a chunk is longer than its size")
-        for _ in range(64):                        # trailer lines, up to the blank line
-            line = self.rfile.readline(MAX_LINE)
-            if line in (b"\r\n", b"\n"):
-                return bytes(body)
-            if not line:
-                raise Dropped
-        raise APIError(400, "Malformed chunked body: too many trailer lines")
-
-    def alive(self) -> bool:
-        """False once the client has closed its side (a readable socket with nothing to read)."""
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
-        except OSError:
-            return False
-
-    def reply(self, status: int, reply) -> None:
-        if reply is None:
-            data, ctype = b"", "application/json"
-        elif isinstance(reply, str):
-            data, ctype = reply.encode(), "text/plain; charset=utf-8"
-        else:
-            data, ctype = json.dumps(reply).encode(), "application/json"
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-        if self.close_connection:
-            self.linger()
-
-    def linger(self) -> None:
-        """Closing with unread request bytes makes TCP reset the connection, and the client may lose the
-        reply: stop writing, then read and discard what the client still sends, for a short while."""
-        try:
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_WR)
-            self.connection.settimeout(0.5)
-            deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline and self.connection.recv(1 << 16):
-                pass
-        except OSError:
-            pass
-
-    def log_message(self, format, *args):          # one line per request is noise for tests and runs
-        pass
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a Hugging Face causal LM id or directory; 'toy' = toy.py's")
@@ -683,6 +490,9 @@ def main() -> None:
     ap.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                     help="require `Authorization: Bearer <key>` on every route but /health and /metrics "
                          "(default: $VLLM_API_KEY, as vLLM)")
+    if any(a.split("=")[0] == "--api-server-count" for a in sys.argv[1:]):
+        sys.exit("serve_local.py: error: --api-server-count sets vLLM's API-server processes; serve_local.py is one "
+                 "process, so drop the flag here (keep it for `vllm serve`)")
     args = ap.parse_args()
     wt = args.weight_transfer_config
     if wt is not None and (set(wt) != {"backend"} or wt["backend"] not in ("gloo", "nccl")):
@@ -723,8 +533,7 @@ def main() -> None:
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)                   # see the docstring: the trainer shares these cores
 
-    httpd = Server((args.host, args.port), Handler)
-    httpd.engine, httpd.api_key = Engine(model, tokenizer, args), args.api_key or None
+    httpd = Server((args.host, args.port), ROUTES, WATCHING, Engine(model, tokenizer, args), args.api_key)
     print(f"serve_local: {args.model} ({dtype}, {device}) on http://{args.host}:{args.port}", flush=True)
     httpd.serve_forever()
 

@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 import rollout_helpers as h
 import toy
 from conftest import LocalServer
-from rollout import AsyncRolloutLoop, prompt_stream
+from rollout import AsyncRolloutLoop
+from rollout_prompts import prompt_stream
 from rollout_servers import ConcurrencyCap
 from rollout_samples import Rollout, RolloutGroup, TurnRecord, parse_completion, parse_generate, reconcile, to_sample
 from rollout_worker import RolloutProcessError, RolloutWorker, check_picklable

@@ -23,7 +23,8 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
 MISTRAL_LIKE = {                      # a response template for a format that is not Qwen's
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {"content": {},
-               "tool_calls": {"open": "[TOOL_CALLS]", "close": "[/TOOL_CALLS]", "content": "json", "transform_each": True,
+               "tool_calls": {"open": "[TOOL_CALLS]", "close": "[/TOOL_CALLS]", "content": "json",
+                              "transform_each": True,
                               "transform": {"type": "function",
                                             "function": {"name": "{name}", "arguments": "{arguments}"}}}}}
 
@@ -86,8 +87,8 @@ def test_tool_calls_are_counted_by_kind_and_totals_run(tokenizer):
     second = asyncio.run(loop._score_group(group(1)))[1]
     assert not any("None" in name for name in first)
     assert first["tools/failure_frequency"] == 0.5                # the raise and the malformed call, not the unknown
-    assert (first["tools/unknown_name_total"], first["tools/add/call_total"], first["tools/add/failure_total"]) == (1, 2, 1)
-    assert (second["tools/unknown_name_total"], second["tools/add/call_total"], second["tools/add/failure_total"]) == (2, 4, 2)
+    names = ["tools/unknown_name_total", "tools/add/call_total", "tools/add/failure_total"]
+    assert [first[n] for n in names] == [1, 2, 1] and [second[n] for n in names] == [2, 4, 2]
 
 
 def test_the_tokenizers_own_response_parsing_finds_the_calls(tokenizer):
@@ -102,8 +103,8 @@ def test_the_tokenizers_own_response_parsing_finds_the_calls(tokenizer):
     content, calls = parse_turn(tokenizer, "response_template", "x[TOOL_CALLS][{oops[/TOOL_CALLS]", prompt, [toy.add])
     assert len(calls) == 1 and "does not parse" in calls[0]["error"]
 
-    loop = loop_with_server_text(tokenizer, text.replace(', {"name": 5, "arguments": {}}', ""), max_completion_length=300,
-                                 max_tool_calling_iterations=1)
+    loop = loop_with_server_text(tokenizer, text.replace(', {"name": 5, "arguments": {}}', ""),
+                                 max_completion_length=300, max_tool_calling_iterations=1)
     rollout = asyncio.run(loop.generate_one([{"role": "user", "content": "1+2="}], [toy.add]))
     assert [(c.name, c.failed) for c in rollout.tool_calls] == [("add", False)]
     assert rollout.completion[1] == {"role": "tool", "name": "add", "content": "3"}

@@ -87,7 +87,8 @@ def nan_adapter(toy_dir, path):
 
 def test_a_poisoned_request_fails_alone(srv, toy_dir, tmp_path):
     nan_adapter(toy_dir, str(tmp_path / "nan"))
-    assert post(srv, "/v1/load_lora_adapter", {"lora_name": "nan", "lora_path": str(tmp_path / "nan")}).status_code == 200
+    r = post(srv, "/v1/load_lora_adapter", {"lora_name": "nan", "lora_path": str(tmp_path / "nan")})
+    assert r.status_code == 200
     long = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "n": 2, "seed": 3, "return_token_ids": True,
             "logprobs": 0}
     with ThreadPoolExecutor(2) as pool:

@@ -1,0 +1,129 @@
+"""Scoring a finished group (spec: the reward sources of ロールアウトループのカスタマイズ, 報酬とオフポリシー性,
+and the rollout/, completions/, tools/ and env/ rows of 記録されたメトリクス).
+
+Pure functions over a RolloutGroup, called by the rollout loop's score step (rollout.py):
+
+    reward sources ─► one column each (NaN where a source did not score a rollout)
+        reward_funcs (sync ones in threads, all at once) · environment get_reward() (named after the
+        environment class) · Rollout.reward (named "rollout")
+    group.rewards = Σ columns per rollout (NaN when no source scored it) ─► compute_advantages(group)
+    kept iff ≥ 2 rollouts scored and not all equal ─► RolloutSample per training sequence (to_sample)
+
+A worked example: rewards [1, 0, NaN, 1] → scored [1, 0, 1], kept; mean 2/3, population std 0.471;
+the default advantages (rollout.py) are [0.71, -1.41, 0, 0.71]; `reward` = `reward_kept` = 0.667.
+
+Departure from the spec: a reward source whose name repeats (two partials of one function) keeps its
+own column, named <name>_2, <name>_3, ..., so each is summed once and reported apart.
+"""
+import asyncio
+import math
+from typing import Callable
+
+import numpy as np
+
+from rollout_samples import RolloutGroup, RolloutSample, to_sample
+from rollout_tools import call_maybe_async
+
+
+async def score_group(group: RolloutGroup, reward_funcs: list[Callable],
+                      compute_advantages: Callable[[RolloutGroup], np.ndarray], eos_token_ids: list[int],
+                      num_top: int | None) -> tuple[list[RolloutSample], dict[str, float]]:
+    """Rewards → group.rewards → compute_advantages → drop the group or build its samples; and the
+    group's metrics (its tools/*_total counts are this group's; the loop turns them into totals)."""
+    columns = await score_rewards(reward_funcs, group)
+    total = np.stack(list(columns.values()), axis=1) if columns else np.full((len(group.rollouts), 1), np.nan)
+    scored_any = ~np.isnan(total).all(axis=1)
+    group.rewards = np.where(scored_any, np.nansum(total, axis=1), np.nan)
+    advantages = compute_advantages(group)
+    scored = group.rewards[~np.isnan(group.rewards)]
+    kept = len(scored) >= 2 and scored.max() > scored.min()
+    metrics = group_metrics(group, eos_token_ids) | {"frac_reward_zero_std": float(not kept)}
+    if len(scored):
+        metrics["reward"] = float(scored.mean())
+    if not kept:
+        return [], metrics
+    metrics["reward_kept"] = float(scored.mean())
+    per_rollout = [{"reward_group_std": float(scored.std())} for _ in group.rollouts]
+    for name, column in columns.items():
+        std = float(np.nanstd(column)) if not np.isnan(column).all() else math.nan
+        for i, m in enumerate(per_rollout):
+            m |= {f"rewards/{name}/mean": float(column[i]), f"rewards/{name}/group_std": std}
+    samples = [to_sample(seq, num_top, advantage=float(advantages[i]), group_id=group.group_id,
+                         model_version=group.model_version, reward=float(group.rewards[i]),
+                         metrics=dict(per_rollout[i]), prompt=group.prompts[i], completion=group.completions[i],
+                         rollout_id=group.rollouts[i].rollout_id, row_index=group.row_index,
+                         prompt_index=group.prompt_index)
+               for i, sequences in enumerate(group.completions_sequences) for seq in sequences]
+    return samples, metrics
+
+
+def reward_name(func: Callable) -> str:
+    """rewards/<name>/...: a function's __name__, a partial's function, a callable instance's class."""
+    inner = getattr(func, "func", func)
+    return getattr(inner, "__name__", type(inner).__name__)
+
+
+async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup) -> dict[str, np.ndarray]:
+    """Every reward source of a group as a column (NaN where a source did not score a rollout):
+    reward functions (sync ones in threads, all concurrently), environment rewards (named after the
+    environment class) and Rollout.reward. Every source keeps its own column, so each is summed once;
+    a name already taken gets a suffix (_2, _3, ...) in the rewards/<name>/ metrics."""
+    async def call(func):
+        values = await call_maybe_async(func, None, prompts=group.prompts, completions=group.completions,
+                                        completion_ids=group.completions_ids, **group.reward_kwargs)
+        return np.array([math.nan if v is None else float(v) for v in values])
+
+    columns: dict[str, np.ndarray] = {}
+
+    def add(name: str, column: np.ndarray) -> None:  # a repeated name (two partials of one function) gets _2, _3, ...
+        key, k = name, 1
+        while key in columns:
+            k += 1
+            key = f"{name}_{k}"
+        columns[key] = column
+
+    for func, column in zip(reward_funcs, await asyncio.gather(*map(call, reward_funcs))):
+        add(reward_name(func), column)
+    for cls in dict.fromkeys(e[0] for e in group.env_rewards if e is not None):
+        add(cls.__name__, np.array([e[1] if e is not None and e[0] is cls else math.nan for e in group.env_rewards]))
+    if any(r is not None for r in group.rollout_rewards):
+        add("rollout", np.array([math.nan if r is None else float(r) for r in group.rollout_rewards]))
+    return columns
+
+
+def group_metrics(group: RolloutGroup, eos_token_ids: list[int]) -> dict[str, float]:
+    """The group's rollout/, completions/, tools/ and env/ metrics (spec: 記録されたメトリクス)."""
+    rollouts, stats = group.rollouts, group.stats
+    lengths = [len(r.completion_ids) for r in rollouts]
+    drifts = [d for s in stats for d in s["drifts"]]
+    last_ids = [r.turns[-1].output_ids if r.turns else [] for r in rollouts]
+    m = {"rollout/duration_s": float(np.mean([s["duration_s"] for s in stats])),
+         "rollout/turns_mean": float(np.mean([len(r.turns) for r in rollouts])),
+         "rollout/turns_max": max(len(r.turns) for r in rollouts),
+         "rollout/samples_per_rollout": float(np.mean([len(s) for s in group.completions_sequences])),
+         "completions/mean_length": float(np.mean(lengths)),
+         "completions/min_length": min(lengths), "completions/max_length": max(lengths),
+         "completions/clipped_ratio": float(np.mean([not ids or ids[-1] not in eos_token_ids for ids in last_ids]))}
+    if drifts:
+        m |= {"rollout/fork_frac": float(np.mean([d > 0 for d in drifts])),
+              "rollout/drift_tokens_mean": float(np.mean(drifts)), "rollout/drift_tokens_max": max(drifts)}
+    calls = [c for r in rollouts for c in r.tool_calls]
+    if calls:
+        per_turn = {}
+        for j, r in enumerate(rollouts):
+            for c in r.tool_calls:
+                per_turn[(j, c.turn_index)] = per_turn.get((j, c.turn_index), 0) + 1
+        m |= {"tools/call_frequency": len(calls) / len(rollouts),
+              "tools/failure_frequency": sum(c.failed for c in calls) / len(calls),
+              "tools/latency_s": float(np.mean([c.latency_s for c in calls])),
+              "tools/unknown_name_total": sum(c.unknown for c in calls),
+              "tools/parallel_calls_mean": float(np.mean(list(per_turn.values()))),
+              "tools/loop_exhausted_frac": float(np.mean([r.loop_exhausted for r in rollouts]))}
+        for name in {c.name for c in calls if c.name is not None and not c.unknown}:  # malformed: no name
+            mine = [c for c in calls if c.name == name]
+            m |= {f"tools/{name}/latency_s": float(np.mean([c.latency_s for c in mine])),
+                  f"tools/{name}/call_total": len(mine), f"tools/{name}/failure_total": sum(c.failed for c in mine)}
+    for key in ("env/reset_s", "env/reward_s"):
+        if any(key in s for s in stats):
+            m[key] = float(np.mean([s[key] for s in stats if key in s]))
+    return m
