@@ -156,7 +156,7 @@ class AsyncRolloutLoop:
                  score_queue_maxsize: int = 16, lora_name: str | None = None, dataset_start_index: int = 0):
         check_prompt_source(dataset, environment_factory, config.max_steps)
         self.config, self.model_name, self.dataset, self.lora_name = config, model_name, dataset, lora_name
-        self.reward_funcs = [f for f in reward_funcs or [] if f is not None]  # None: the environment scores
+        self.reward_funcs = list(reward_funcs or [])  # none: an environment or Rollout.reward scores
         self.tokenizer = processing_class
         self.eos_token_ids = list(eos_token_ids)
         self.channels, self.tools, self.environment_factory = channels, list(tools or []), environment_factory

@@ -194,10 +194,11 @@ class Handler(BaseHTTPRequestHandler):
         raise APIError(400, "Malformed chunked body: too many trailer lines")
 
     def alive(self) -> bool:
-        """False once the client has closed its side (a readable socket with nothing to read)."""
+        """False once the client has closed its side (readable, and a peek finds the end of the stream)."""
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
+            readable = select.poll()                   # poll, not select: no limit on the descriptor number
+            readable.register(self.connection, select.POLLIN)
+            return not readable.poll(0) or self.connection.recv(1, socket.MSG_PEEK) != b""
         except OSError:
             return False
 
