@@ -79,19 +79,19 @@ class RolloutWorker:
     def __init__(self, config, dataset, reward_funcs: Callable | list[Callable], processing_class, *,
                  tools: list[Callable] | None = None, environment_factory=None, loop_cls: type = AsyncRolloutLoop,
                  model_name: str | None = None, eos_token_ids: list[int] | None = None, num_processes: int = 1,
-                 dataset_start_index: int = 0, model_version: int = 0):
+                 dataset_start_index: int = 0, model_version: int = 0, lora_name: str | None = None):
         columns = getattr(dataset, "column_names", None)
         if columns is not None and "prompt" not in columns:
             raise ValueError(f"the training dataset needs a 'prompt' column (it has {columns}); rename the column "
                              "that holds the prompts")
         self.config, self.loop_cls = config, loop_cls
-        reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        reward_funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         eos = eos_token_ids if eos_token_ids is not None else [processing_class.eos_token_id]
         self.bound = config.default_max_concurrent_rollouts(num_processes)
         self.kwargs = dict(config=config, model_name=model_name, dataset=dataset, reward_funcs=reward_funcs,
                            processing_class=processing_class, eos_token_ids=eos, tools=tools,
                            environment_factory=environment_factory, max_concurrent_rollouts=self.bound,
-                           dataset_start_index=dataset_start_index)
+                           dataset_start_index=dataset_start_index, lora_name=lora_name)
         # samples the trainer takes per model version, before it has been measured
         self.prior_rate = (config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
                            * config.weight_sync_steps)

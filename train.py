@@ -240,6 +240,7 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
     and ranks, and the timings. The loss of a row is its share of the step's token mean, so the sum
     over ranks is wanted: FSDP2 averages gradients over ranks, hence × world."""
     device = policy.head().weight.device
+    softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
     timer = Timer(device)
     parts, loss_sum, aux_sum = [], torch.zeros((), device=device, dtype=torch.float64), 0.0
     for row in rows:
@@ -247,7 +248,8 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
             out = policy(row, output_router_logits=True) if aux_coef else policy(row)
             head = policy.head()
             loss, metrics = compute_loss(out.last_hidden_state[0], head.weight, head.bias,   # [N, H]
-                                         to_device(row, device), config, num_tokens)
+                                         to_device(row, device), config, num_tokens,
+                                         final_logit_softcapping=softcap)
             if aux_coef:                  # this rank's share of the step's mean router loss
                 aux = moe_aux_loss(policy.model, out.router_logits)
                 loss = loss + aux_coef * aux / (len(rows) * world)
@@ -535,7 +537,8 @@ def local_server_args(config, peft_config=None) -> list[str]:
 class ScriptArguments:
     """The CLI's arguments beside AsyncGRPOConfig's fields."""
     model: str = "toy"                   # a hub id, a local directory, or "toy" (toy.py's offline model)
-    dataset: str = "toy"                 # a `datasets` name or path with a `prompt` column, or "toy"
+    dataset: str = "toy"                 # a `datasets` name, or a .json/.jsonl/.csv/.parquet file, with a
+                                         # `prompt` column; or "toy"
     dataset_split: str = "train"
     reward: str | None = None            # module:function[,module:function...]; "toy" → toy:sum_reward
     serve_local: bool | None = None      # start serve_local.py; None: yes for --model toy without a server URL
@@ -575,7 +578,10 @@ def main(argv: list[str] | None = None) -> None:
         dataset = toy.make_dataset(toy.NUM_PROMPTS)
     else:
         import datasets
-        dataset = datasets.load_dataset(script.dataset, split=script.dataset_split)
+        kind = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(
+            os.path.splitext(script.dataset)[1]) if os.path.isfile(script.dataset) else None
+        dataset = (datasets.load_dataset(kind, data_files=script.dataset, split="train") if kind else
+                   datasets.load_dataset(script.dataset, split=script.dataset_split))
     reward = script.reward or ("toy" if script.dataset == "toy" else None)
     if reward is None:
         raise SystemExit("train.py: error: --reward module:function is required for a dataset other than toy")
