@@ -56,6 +56,10 @@ def json_body(raw: bytes) -> dict:
         raise APIError(400, f"Invalid JSON body: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object")
+    try:                                           # a lone \ud800 escape is JSON but no Unicode text
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"The request body has an unpaired surrogate escape: {e}") from None
     return body
 
 

@@ -201,6 +201,7 @@ CHUNKED = {"Transfer-Encoding": "chunked"}
 
 @pytest.mark.parametrize("data, status", [
     (request("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}'), 400),                    # not UTF-8
+    (request("POST", "/v1/completions", b'{"prompt": "a\\ud800b"}'), 400),                  # a lone surrogate
     (request("POST", "/v1/completions", b"[" * 100000 + b"]" * 100000), 400),                 # nested deeply
     (request("POST", "/v1/completions", b'{"prompt": [1, 2'), 400),                          # truncated JSON
     (request("POST", "/v1/completions", b'"text"'), 400),                                     # not an object
@@ -275,8 +276,15 @@ def test_api_key_guards_every_route_but_health_and_metrics(toy_dir, monkeypatch)
 
 # ── generated requests ────────────────────────────────────────────────────────────────────────
 
-ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+CHAR = st.one_of(st.characters(), st.sampled_from(["\ud800", "\udfff"]))     # lone surrogates too
+
+
+def text(**kw):
+    return st.text(CHAR, **kw)
+
+
+ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | text(max_size=5),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text(max_size=4), inner,
                                                                                     max_size=3), max_leaves=8)
 TOKEN = st.integers(0, VOCAB - 1)
 
@@ -300,17 +308,17 @@ SAMPLING = {
     "logprobs": field(st.integers(-1, 5), st.integers(max_value=-2)),
 }
 COMPLETION = {**SAMPLING,
-              "prompt": field(st.lists(TOKEN, min_size=1, max_size=12) | st.text(min_size=1, max_size=20)
+              "prompt": field(st.lists(TOKEN, min_size=1, max_size=12) | text(min_size=1, max_size=20)
                               | st.lists(st.lists(TOKEN, min_size=1, max_size=6), min_size=1, max_size=2),
                               st.lists(st.integers(), max_size=4) | st.just([])),
-              "model": field(st.just("toy-dir") | st.none(), st.text(max_size=5)),
-              "return_token_ids": field(st.booleans(), st.text(max_size=2)),
+              "model": field(st.just("toy-dir") | st.none(), text(max_size=5)),
+              "return_token_ids": field(st.booleans(), text(max_size=2)),
               "return_tokens_as_token_ids": field(st.booleans(), st.integers()),
               "stream": field(st.just(False), st.just(True)),
               "max_tokns": ANY_JSON}                            # a typo: always refused
 GENERATE = {"token_ids": COMPLETION["prompt"], "sampling_params": st.fixed_dictionaries(
     {}, optional={**SAMPLING, "top_k": field(st.integers(1, 50), st.integers(max_value=0))}) | ANY_JSON,
-    "request_id": field(st.text(max_size=8), st.integers()), "model": COMPLETION["model"]}
+    "request_id": field(text(max_size=8), st.integers()), "model": COMPLETION["model"]}
 
 
 def bodies():
