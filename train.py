@@ -482,12 +482,13 @@ class LocalServer:
 
     def __init__(self, model_dir: str, *args: str, log_path: str | None = None, startup_timeout: float = 120.0):
         import subprocess
+        import tempfile
 
         import httpx
         from weight_sync import free_port
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path or os.devnull, "w+")
+        self.log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
         here = os.path.dirname(os.path.abspath(__file__))
         cmd = [sys.executable, os.path.join(here, "serve_local.py"), "--model", model_dir, "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
