@@ -1,4 +1,4 @@
-"""serve_local.py keeps serving under load: a bounded soak on loopback (fixed request count, ~20 s).
+"""serve_local.py keeps serving under load: a bounded soak on loopback (640 requests, ~10 s here).
 
 Eight clients send a seeded mix of valid requests, invalid ones and requests whose client disconnects
 (mid-body, or mid-generation). Afterwards: every valid request got exactly one complete reply (none
@@ -18,7 +18,7 @@ from conftest import LocalServer
 from test_serve_hardening import request
 from test_serve_local import metrics, wait_for
 
-CLIENTS, REQUESTS_PER_CLIENT = 8, 40
+CLIENTS, REQUESTS_PER_CLIENT, WARM_UP = 8, 80, 20
 INVALID = [{"prompt": [1, 2], "temperature": float("inf")}, {"prompt": [1, 2], "n": 0}, {"prompt": []},
            {"prompt": [1, 2], "model": ["x"]}, {"prompt": [1, 2], "seed": 2**64}, {"prompt": [1, 999]},
            {"prompt": [1, 2], "max_tokens": 500}, {"prompt": [1, 2], "tempreature": 1.0}]
@@ -35,10 +35,10 @@ def valid_body(rng: random.Random) -> dict:
             "return_token_ids": True, "logprobs": rng.choice([None, 0, 3])}
 
 
-def client(url: str, port: int, seed: int) -> dict:
+def client(url: str, port: int, seed: int, count: int = REQUESTS_PER_CLIENT) -> dict:
     rng, out = random.Random(seed), {"valid": [], "invalid": 0, "dropped": 0}
     with httpx.Client(base_url=url, timeout=60) as http:
-        for _ in range(REQUESTS_PER_CLIENT):
+        for _ in range(count):
             kind = rng.choices(["valid", "invalid", "drop_body", "drop_generation"], [5, 2, 1, 1])[0]
             if kind == "valid":
                 body = valid_body(rng)
@@ -69,7 +69,7 @@ def soak_server(toy_dir):
 def test_soak_mixed_clients_lose_nothing_and_leak_nothing(soak_server):
     s = soak_server
     with ThreadPoolExecutor(CLIENTS) as pool:                      # warm up: threads, allocator, caches
-        list(pool.map(lambda i: client(s.url, s.port, 1000 + i), range(CLIENTS)))
+        list(pool.map(lambda i: client(s.url, s.port, 1000 + i, WARM_UP), range(CLIENTS)))
     wait_for(lambda: metrics(s)["vllm:num_requests_running"] + metrics(s)["vllm:num_requests_waiting"] == 0)
     before = rss_mb(s.proc.pid)
 
