@@ -28,10 +28,10 @@ each with its live concurrency cap, the checks at start and the routing of group
 Reading order: Channels → TurnContext → AsyncRolloutLoop (hooks, then the machinery). This file is what
 runs inside the rollout process; the prompts it walks through (epochs, resume, no dataset) come from
 rollout_prompts.py, and scoring a finished group (reward sources, advantages, samples, the group's
-metrics) is rollout_scoring.py. The records
-(Rollout, TurnRecord, RolloutGroup, RolloutSample) and how a rollout's turns become training samples
-(reconcile and fork, with a worked example) are in rollout_samples.py; the trainer's side of the
-boundary (RolloutWorker, the spawn and its checks) is rollout_worker.py.
+metrics) is rollout_scoring.py. The records (Rollout, TurnRecord, RolloutGroup, RolloutSample) and
+how a rollout's turns become training samples (reconcile and fork, with a worked example) are in
+rollout_samples.py; the trainer's side of the boundary (RolloutWorker, the spawn and its checks) is
+rollout_worker.py.
 
 Departures from the spec, and why:
 - Admission by staleness. TRL generates whenever a slot is free and drops stale samples at the trainer;
@@ -56,9 +56,10 @@ Departures from the spec, and why:
 - A rollout's requests name the policy version it started under: with `lora_name` (LoRA adapter sync),
   version N > 0 is the adapter `<lora_name>-v<N>`, version 0 the base model (the adapter starts at
   zero); a rollout that spans a sync finishes under its start version. The trainer keeps those loaded.
-- A rollout that raises (a 4xx, a malformed reply, retries exhausted, a tool loop bug) drops its group
-  with a logged error; the process stops only once rollouts of FAILED_GROUPS_TO_STOP groups have failed in a
-  row (counted by group, so that one bad prompt with num_generations ≥ 8 does not stop the run).
+- A rollout that raises (a 4xx, a malformed reply, 5xx retries exhausted, a tool loop bug) drops its
+  group with a logged error; the process stops only once rollouts of FAILED_GROUPS_TO_STOP groups have
+  failed in a row (counted by group, so that one bad prompt with num_generations ≥ 8 does not stop the
+  run), or at once when a server stops answering (rollout_servers.py).
 - Rewards and `compute_advantages` follow the spec; the default advantage is (r − mean)/(std + 1e-4)
   over the scored rollouts (population std, the same as reward_group_std).
 - Environments are created one per rollout and `reset(**row)` gets the dataset row (TRL's contract).
