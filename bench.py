@@ -3,6 +3,9 @@
     python bench.py planner     # trie_pack.py: unique tokens/s of the planner on a realistic stream (CPU)
     python bench.py packing     # tree vs padding-free packing fwd+bwd through our own code path (GPU; tiny on CPU)
     python bench.py logprobs    # loss.py: chunked vs naive log-prob peak memory and exactness
+    python bench.py learn       # train.py: the toy demo's reward at the start and the end, and minutes
+    python bench.py overlap     # train.py: asynchronous vs alternating (max_staleness=0) wall time
+    python bench.py sync        # weight_sync.py vs lora_sync.py: seconds and bytes per sync
 
 Speed goals live here, never in timed tests: these machines are noisy, ratios from one run are not.
 Each case ends with one summary line `<case> key=value ...` that a script can grep.
@@ -317,8 +320,124 @@ def logprobs(argv):
                 "grad_weight": grad_weight.cpu()}, a.out)
 
 
+# ---- the trainer (train.py, weight_sync.py, lora_sync.py) ----------------------------------------
+
+def _toy_run(out: str, *args: str) -> tuple[float, list[dict]]:
+    """`python train.py` (the toy demo) with extra flags; (wall seconds, its metrics.jsonl records)."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
+                    "--output_dir", out, "--save_strategy", "no", "--disable_tqdm", "true", *args], check=True)
+    seconds = time.perf_counter() - start
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return seconds, [json.loads(line) for line in f]
+
+
+def learn(argv):
+    """The toy demo as `python train.py` runs it (warm-up-only model, 2 CPU cores): mean reward of the
+    first and the last 10 steps. Target: reward_end >= 0.9 within 10 minutes."""
+    import numpy as np
+    seconds, records = _toy_run("runs/bench-learn", *argv)
+    rewards = [r["reward"] for r in records if "reward" in r]
+    print(f"learn reward_start={np.mean(rewards[:10]):.3f} reward_end={np.mean(rewards[-10:]):.3f} "
+          f"steps={len(records)} minutes={seconds / 60:.2f}")
+
+
+def overlap(argv):
+    """The same short toy training twice: asynchronous (max_staleness 4) and alternating (max_staleness 0:
+    a group is admitted only for the version being trained, so generation waits for each sync). Ideal:
+    max(generation-only, training-only), from the async run's rollout throughput and compute time."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="bench.py overlap")
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args(argv)
+    common = ["--max_steps", str(args.steps), "--learning_rate", "1e-4"]
+    async_s, records = _toy_run("runs/bench-overlap-async", *common, "--max_staleness", "4")
+    sync_s, _ = _toy_run("runs/bench-overlap-sync", *common, "--max_staleness", "0")
+    train_only = sum(r["perf/fwd_bwd_s"] + r["perf/optimizer_s"] + r.get("perf/weight_sync_s", 0) for r in records)
+    generated = sum(r["batch/samples_per_step"] * r.get("completions/mean_length", 0) for r in records)
+    rates = [r["rollout/generated_tok_s"] for r in records if r.get("rollout/generated_tok_s")]
+    generation_only = generated / max(rates) if rates else float("nan")
+    print(f"overlap async_s={async_s:.1f} sync_s={sync_s:.1f} speedup={sync_s / async_s:.2f} "
+          f"ideal_s={max(train_only, generation_only):.1f} (generation-only {generation_only:.1f} s at the peak "
+          f"rate, training-only {train_only:.1f} s; both runs include ~20 s of start-up)")
+
+
+def lora_byte_ratio(name: str, r: int) -> tuple[int, int]:
+    """(full bf16 weight bytes, all-linear rank-r adapter bytes) from a model's shapes on the meta device."""
+    import torch
+    from peft import LoraConfig
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lora_sync import adapter_bytes
+    shapes = {"qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 tie_word_embeddings=False),
+              "qwen2.5-math-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                        num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                        tie_word_embeddings=True)}
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**shapes[name]))
+    return adapter_bytes(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
+
+
+def sync(argv):
+    """Full (merged) and adapter-only sync of one random Qwen3-shaped model (~25M parameters, fp32, CPU,
+    gloo) to one serve_local.py, 3 syncs each; then the byte ratio of the spec's two setups from shapes."""
+    import os
+    import tempfile
+
+    import torch
+    from peft import LoraConfig
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import lora_sync
+    import toy
+    import train
+    from vllm_client import VLLMClient
+
+    tokenizer = toy.build_tokenizer()
+    path = tempfile.mkdtemp(prefix="bench-sync-")
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536,
+                                 num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                 max_position_embeddings=512)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    config = train.AsyncGRPOConfig(output_dir=os.path.join(path, "out"), gradient_checkpointing=False,
+                                   max_staleness=1)
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+    server = train.LocalServer(path, *train.local_server_args(config, peft_config))
+    try:
+        rank, world, device = train.setup_distributed(config)
+        model, _ = train.load_model(path, config, peft_config=peft_config)
+        policy = train.shard(train.Policy(model), config, device)
+        client = VLLMClient(server.url, timeout=120)
+        results = {}
+        for kind, syncer in (("full", lora_sync.MergedSync(policy, [client], config)),
+                             ("adapter", lora_sync.AdapterSync(policy, [client], config, config.output_dir))):
+            syncer.connect()
+            runs = [syncer.push(v) for v in (1, 2, 3)]
+            results[kind] = (sum(m["perf/weight_sync_s"] for m in runs) / 3, runs[-1]["perf/weight_sync_bytes"])
+        torch.distributed.destroy_process_group()
+    finally:
+        server.stop()
+    (full_s, full_b), (adapter_s, adapter_b) = results["full"], results["adapter"]
+    print(f"sync full_s={full_s:.3f} adapter_s={adapter_s:.3f} full_bytes={full_b:.0f} adapter_bytes={adapter_b:.0f} "
+          f"bytes_ratio={adapter_b / full_b:.4f}")
+    for name, r in (("qwen2.5-7b", 32), ("qwen2.5-math-1.5b", 1)):
+        full, adapter = lora_byte_ratio(name, r)
+        print(f"sync shapes={name} r={r} full_bytes={full / 1e9:.2f}GB adapter_bytes={adapter / 1e6:.1f}MB "
+              f"bytes_ratio={adapter / full:.4f}")
+
+
 if __name__ == "__main__":
-    cases = {name: fn for name, fn in globals().items() if name in ("planner", "packing", "logprobs")}
+    cases = {name: fn for name, fn in globals().items()
+             if name in ("planner", "packing", "logprobs", "learn", "overlap", "sync")}
     if len(sys.argv) < 2 or sys.argv[1] not in cases:
         sys.exit(f"usage: python bench.py {{{'|'.join(cases) or 'planner|packing|logprobs'}}} [args]")
     cases[sys.argv[1]](sys.argv[2:])
