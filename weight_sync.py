@@ -204,29 +204,38 @@ class WeightSync:
             if self.rank != 0 or error is not None:
                 continue
             flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])               # [Σ bytes] uint8
-            error = _attempt(lambda: self._broadcast(flat))
+            error = _attempt(lambda: self._broadcast(flat, update))
             sent += flat.numel()
         if self.rank == 0:
             for c, u in zip(self.clients, update or []):
-                error = error or _attempt(lambda: _result(u, self.timeout, f"POST {c.base_url}/update_weights"))
+                error = _attempt(lambda: _result(u, self.timeout, f"POST {c.base_url}/update_weights")) or error
             if pool is not None:
                 pool.shutdown(wait=False)
         _raise_everywhere(error)
         return sent
 
-    def _broadcast(self, flat: torch.Tensor) -> None:
-        if self.vllm_group:                # PyNcclCommunicator: poll, so a stalled peer cannot hang us
+    def _broadcast(self, flat: torch.Tensor, update: list) -> None:
+        """Send one bucket and wait for it, polling: a server that refused the update (its POST already
+        failed) or stopped receiving ends the wait with that reason, or after vllm_server_timeout."""
+        if self.vllm_group:                # vLLM's PyNcclCommunicator, on the current stream
             self.group.broadcast(flat, src=0, stream=torch.cuda.current_stream())
-            done, deadline = torch.cuda.Event(), time.monotonic() + self.timeout
+            done = torch.cuda.Event()
             done.record()
-            while not done.query():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"a weight bucket was not received within {self.timeout:g}s")
-                time.sleep(0.001)
-            return
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.group.broadcast([flat], opts).wait()
+            finished = done.query
+        else:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            work = self.group.broadcast([flat], opts)
+            finished = work.is_completed
+        deadline = time.monotonic() + self.timeout
+        while not finished():
+            if any(u.done() and u.exception() is not None for u in update):
+                raise RuntimeError("a server stopped receiving")       # its own error is reported first
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a weight bucket was not received within vllm_server_timeout={self.timeout:g}s")
+            time.sleep(0.001)
+        if not self.vllm_group:
+            work.wait()                    # raises the transport's error, if any
 
     def _each(self, call: Callable[[VLLMClient], object]) -> None:
         """Call every server in parallel; the first failure is raised, naming the server."""

@@ -1,0 +1,99 @@
+"""weight_sync.py against serve_local.py: vLLM's bucket layout, and failures that end in a clear error
+with the server resumed, never a hang. (A full sync that lands exactly is in test_train.py and
+test_lora_sync.py.)"""
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+
+import toy
+from conftest import LocalServer
+from vllm_client import VLLMClient
+from weight_sync import WeightSync, buckets
+
+ARGS = ("--max-model-len", "64", "--weight-transfer-config", '{"backend":"gloo"}')
+
+
+def test_buckets_close_right_after_the_buffer_is_first_exceeded():
+    assert buckets([40, 40, 80, 16], 100) == [range(0, 3), range(3, 4)]
+    assert buckets([100, 1], 100) == [range(0, 2)]                # 100 is not past 100; 101 is
+    assert buckets([200, 5, 5], 100) == [range(0, 1), range(1, 3)]
+    assert buckets([], 100) == []
+
+
+@pytest.fixture
+def weights(toy_dir):
+    model = toy.build_model(len(toy.build_tokenizer()), seed=1)
+    return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+def push(server, weights, specs=None, timeout=30.0, buffer_bytes=1 << 30):
+    sync = WeightSync([VLLMClient(server.url, timeout=timeout, max_retries=0)], timeout, buffer_bytes)
+    sync.connect()
+    specs = specs or [(n, t.shape) for n, t in weights]
+    return sync.push(specs, lambda: (t for _, t in weights), version=7)
+
+
+def test_a_sync_in_small_buckets_lands_and_reports_its_bytes(toy_dir, weights):
+    server = LocalServer(toy_dir, *ARGS)
+    try:
+        stats = push(server, weights, buffer_bytes=50_000)
+        assert stats.bytes == sum(t.numel() * 4 for _, t in weights)
+        assert stats.total_s >= stats.transfer_s > 0
+        assert httpx.get(server.url + "/weight_info").json()["weight_version"] == "7"
+        assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
+    finally:
+        server.stop()
+
+
+def test_a_refused_update_raises_naming_the_server_and_resumes_it(toy_dir, weights):
+    server = LocalServer(toy_dir, *ARGS)
+    try:
+        specs = [(n if i else "model.no_such.weight", t.shape) for i, (n, t) in enumerate(weights)]
+        with pytest.raises(RuntimeError, match=f"weight sync failed.*{server.url}.*no_such"):
+            push(server, weights, specs)
+        assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
+    finally:
+        server.stop()
+
+
+def test_a_stalled_server_fails_within_the_timeout_not_a_hang(toy_dir, weights):
+    server = LocalServer(toy_dir, *ARGS)
+    try:
+        sync = WeightSync([VLLMClient(server.url, timeout=3.0, max_retries=0)], 3.0)
+        sync.connect()
+        os.kill(server.proc.pid, signal.SIGSTOP)                # the server stops answering mid-run
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="vllm_server_timeout=3s"):
+            sync.push([(n, t.shape) for n, t in weights], lambda: (t for _, t in weights), version=1)
+        assert time.monotonic() - start < 15                    # pause and resume each wait 3 s at most
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
+
+
+def test_a_server_without_weight_transfer_is_refused_with_the_flag(toy_dir):
+    server = LocalServer(toy_dir, "--max-model-len", "64")
+    try:
+        with pytest.raises(ValueError, match="--weight-transfer-config"):
+            WeightSync([VLLMClient(server.url, timeout=10)], 10).connect()
+    finally:
+        server.stop()
+
+
+def test_only_rank_zero_talks_to_the_servers(monkeypatch):
+    """Other ranks gather (the collectives) but never call a server: a WeightSync on rank 1 connects to
+    nothing and sends nothing."""
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    sync = WeightSync([VLLMClient("http://127.0.0.1:9", timeout=1, max_retries=0)], 1.0)
+    sync.connect()
+    gathered = []
+    stats = sync.push([("w", torch.Size([2]))], lambda: iter(gathered.append(1) or [torch.ones(2)]), version=1)
+    assert gathered == [1] and stats.bytes == 0
