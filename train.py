@@ -34,6 +34,7 @@ import contextlib
 import importlib
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -511,7 +512,6 @@ class LocalServer:
         return self.log.read()
 
     def stop(self) -> None:
-        import signal
         import subprocess
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -541,7 +541,7 @@ class ScriptArguments:
     dataset: str = "toy"                 # a `datasets` name, or a .json/.jsonl/.csv/.parquet file, with a
                                          # `prompt` column; or "toy"
     dataset_split: str = "train"
-    reward: str | None = None            # module:function[,module:function...]; "toy" → toy:sum_reward
+    reward: str | None = None            # module:function[,module:function...]; "toy" → toy:exact_reward
     serve_local: bool | None = None      # start serve_local.py; None: yes for --model toy without a server URL
     lora_r: int = 0                      # > 0: train a LoRA adapter of this rank (peft)
     lora_alpha: int = 32
@@ -557,6 +557,7 @@ def import_callable(spec: str):
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # run the finally blocks
     if argv[:1] == ["plot"]:
         import train_metrics
         print(train_metrics.plot(argv[1] if len(argv) > 1 else "runs/toy"))
@@ -586,7 +587,7 @@ def main(argv: list[str] | None = None) -> None:
     reward = script.reward or ("toy" if script.dataset == "toy" else None)
     if reward is None:
         raise SystemExit("train.py: error: --reward module:function is required for a dataset other than toy")
-    rewards = [import_callable("toy:sum_reward" if r == "toy" else r) for r in reward.split(",")]
+    rewards = [import_callable("toy:exact_reward" if r == "toy" else r) for r in reward.split(",")]
     server = None
     serve = script.serve_local if script.serve_local is not None else (toy_run and "--vllm_server_base_url" not in argv)
     if serve and int(os.environ.get("RANK", "0")) == 0:       # only rank 0 talks to the server
