@@ -3,6 +3,7 @@
 
     python walkthrough.py                          # every step's values, in ~15 s on one CPU core
     python walkthrough.py --write WALKTHROUGH.md   # refresh the document's output blocks
+    python walkthrough.py --check WALKTHROUGH.md   # exit 1 if a block differs from this run's
 
     toy model ─► serve_local.py ─► AsyncRolloutLoop.generate_one ×8 ─► reconcile ─► score_group
       (step 0)     (a subprocess)     rollout.py (steps 1-2)          (3)          (2: rewards,
@@ -64,7 +65,7 @@ def fmt(x: float, digits: int = 4) -> str:
 
 def mask_grid(packed, tokenizer, start: int) -> list[str]:
     """Rows = queries i >= start, columns = keys j >= start: '#' if i attends to j (j <= i <=
-    subtree_end[j]), '.' if not. Keys before `start` are the shared prompt: every query sees them."""
+    subtree_end[j]), '.' if not. Keys before `start` are the shared prompt: all queries see them."""
     end = packed.subtree_end.tolist()
     ids = packed.input_ids.tolist()
     n = len(ids)
@@ -85,7 +86,7 @@ async def rollouts(config, tokenizer, dataset, url):
     await loop._connect()                                  # every replica checked, as at start
     row = dataset[PROMPT_ROW]
     done = []
-    for _ in range(config.num_generations):                # one at a time: the server's seeds in order
+    for _ in range(config.num_generations):                # in turn: the server's seeds in order
         rollout = await loop.generate_one(row["prompt"], [], group_id=0)
         sequences, drifts = reconcile(rollout.turns)
         done.append((rollout, sequences, {"duration_s": 0.0, "drifts": drifts}))
@@ -270,8 +271,8 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
         m0, m1 = np.flatnonzero(packed.sample_ids.numpy() == i)
         say(f"{i:7d}  {samples[i].reward:6.1f}  {fmt(ratio[m0]):>12s}  {fmt(ratio[m1]):>10s}  "
             f"{int(keep[m0] & keep[m1]):4d}  {int((low | high)[[m0, m1]].any()):7d}")
-    say(f"{int(keep.sum())} of {len(keep)} loss terms inside [{config.vllm_importance_sampling_clip_min}"
-        f", {config.vllm_importance_sampling_clip_max}] (kept), {int((low | high).sum())} outside "
+    bounds = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
+    say(f"{int(keep.sum())} of {len(keep)} loss terms inside [{bounds[0]}, {bounds[1]}] (kept), {int((low | high).sum())} outside "
         f"1 ± {config.epsilon} (clipped); centering term max |c_m| = {fmt(centering.abs().max())}")
 
 
@@ -305,9 +306,19 @@ def write(path: str, text: str) -> None:
         f.write(doc)
 
 
+def stale(path: str, text: str) -> list[str]:
+    """Names of the document's blocks that differ from this run's output (or are missing)."""
+    with open(path) as f:
+        shown = document_blocks(f.read())
+    printed = blocks(text)
+    names = list(dict.fromkeys(list(printed) + list(shown)))
+    return [n for n in names if shown.get(n) != printed.get(n)]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", metavar="DOC", help="refresh the output blocks of this document")
+    ap.add_argument("--check", metavar="DOC", help="exit 1 if this document shows other values")
     args = ap.parse_args(argv)
     start = time.monotonic()
     out = io.StringIO()
@@ -316,6 +327,9 @@ def main(argv=None) -> None:
     if args.write:
         write(args.write, out.getvalue())
     print(f"({time.monotonic() - start:.1f} s)", file=sys.stderr)
+    if args.check and (names := stale(args.check, out.getvalue())):
+        sys.exit(f"{args.check}: the blocks {names} differ from this run's output; refresh them "
+                 f"with `python walkthrough.py --write {args.check}`")
 
 
 if __name__ == "__main__":
