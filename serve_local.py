@@ -469,6 +469,56 @@ def weight_checker(eng, body, query):
     raise APIError(400, f"Unknown action {action!r}: use checksum, reset or compare", param="action")
 
 
+# ── the server as a subprocess (the demo's, bench.py's and the tests') ─────────────────────────
+
+
+class LocalServer:
+    """`python serve_local.py ...` in its own process group (the demo's and the tests' vLLM stand-in);
+    `url` once /health answers. stop() ends it and everything it started."""
+
+    def __init__(self, model_dir: str, *args: str, log_path: str | None = None, startup_timeout: float = 120.0):
+        import subprocess
+        import tempfile
+
+        import httpx
+        from weight_sync import free_port
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
+        here = os.path.dirname(os.path.abspath(__file__))
+        cmd = [sys.executable, os.path.join(here, "serve_local.py"), "--model", model_dir, "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve_local.py exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"serve_local.py did not become healthy within {startup_timeout:g}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a Hugging Face causal LM id or directory; 'toy' = toy.py's")

@@ -192,10 +192,17 @@ def sum_reward(prompts, completions, answer, **kwargs) -> list[float]:
     return out
 
 
-def exact_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 for exactly the answer, else 0: the demo's reward. After the warm-up a reply is one digit, so
-    partial credit would only pay for longer replies that happen to contain the answer."""
-    return [float(_text(c).strip() == a) for c, a in zip(completions, answer)]
+def digit_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """The demo's reward: 1.0 for exactly the answer; a reply of one other digit d gets
+    max(0, 0.5 - 0.15·|d - answer|) (0.35 when off by one); anything else 0. After the format warm-up
+    every reply is one digit, so a group's rewards almost never tie, and a mean of 0.9 needs most
+    answers exactly right."""
+    out = []
+    for completion, ans in zip(completions, answer):
+        text = _text(completion).strip()
+        near = 0.5 - 0.15 * abs(int(text) - int(ans)) if len(text) == 1 and text.isdigit() else 0.0
+        out.append(1.0 if text == ans else max(0.0, near))
+    return out
 
 
 def add(a: int, b: int) -> int:

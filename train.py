@@ -29,7 +29,6 @@ Departures from the spec, one line each:
 - Stale samples are dropped here too (the promise), though admission in rollout.py rarely lets one by.
 - Rollouts request the server's base model card by name (the model id a trainer loads need not match).
 """
-import argparse
 import contextlib
 import importlib
 import math
@@ -49,6 +48,7 @@ from config import AsyncGRPOConfig  # noqa: F401  (the spec imports it from the 
 from loss import MOE_EXPERT_FIELDS, compute_loss, reduce_metrics, router_aux_loss_coef
 from rollout import AsyncRolloutLoop
 from rollout_worker import RolloutWorker
+from serve_local import LocalServer  # noqa: F401  (the demo's server; the tests use it too)
 from trie_pack import Planner
 
 # ── distributed setup ────────────────────────────────────────────────────────────────────────
@@ -474,53 +474,7 @@ class AsyncGRPOTrainer:
                      peft_config=self.peft_config, resume_from_checkpoint=resume_from_checkpoint)
 
 
-# ── the embedded server and the CLI ──────────────────────────────────────────────────────────
-
-
-class LocalServer:
-    """`python serve_local.py ...` in its own process group (the demo's and the tests' vLLM stand-in);
-    `url` once /health answers. stop() ends it and everything it started."""
-
-    def __init__(self, model_dir: str, *args: str, log_path: str | None = None, startup_timeout: float = 120.0):
-        import subprocess
-        import tempfile
-
-        import httpx
-        from weight_sync import free_port
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
-        here = os.path.dirname(os.path.abspath(__file__))
-        cmd = [sys.executable, os.path.join(here, "serve_local.py"), "--model", model_dir, "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve_local.py exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"serve_local.py did not become healthy within {startup_timeout:g}s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self) -> None:
-        import subprocess
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+# ── the CLI ──────────────────────────────────────────────────────────
 
 
 def local_server_args(config, peft_config=None) -> list[str]:
@@ -541,7 +495,7 @@ class ScriptArguments:
     dataset: str = "toy"                 # a `datasets` name, or a .json/.jsonl/.csv/.parquet file, with a
                                          # `prompt` column; or "toy"
     dataset_split: str = "train"
-    reward: str | None = None            # module:function[,module:function...]; "toy" → toy:exact_reward
+    reward: str | None = None            # module:function[,module:function...]; "toy" → toy:digit_reward
     serve_local: bool | None = None      # start serve_local.py; None: yes for --model toy without a server URL
     lora_r: int = 0                      # > 0: train a LoRA adapter of this rank (peft)
     lora_alpha: int = 32
@@ -587,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
     reward = script.reward or ("toy" if script.dataset == "toy" else None)
     if reward is None:
         raise SystemExit("train.py: error: --reward module:function is required for a dataset other than toy")
-    rewards = [import_callable("toy:exact_reward" if r == "toy" else r) for r in reward.split(",")]
+    rewards = [import_callable("toy:digit_reward" if r == "toy" else r) for r in reward.split(",")]
     server = None
     serve = script.serve_local if script.serve_local is not None else (toy_run and "--vllm_server_base_url" not in argv)
     if serve and int(os.environ.get("RANK", "0")) == 0:       # only rank 0 talks to the server

@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-from datasets import Dataset
 
 import toy
 import train
@@ -239,3 +238,11 @@ def test_a_dying_server_or_rollout_process_stops_the_trainer_cleanly(toy_dir, in
     assert not alive
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(os.path.join(out, f"checkpoint-{newest_checkpoint(out)}"))
+
+
+def test_plot_draws_the_run(run):
+    import train_metrics
+    path = train_metrics.plot(run[0])
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(path) > 10_000
