@@ -171,11 +171,8 @@ class FailFastLoop(ModelRecordingLoop):
 
 
 class SpanningLoop(ModelRecordingLoop):
-    """LoRA naming (lora_name "policy"); two turns per rollout, and group 0's rollouts wait between their
-    turns until the trainer has published version 2, so they span a sync."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, lora_name="policy", **kwargs)
+    """Two turns per rollout; group 0's rollouts wait between their turns until the trainer has published
+    version 2, so they span a sync."""
 
     async def generate_one(self, prompt, tools, group_id=0):
         ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,

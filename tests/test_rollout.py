@@ -5,6 +5,7 @@ import math
 import os
 import queue
 import signal
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -500,7 +501,6 @@ def test_concurrency_cap_rises_while_the_server_is_idle(small_kv_server, tokeniz
 
 def poll_until(worker, done, timeout=60.0):
     """Start, consume samples (publishing versions like a trainer) until a periodic metric dict satisfies `done`."""
-    import time
     polls, deadline, version = [], time.monotonic() + timeout, 0
     try:
         worker.start()
@@ -523,20 +523,26 @@ def test_generation_is_admitted_by_staleness(small_kv_server, tokenizer):
     # R = 2 samples per version, max_staleness 1: at most (1 + 1) × 2 samples ahead of the trainer
     config = config_for(small_kv_server, per_device_train_batch_size=2, max_staleness=1)
     worker = RolloutWorker(config, toy.make_dataset(16), [h.rank_reward], tokenizer, loop_cls=h.FastPollLoop)
+
+    def settled_queue(seconds=3.0):
+        """Wait for the queue to fill and stop growing (without get(): a get() on an empty queue means a
+        starved trainer, which raises the rate), and return its size."""
+        size, since, deadline = -1, time.monotonic(), time.monotonic() + 60
+        while (time.monotonic() - since < seconds or size <= 0) and time.monotonic() < deadline:
+            if worker.qsize() != size:
+                size, since = worker.qsize(), time.monotonic()
+            time.sleep(0.05)
+        return size
     try:
         worker.start()
-        first = [worker.get(timeout=30) for _ in range(4)]
-        worker.drain_metrics()
-        with pytest.raises(queue.Empty):
-            worker.get(timeout=2.0)      # a fifth sample would be stale when the trainer reached it
-        assert {s.model_version for s in first} == {0}
+        assert settled_queue() == 4      # a fifth sample would be stale when the trainer reached it
         # the block is reported while it lasts, not only once it ends
         assert sum(m.get("rollout/backpressure_s", 0) for m in worker.drain_metrics()) > 1.0
+        first = [worker.get(timeout=30) for _ in range(4)]
+        assert {s.model_version for s in first} == {0}
         worker.set_model_version(1)      # 4 consumed in version 0: R = 4, window = 4 + 2 × 4
-        more = [worker.get(timeout=30) for _ in range(8)]
-        with pytest.raises(queue.Empty):
-            worker.get(timeout=2.0)
-        assert {s.model_version for s in more} == {1}
+        assert settled_queue() == 8
+        assert {worker.get(timeout=30).model_version for _ in range(8)} == {1}
     finally:
         worker.stop()
 

@@ -84,7 +84,8 @@ def test_rollouts_name_the_adapter_of_the_version_they_started_under(start_serve
     base = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     make_adapter(toy_dir, str(tmp_path / "v2"))
     config = config_for(server, max_concurrent_rollouts=2, max_completion_length=6, per_device_train_batch_size=64)
-    worker = RolloutWorker(config, toy.make_dataset(3), [h.rank_reward], tokenizer, loop_cls=h.SpanningLoop)
+    worker = RolloutWorker(config, toy.make_dataset(3), [h.rank_reward], tokenizer, loop_cls=h.SpanningLoop,
+                           lora_name="policy")
     samples = []
     try:
         worker.start()                                          # version 0: no adapter exists yet
