@@ -246,3 +246,40 @@ def test_plot_draws_the_run(run):
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(path) > 10_000
+
+
+def test_a_vision_language_model_trains_and_syncs_only_its_language_model(tmp_path):
+    """A tiny Qwen3.5 vision-language checkpoint loads with AutoModelForImageTextToText; the vision tower
+    gets no gradient and no optimizer state, keeps its weights through a step, and is not synced."""
+    import torch.distributed as dist
+    import transformers as tf
+
+    from test_tree_attention import pack, samples
+    from test_tree_gated_delta_rule import HYBRID
+    text = {**HYBRID, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=1, spatial_merge_size=1)
+    torch.manual_seed(0)
+    tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(
+        tmp_path / "vlm")
+    config = AsyncGRPOConfig(gradient_checkpointing=False, learning_rate=1e-2, score_centering=False,
+                             vllm_importance_sampling_clip_min=0.0, vllm_importance_sampling_clip_max=1e9)
+    rank, world, device = train.setup_distributed(config)
+    try:
+        model, _ = train.load_model(str(tmp_path / "vlm"), config, processing_class=toy.build_tokenizer())
+        assert isinstance(model, tf.Qwen3_5ForConditionalGeneration)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        tower = {n for n, p in model.named_parameters() if not p.requires_grad}
+        assert tower and all(".visual." in f".{n}" for n in tower)
+        synced = {n for n, _ in train.language_parameters(model)}
+        assert synced and not synced & tower and synced | tower == set(before)
+        policy = train.shard(train.Policy(model), config, device)
+        optimizer, scheduler = train.build_optimizer(policy, config)
+        assert sum(len(g["params"]) for g in optimizer.param_groups) == len(synced)
+        row = pack(samples(2))
+        train.train_step(policy, optimizer, scheduler, [row], row.trained_tokens, config, world, aux_coef=0.0)
+        after = {n: train.full(p) for n, p in policy.model.named_parameters()}
+        assert all(torch.equal(after[n], before[n]) for n in tower)
+        assert any(not torch.equal(after[n], before[n]) for n in synced)
+    finally:
+        dist.destroy_process_group()
