@@ -321,8 +321,10 @@ class AsyncRolloutLoop:
                 for task in done:
                     task.result()  # a loop's failure ends the run here
         finally:
-            for task in [beat, *workers, *self.tasks]:
+            running = [beat, *workers, *self.tasks]
+            for task in running:
                 task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)  # none still uses a client we close below
             self.channels.rollout_buffer.cancel_join_thread()  # stopping: unread samples may be lost
             self.channels.metrics.cancel_join_thread()
             try:

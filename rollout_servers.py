@@ -6,6 +6,7 @@ without a proxy): one `Replica` per URL, its live concurrency cap, the checks at
            split over the replicas), the rollouts assigned to it, and what its /metrics said last
     a new group ── pick(): least loaded ──► replica b       load = (assigned + queued on the server) / cap
                                                                    + KV-cache usage
+    equal loads: the replica picked least recently (so an idle pool still takes turns)
     the group's num_generations rollouts all run on b (they share the prompt: b's prefix cache holds it),
     each waiting for a free slot under b's cap
     every metrics_interval_s: poll() each replica's /metrics → its cap moves (spec rules below)
@@ -99,6 +100,7 @@ class Replica:
     waiting: float = 0.0
     running: float = 0.0
     preemptions: float = 0.0        # counted since this process started (rollout/vllm_preemptions_total)
+    picked: int = 0                 # when it last got a group (pick's count), for ties
     last_counter: float | None = None  # the server's own vllm:num_preemptions_total at the last poll
 
     def load(self) -> float:
@@ -133,8 +135,10 @@ def make_replicas(urls: list[str], bound: int, timeout: float, max_retries: int)
 
 
 def pick(replicas: list[Replica]) -> Replica:
-    """The replica for a new group: the least loaded (the first on ties)."""
-    return min(replicas, key=Replica.load)
+    """The replica for a new group: the least loaded; on ties, the one picked least recently."""
+    chosen = min(replicas, key=lambda r: (r.load(), r.picked))
+    chosen.picked = max(r.picked for r in replicas) + 1
+    return chosen
 
 
 async def connect(replica: Replica, config, num_top: int | None, probe_token: int) -> str:

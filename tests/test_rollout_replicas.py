@@ -49,7 +49,11 @@ def test_a_killed_replica_stops_the_run_naming_it(start_server, tokenizer):
     worker = RolloutWorker(config, toy.make_dataset(8), [h.rank_reward], tokenizer, loop_cls=h.FailFastLoop)
     try:
         worker.start()
-        seen = {url for _ in range(6) for url, _ in served(worker.get(timeout=60))}
+        seen = set()
+        for _ in range(40):                                     # both replicas serve before the kill
+            seen |= {url for url, _ in served(worker.get(timeout=60))}
+            if seen == {a.url, b.url}:
+                break
         assert seen == {a.url, b.url}
         b.stop()
         with pytest.raises(RuntimeError) as failure:
@@ -100,3 +104,13 @@ def test_rollouts_name_the_adapter_of_the_version_they_started_under(start_serve
     assert models[0] == {base}                                  # both turns under version 0, across the sync
     assert {g: m for g, m in models.items() if g > 0} == {1: {"policy-v2"}, 2: {"policy-v2"}}
     assert all(len(served(s)) == 2 for s in samples)
+
+
+def test_pick_prefers_the_least_loaded_then_takes_turns():
+    from rollout_servers import ConcurrencyCap, Replica, pick
+    a, b, c = (Replica(url, None, ConcurrencyCap(8, 8)) for url in "abc")
+    assert [pick([a, b, c]).url for _ in range(4)] == ["a", "b", "c", "a"]         # idle: round robin
+    a.assigned, a.waiting, a.kv_usage = 8, 2, 0.7                                 # 10/8 + 0.7 = 1.95
+    b.assigned, b.kv_usage = 8, 0.3                                               # 8/8 + 0.3 = 1.3
+    c.assigned, c.kv_usage = 12, 0.0                                              # 12/8 = 1.5
+    assert pick([a, b, c]).url == "b"
