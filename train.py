@@ -58,16 +58,17 @@ def setup_distributed(config) -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: nccl on CUDA, gloo on CPU; alone: a group of one, so
     FSDP2 and torch.distributed.checkpoint run the same code."""
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            from weight_sync import free_port
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         # rank 0 may wait this long for samples while the other ranks wait in a collective
         timeout = timedelta(seconds=max(1800.0, config.vllm_server_timeout + config.rollout_worker_timeout))
-        dist.init_process_group(backend, timeout=timeout)
+        if "RANK" in os.environ:                     # torchrun: its environment says where to meet
+            dist.init_process_group(backend, timeout=timeout)
+        else:                                        # alone: nothing written to os.environ
+            from weight_sync import free_port
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -343,7 +344,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     every rank calls it (torchrun). Returns the last logged metrics (rank 0; {} elsewhere)."""
     import checkpoint
     import train_metrics
-    from vllm_client import VLLMClient
+    from vllm_client import VLLMClient, server_urls
     rank, world, device = setup_distributed(config)
     torch.manual_seed(config.seed)                   # the same on every rank: weights agree before sharding
     output_dir = config.output_dir or "trainer_output"
@@ -355,8 +356,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
     if resume:
         state = checkpoint.load(resume, policy, optimizer, scheduler)
-    urls = [u.strip() for u in config.vllm_server_base_url.split(",") if u.strip()]
-    clients = [VLLMClient(url, timeout=config.vllm_server_timeout) for url in urls]
+    clients = [VLLMClient(url, timeout=config.vllm_server_timeout) for url in server_urls(config)]
     sync = make_sync(policy, clients, config, peft_config, output_dir)
     feed = log = None
     try:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterator
 
+import httpx
 import torch
 import torch.distributed as dist
 
@@ -167,7 +168,7 @@ class WeightSync:
         stats, start = SyncStats(), time.perf_counter()
         error = None
         if self.rank == 0:
-            error = _attempt(lambda: self._each(lambda c: c.pause(mode="keep")))
+            error, resume = self._pause()
             stats.pause_s = time.perf_counter() - start
         t = time.perf_counter()
         if dist.is_initialized():
@@ -181,7 +182,7 @@ class WeightSync:
                 self._each(lambda c: c.finish_weight_update(str(version)))
         finally:
             if self.rank == 0:
-                _attempt(lambda: self._each(lambda c: c.resume()))
+                _attempt(lambda: self._each(lambda c: c.resume(), resume))
         stats.total_s = time.perf_counter() - start
         return stats
 
@@ -237,11 +238,27 @@ class WeightSync:
         if not self.vllm_group:
             work.wait()                    # raises the transport's error, if any
 
-    def _each(self, call: Callable[[VLLMClient], object]) -> None:
-        """Call every server in parallel; the first failure is raised, naming the server."""
+    def _pause(self) -> tuple[BaseException | None, list[VLLMClient]]:
+        """Pause every server; (the first failure, the servers to resume). A server that refused the
+        connection (down) was never paused: resuming it would only retry for a minute."""
+        error, resume = None, []
         with ThreadPoolExecutor(len(self.clients)) as pool:
-            futures = [pool.submit(call, c) for c in self.clients]
+            futures = [pool.submit(c.pause, mode="keep") for c in self.clients]
             for c, f in zip(self.clients, futures):
+                failure = _attempt(lambda: _result(f, self.timeout, f"weight sync with {c.base_url}"))
+                error = error or failure
+                if not _refused(failure):
+                    resume.append(c)
+        return error, resume
+
+    def _each(self, call: Callable[[VLLMClient], object], clients: list[VLLMClient] | None = None) -> None:
+        """Call every server (or `clients`) in parallel; the first failure is raised, naming the server."""
+        clients = self.clients if clients is None else clients
+        if not clients:
+            return
+        with ThreadPoolExecutor(len(clients)) as pool:
+            futures = [pool.submit(call, c) for c in clients]
+            for c, f in zip(clients, futures):
                 _result(f, self.timeout, f"weight sync with {c.base_url}")
 
 
@@ -252,6 +269,15 @@ def _result(future, timeout: float, what: str):
         raise TimeoutError(f"{what}: no answer within vllm_server_timeout={timeout:g}s") from e
     except Exception as e:
         raise RuntimeError(f"{what} failed: {e}") from e
+
+
+def _refused(error: BaseException | None) -> bool:
+    """The error chain holds a refused connection (the server is not listening)."""
+    while error is not None:
+        if isinstance(error, httpx.ConnectError):
+            return True
+        error = error.__cause__
+    return False
 
 
 def _attempt(fn: Callable[[], object]) -> BaseException | None:
