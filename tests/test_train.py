@@ -300,3 +300,14 @@ def test_the_toy_demo_learns(tmp_path):
     rewards = [r["reward"] for r in lines(out) if "reward" in r]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.05, rewards
+
+
+def test_a_turn_stops_on_every_eos_the_generation_config_declares(toy_dir):
+    """Issue 10: the stop tokens come from the model's generation config (all its EOS ids), and the
+    tokenizer's own EOS."""
+    from transformers import AutoModelForCausalLM
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(toy_dir), toy.build_tokenizer()
+    model.generation_config.eos_token_id = [7, 3]
+    assert train.stop_token_ids(model, tokenizer) == sorted({3, 7, tokenizer.eos_token_id})
+    model.generation_config.eos_token_id = None
+    assert train.stop_token_ids(model, tokenizer) == [tokenizer.eos_token_id]
