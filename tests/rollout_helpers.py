@@ -121,22 +121,12 @@ class CurriculumRolloutLoop(AsyncRolloutLoop):
         return super().compute_advantages(group)
 
 
-class PromptEnv:
+class PromptEnv(Counter):
     """An environment that owns the data (no train_dataset): reset() writes the prompt; it scores itself."""
 
     def reset(self, **row):
         self.calls = 0
         return "2+3="
-
-    def add(self, a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-        """
-        self.calls += 1
-        return a + b
 
     def get_reward(self) -> float:
         return random.random()  # distinct within a group, so groups are kept
