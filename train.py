@@ -139,7 +139,8 @@ def shard(policy: Policy, config, device: torch.device) -> Policy:
     """FSDP2: each decoder layer, then the root. bf16 compute with fp32 reductions when config.bf16;
     the master weights (and so the optimizer state) keep the dtype the weights loaded in."""
     bf16 = config.bf16 if config.bf16 is not None else device.type == "cuda"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+          else MixedPrecisionPolicy())
     for layer in tree_attention.decoder_layers(policy.model):
         fully_shard(layer, mp_policy=mp)
     fully_shard(policy, mp_policy=mp)
@@ -261,8 +262,8 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
         loss_sum += loss.detach().to(torch.float64)
         parts.append(metrics)
     with timer("optimizer_s"):
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in policy.parameters() if p.requires_grad], config.max_grad_norm if config.max_grad_norm > 0 else math.inf)
+        limit = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], limit)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -270,7 +271,8 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
     if aux_coef:
         metrics["aux_loss"] = torch.tensor(aux_sum / world, dtype=torch.float64, device=device)
     for name in sorted(metrics):                          # across ranks: SUM, or MIN / MAX by name
-        op = dist.ReduceOp.MIN if name.endswith("/min") else dist.ReduceOp.MAX if name.endswith("/max") else dist.ReduceOp.SUM
+        op = (dist.ReduceOp.MIN if name.endswith("/min") else dist.ReduceOp.MAX if name.endswith("/max")
+              else dist.ReduceOp.SUM)
         if world > 1:
             dist.all_reduce(metrics[name], op=op)
     out = {name: (v[0] / v[1]).item() if v.dim() else v.item() for name, v in metrics.items()}

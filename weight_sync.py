@@ -195,7 +195,8 @@ class WeightSync:
         if self.rank == 0 and error is None:
             error = _attempt(lambda: self._each(lambda c: c.start_weight_update()))
         if self.rank == 0 and error is None:
-            info = {"names": [n for n, _ in specs], "dtype_names": [str(self.dtype).removeprefix("torch.")] * len(specs),
+            dtype_name = str(self.dtype).removeprefix("torch.")
+            info = {"names": [n for n, _ in specs], "dtype_names": [dtype_name] * len(specs),
                     "shapes": [list(s) for _, s in specs]}
             pool = ThreadPoolExecutor(len(self.clients))
             update = [pool.submit(c.update_weights, info) for c in self.clients]
