@@ -128,9 +128,8 @@ class MetricsLog:
         self.world = torch.distributed.get_world_size()
         self.every = config.every("logging_steps")
         self.completions: list = []
-        disable = config.disable_tqdm if config.disable_tqdm is not None else None   # None: tty only
         self.bar = tqdm(total=config.max_steps if config.max_steps > 0 else None, initial=state.global_step,
-                        unit="step", disable=disable, dynamic_ncols=True)
+                        unit="step", disable=config.disable_tqdm, dynamic_ncols=True)   # None: on a tty only
 
     def step(self, state, metrics: dict, feed, step: list, packed: list) -> None:
         record = dict(metrics) | sample_metrics(feed) | batch_metrics(feed.planner, step, packed)
