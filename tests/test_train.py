@@ -294,12 +294,12 @@ def test_the_toy_demo_learns(tmp_path):
     steps clearly beats the first steps' (bench.py learn runs the whole demo)."""
     out = str(tmp_path / "toy")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--output_dir", out, "--max_steps", "60",
+    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--output_dir", out, "--max_steps", "90",
                     "--save_strategy", "no", "--disable_tqdm", "true"], check=True, env=env, timeout=900,
                    capture_output=True)
     rewards = [r["reward"] for r in lines(out) if "reward" in r]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last > first + 0.05, rewards
+    assert last > first + 0.1, rewards
 
 
 def test_a_turn_stops_on_every_eos_the_generation_config_declares(toy_dir):
