@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM
 
 import toy
 import train
-from conftest import LocalServer
 from lora_sync import adapter_refusal
 from test_serve_local import PROMPT, reference_logprobs
 from train import AsyncGRPOConfig
@@ -30,16 +29,9 @@ SMALL = dict(num_generations=4, max_completion_length=6, per_device_train_batch_
 
 
 @pytest.fixture
-def servers(toy_dir):
-    started = []
-
-    def start(n: int, *args: str) -> list[LocalServer]:
-        started.extend(LocalServer(toy_dir, *args) for _ in range(n))
-        return started[-n:]
-
-    yield start
-    for s in started:
-        s.stop()
+def servers(start_server):
+    """servers(n, *args): n replicas of the toy model (conftest's start_server stops them)."""
+    return lambda n, *args: [start_server(*args) for _ in range(n)]
 
 
 def run(servers, toy_dir, out, peft_config, steps=3):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import toy
-from conftest import LocalServer
 from vllm_client import VLLMClient
 from weight_sync import WeightSync, buckets
 
@@ -37,31 +36,25 @@ def push(server, weights, specs=None, timeout=30.0, buffer_bytes=1 << 30):
     return sync.push(specs, lambda: (t for _, t in weights), version=7)
 
 
-def test_a_sync_in_small_buckets_lands_and_reports_its_bytes(toy_dir, weights):
-    server = LocalServer(toy_dir, *ARGS)
-    try:
-        stats = push(server, weights, buffer_bytes=50_000)
-        assert stats.bytes == sum(t.numel() * 4 for _, t in weights)
-        assert stats.total_s >= stats.transfer_s > 0
-        assert httpx.get(server.url + "/weight_info").json()["weight_version"] == "7"
-        assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
-    finally:
-        server.stop()
+def test_a_sync_in_small_buckets_lands_and_reports_its_bytes(start_server, weights):
+    server = start_server(*ARGS)
+    stats = push(server, weights, buffer_bytes=50_000)
+    assert stats.bytes == sum(t.numel() * 4 for _, t in weights)
+    assert stats.total_s >= stats.transfer_s > 0
+    assert httpx.get(server.url + "/weight_info").json()["weight_version"] == "7"
+    assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
 
 
-def test_a_refused_update_raises_naming_the_server_and_resumes_it(toy_dir, weights):
-    server = LocalServer(toy_dir, *ARGS)
-    try:
-        specs = [(n if i else "model.no_such.weight", t.shape) for i, (n, t) in enumerate(weights)]
-        with pytest.raises(RuntimeError, match=f"weight sync failed.*{server.url}.*no_such"):
-            push(server, weights, specs)
-        assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
-    finally:
-        server.stop()
+def test_a_refused_update_raises_naming_the_server_and_resumes_it(start_server, weights):
+    server = start_server(*ARGS)
+    specs = [(n if i else "model.no_such.weight", t.shape) for i, (n, t) in enumerate(weights)]
+    with pytest.raises(RuntimeError, match=f"weight sync failed.*{server.url}.*no_such"):
+        push(server, weights, specs)
+    assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
 
 
-def test_a_stalled_server_fails_within_the_timeout_not_a_hang(toy_dir, weights):
-    server = LocalServer(toy_dir, *ARGS)
+def test_a_stalled_server_fails_within_the_timeout_not_a_hang(start_server, weights):
+    server = start_server(*ARGS)
     try:
         sync = WeightSync([VLLMClient(server.url, timeout=3.0, max_retries=0)], 3.0)
         sync.connect()
@@ -72,16 +65,12 @@ def test_a_stalled_server_fails_within_the_timeout_not_a_hang(toy_dir, weights):
         assert time.monotonic() - start < 15                    # pause and resume each wait 3 s at most
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
-        server.stop()
 
 
-def test_a_server_without_weight_transfer_is_refused_with_the_flag(toy_dir):
-    server = LocalServer(toy_dir, "--max-model-len", "64")
-    try:
-        with pytest.raises(ValueError, match="--weight-transfer-config"):
-            WeightSync([VLLMClient(server.url, timeout=10)], 10).connect()
-    finally:
-        server.stop()
+def test_a_server_without_weight_transfer_is_refused_with_the_flag(start_server):
+    server = start_server("--max-model-len", "64")
+    with pytest.raises(ValueError, match="--weight-transfer-config"):
+        WeightSync([VLLMClient(server.url, timeout=10)], 10).connect()
 
 
 def test_only_rank_zero_talks_to_the_servers(monkeypatch):
