@@ -33,7 +33,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
-from local_engine import APIError, Cancelled
+from serve_local_engine import APIError, Cancelled
 
 MAX_BODY_BYTES = 32 << 20      # a larger body gets 413 (uvicorn sets no limit; one here bounds memory)
 MAX_LINE = 1024                # a chunk-size or trailer line

@@ -8,7 +8,7 @@ on a CPU laptop, in CI and in tests. `--model toy` builds the offline toy model 
 This file is vLLM's contract: request parsing and validation, one function per route (the reply
 shapes of the contract) and the CLI. Below it, `serve_http.py` is the transport (framing and bounding
 bodies, JSON errors for every refusal, --api-key, noticing a client that went away), and
-`local_engine.py` the engine (continuous batching, KV accounting, sampling, LoRA by hooks, receiving
+`serve_local_engine.py` the engine (continuous batching, KV accounting, sampling, LoRA by hooks, receiving
 weights); their docstrings draw them and list their own departures from vLLM.
 
 Validation follows vLLM's SamplingParams and protocol rules for every field we implement, before the
@@ -26,7 +26,7 @@ Where to find the flags a client may check: `/server_info` → `vllm_config.mode
 `vllm_config.enable_scale_out` (ours only; with real vLLM probe `/inference/v1/generate` for 403).
 
 Departures from vLLM, and why:
-- There is no prefix cache (see local_engine.py), so `/reset_prefix_cache` only preempts running
+- There is no prefix cache (see serve_local_engine.py), so `/reset_prefix_cache` only preempts running
   requests when asked to and always succeeds.
 - On CPU the engine uses one intra-op thread unless OMP_NUM_THREADS says otherwise: the trainer
   runs on the same cores, and a small model's step is many tiny ops that extra threads slow down.
@@ -52,7 +52,7 @@ import time
 
 import torch
 
-from local_engine import APIError, Engine, Request, SamplingParams, Sequence
+from serve_local_engine import APIError, Engine, Request, SamplingParams, Sequence
 from serve_http import Server
 
 # ── request parsing ───────────────────────────────────────────────────────────────────────

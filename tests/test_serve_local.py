@@ -272,11 +272,11 @@ class WatchedEngine:
     def __init__(self, model, tokenizer, kv_tokens):
         import threading
         from argparse import Namespace
-        import local_engine
+        import serve_local_engine
 
         watcher = self
 
-        class Watched(local_engine.Engine):
+        class Watched(serve_local_engine.Engine):
             @property
             def cond(self):
                 return self._cond
@@ -307,7 +307,7 @@ def test_metrics_never_see_a_step_half_ended(ref_model, toy_dir):
     """Between sampling and the end of a step the lock must not be released: a /metrics reader would count
     finished requests as running and KV usage above 1.0."""
     from transformers import AutoTokenizer
-    from local_engine import SamplingParams
+    from serve_local_engine import SamplingParams
     watched = WatchedEngine(ref_model, AutoTokenizer.from_pretrained(toy_dir), kv_tokens=40)
     params = SamplingParams(max_tokens=6, ignore_eos=True, n=4, seed=1)
     [r] = watched.engine.generate([PROMPT], params, None)
