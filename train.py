@@ -126,10 +126,7 @@ class Policy(torch.nn.Module):
     def forward(self, row, **kwargs):
         """The decoder's output for one packed row: .last_hidden_state [1, N, H] (and .router_logits
         with output_router_logits=True)."""
-        device = self.head().weight.device
-        return self.model.get_decoder()(input_ids=row.input_ids[None].to(device),
-                                        position_ids=row.position_ids[None].to(device), use_cache=False,
-                                        **tree_attention.row_kwargs(self.model, row), **kwargs)
+        return tree_attention.forward_row(self.model, row, self.model.get_decoder(), **kwargs)
 
     def head(self) -> torch.nn.Linear:
         return self.model.get_output_embeddings()

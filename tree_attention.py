@@ -28,8 +28,7 @@ Three backends compute that same attention, chosen by `install(model, backend)`:
            an installed flash_attn_interface (FA3) or flash_attn (FA2); none: an error naming each.
 
     install(model)                           # "flex" on CUDA, "sdpa" on CPU; refuses unsupported models
-    out = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
-                **row_kwargs(model, row))    # batch size 1: one row per DP rank
+    out = forward_row(model, row)            # batch size 1: one row per DP rank; the masks from row_kwargs
 
 Gated DeltaNet layers (Qwen3.5, Qwen3-Next hybrids) are tree_gated_delta_rule.py's; install() and
 row_kwargs() bring them in, so a caller sees one API. decoder_layers(model) and text_config(model) find
@@ -285,6 +284,15 @@ def install(model, backend: str | None = None) -> str:
     model.set_attn_implementation(_IMPLS[backend][0])
     model.config.use_cache = False           # a KV cache would only hold every layer's K/V for nothing
     return backend
+
+
+def forward_row(model, row, module=None, **kwargs):
+    """One packed row through `module` (default: the whole model; the trainer passes the decoder, so the
+    LM head is left to loss.py) with the row's tree masks: batch size 1, positions are trie depths."""
+    device = model.get_input_embeddings().weight.device
+    return (module or model)(input_ids=row.input_ids[None].to(device),               # [1, N]
+                             position_ids=row.position_ids[None].to(device),         # [1, N]
+                             use_cache=False, **row_kwargs(model, row), **kwargs)
 
 
 def row_kwargs(model, row) -> dict:
