@@ -1,18 +1,24 @@
-"""The prompts of a run, in order (spec: チェックポイントと再開, and train_dataset / environment_factory of
-AsyncGRPOTrainer): epochs, the resume index, streaming datasets, and runs whose environment owns the data.
+"""The prompts of a run, in order, and where a resume starts (spec: チェックポイントと再開 (Checkpoints
+and resuming); train_dataset / environment_factory of AsyncGRPOTrainer; filter_prompt of
+ロールアウトループのカスタマイズ (Customising the rollout loop)).
 
     dataset of 4 rows, num_train_epochs 1.5, resumed at prompt 3:
     prompt_index  3  4  5        epoch = prompt_index // 4, row = prompt_index % 4
     epoch         0  1  1        the stream ends at ceil(1.5 × 4) = 6 prompts (max_steps > 0: never)
     row_index     3  0  1
 
-prompt_index counts prompts (not samples), so the trainer's resume index (rollout_worker.py) is what
-rollout_state.json stores. Departures from the spec: none; as it says, a streaming dataset restarts at
-prompt 0 on resume, and max_steps > 0 makes the run's length a number of steps.
+    prompt_stream ─► filtered_stream (filter_prompt; an epoch it rejects whole raises) ─► the loop
+    the loop announces (prompt_index, samples) ─► ResumeIndex ◄─ the trainer takes each sample
+    ResumeIndex.value(): the first prompt not fully handed out, what rollout_state.json stores
+
+prompt_index counts prompts (not samples), so a saved resume index also restores the epoch.
+Departures from the spec: none. As it says, a streaming dataset restarts at prompt 0 on resume;
+max_steps > 0 makes the run's length a number of steps.
 """
 import logging
 import math
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -23,23 +29,25 @@ def check_prompt_source(dataset, environment_factory, max_steps: int) -> None:
     if dataset is not None:
         return
     if environment_factory is None or isinstance(environment_factory, dict):
-        raise ValueError("no train_dataset: pass a dataset with a 'prompt' column, or an environment_factory "
-                         "(one factory, not a dict: a dict picks environments by a dataset column) whose reset() "
-                         "returns each prompt")
+        raise ValueError("no train_dataset: pass a dataset with a 'prompt' column, or an "
+                         "environment_factory (one factory, not a dict: a dict picks environments by "
+                         "a dataset column) whose reset() returns each prompt")
     if max_steps <= 0:
-        raise ValueError("no train_dataset: the environment supplies the prompts, so set max_steps > 0 to define "
-                         "the length of the run")
+        raise ValueError("no train_dataset: the environment supplies the prompts, so set max_steps > 0 "
+                         "to define the length of the run")
 
 
 def prompt_stream(dataset, start_index: int, num_train_epochs: float,
                   max_steps: int) -> Iterator[tuple[int, int, int, dict]]:
-    """Yield (prompt_index, epoch, row_index, row): the prompts of the run in order, from `start_index`.
+    """Yield (prompt_index, epoch, row_index, row): the prompts of the run in order, from
+    `start_index`.
 
-    prompt_index counts prompts across epochs (epoch = prompt_index // len(dataset)), so a resume index
-    saved in rollout_state.json also restores the epoch. The stream ends after ceil(num_train_epochs ×
-    len(dataset)) prompts, or never when max_steps > 0 (the trainer stops by steps). A streaming
-    dataset (no len) cannot be repositioned: it restarts at prompt 0 and counts whole passes. Without a
-    dataset (an environment's reset() writes each prompt) every row is empty, in epoch 0.
+    prompt_index counts prompts across epochs (epoch = prompt_index // len(dataset)), so a resume
+    index saved in rollout_state.json also restores the epoch. The stream ends after
+    ceil(num_train_epochs × len(dataset)) prompts, or never when max_steps > 0 (the trainer stops
+    by steps). A streaming dataset (no len) cannot be repositioned: it restarts at prompt 0 and
+    counts whole passes. Without a dataset (an environment's reset() writes each prompt) every row
+    is empty, in epoch 0.
     """
     endless = max_steps > 0
     if dataset is None:
@@ -49,9 +57,10 @@ def prompt_stream(dataset, start_index: int, num_train_epochs: float,
             index += 1
     if not hasattr(dataset, "__len__"):
         if start_index:
-            log.warning("a streaming dataset cannot be repositioned: the rollout restarts at prompt 0, not %d",
-                        start_index)
-        index, epoch = 0, 0
+            log.warning("a streaming dataset cannot be repositioned: the rollout restarts at prompt 0, "
+                        "not %d", start_index)
+        index = 0
+        epoch = 0
         while endless or epoch < math.ceil(num_train_epochs):
             start = index
             for row_index, row in enumerate(dataset):
@@ -69,3 +78,65 @@ def prompt_stream(dataset, start_index: int, num_train_epochs: float,
     while index < end:
         yield index, index // n, index % n, dataset[index % n]
         index += 1
+
+
+def filtered_stream(stream: Iterator[tuple[int, int, int, dict]],
+                    filter_prompt: Callable[[int, dict, int], bool],
+                    ) -> Iterator[tuple[int, int, int, dict, bool]]:
+    """The stream with filter_prompt's verdict: (prompt_index, epoch, row_index, row, accepted).
+
+    Spec: an epoch whose prompts filter_prompt all rejected raises (no batch could reach the
+    trainer). It is judged when the next epoch starts, or when the stream ends. An epoch the
+    stream entered mid-way (a resume) is not judged: its accepted prompts may lie before the
+    resume point."""
+    epoch = None
+    accepted = 0
+    whole = False
+    for prompt_index, row_epoch, row_index, row in stream:
+        if row_epoch != epoch:
+            _judge_epoch(epoch, accepted, whole)
+            epoch = row_epoch
+            accepted = 0
+            whole = row_index == 0
+        verdict = bool(filter_prompt(row_index, row, row_epoch))
+        accepted += verdict
+        yield prompt_index, row_epoch, row_index, row, verdict
+    _judge_epoch(epoch, accepted, whole)
+
+
+def _judge_epoch(epoch: int | None, accepted: int, whole: bool) -> None:
+    if epoch is not None and whole and accepted == 0:
+        raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}, so no batch can "
+                           "reach the trainer; loosen the filter")
+
+
+@dataclass
+class ResumeIndex:
+    """The first prompt index whose samples have not all been handed out to the trainer: what
+    rollout_state.json saves. A dropped or filtered prompt (announced with 0 samples) counts as
+    handed out.
+
+        announce(3, 2), announce(4, 0), announce(5, 1)   value() = 3
+        handed_out(3)                                     value() = 3   (one sample of 3 is queued)
+        handed_out(3)                                     value() = 5   (4 had none)
+        handed_out(5)                                     value() = 6
+    """
+    next_index: int                                          # no prompt before it is left
+    left: dict[int, int] = field(default_factory=dict)       # prompt index → samples not handed out
+    announced: set[int] = field(default_factory=set)         # prompts whose count is known
+
+    def announce(self, prompt_index: int, samples: int) -> None:
+        """The rollout process finished a prompt: it queued `samples` samples for it."""
+        self.announced.add(prompt_index)
+        self.left[prompt_index] = self.left.get(prompt_index, 0) + samples
+
+    def handed_out(self, prompt_index: int) -> None:
+        """The trainer took one sample of the prompt (possibly before its announcement arrived)."""
+        self.left[prompt_index] = self.left.get(prompt_index, 0) - 1
+
+    def value(self) -> int:
+        while self.next_index in self.announced and self.left.get(self.next_index) == 0:
+            self.announced.discard(self.next_index)
+            self.left.pop(self.next_index)
+            self.next_index += 1
+        return self.next_index

@@ -1,20 +1,19 @@
 """Rollout records, and how a rollout's turns become training samples (spec: the ROLLOUT → TURN →
-reconcile → SEQUENCE → SAMPLE diagram of 記録されたメトリクス, and the Rollout / TurnRecord / RolloutGroup
-reference).
+reconcile → SEQUENCE → SAMPLE diagram of 記録されたメトリクス (Recorded metrics); the reference of
+Rollout, TurnRecord and RolloutGroup).
 
-Pure data and pure functions: no asyncio, no server, no process. The rollout loop (rollout.py) calls
-them; the planner and the loss read `RolloutSample`, the only per-sample object that crosses the
-process boundary, without importing the loop.
+Pure data and pure functions, a leaf: it imports nothing of ours. The rollout loop (rollout.py)
+calls them; the planner and the loss read `RolloutSample`, the only per-sample object that crosses
+the process boundary. Each record says which of its fields are the spec's and which are ours.
 
-    server reply ──parse_completion / parse_generate──► TurnRecord ─┐  (one per sampling request)
-                                                                    ├─ reconcile ─► TrainingSequence(s)
-    Rollout.turns ──────────────────────────────────────────────────┘        │
-                                                    to_sample(+ group advantage) ▼
-                                                                    RolloutSample ──► rollout buffer
+    server reply ─ parse_completion / parse_generate ─► TurnRecord (one per sampling request)
+    Rollout (its turns) ─ reconcile ─► TrainingSequence(s), held in a FinishedRollout slot
+    PendingGroup (G slots) ─ build ─► RolloutGroup ─ scored (rollout_scoring.py) ─ to_sample ─►
+    RolloutSample (a sequence + the group's advantage) ─► the rollout buffer
 
-Reconcile and fork (spec: the ROLLOUT → TURN → reconcile → SEQUENCE diagram). Each turn re-renders the
-whole conversation with the chat template, so a later prompt need not start with the tokens the server
-actually sampled. A worked example (E = end of turn, t = tool result tokens):
+Reconcile and fork, a worked example. Each turn re-renders the whole conversation with the chat
+template, so a later prompt need not start with the tokens the server sampled (E = end of turn,
+t = tool result tokens):
 
     turn 1   prompt  u u a                      sampled  x y E
     turn 2   prompt  u u a x y' E t t a         sampled  z E    (the template re-rendered y as y')
@@ -23,10 +22,13 @@ actually sampled. A worked example (E = end of turn, t = tool result tokens):
     held after turn 1:  u u a x y E     turn 2's prompt does not extend it: they agree on 4 tokens
                                         (u u a x), so the boundary is a fork with drift 6 - 4 = 2
     sequence 0   u u a x y E                     mask 0 0 0 1 1 1
-    sequence 1   u u a x y' E t t a z E t a w E  mask 0 0 0 0 0  0 0 0 0 1 1 0 0 1 1   (turn 3 extends it)
+    sequence 1   u u a x y' E t t a z E t a w E  mask 0 0 0 0 0  0 0 0 0 1 1 0 0 1 1  (turn 3 extends)
 
     rollout/fork_frac = 1/2, rollout/drift_tokens_mean = (2 + 0)/2, rollout/samples_per_rollout = 2.
     Both sequences share `u u a x`, which the trainer's prefix trie forwards once.
+
+Departures from the spec: none in its fields; those marked ours are additions (tool-call records,
+the resume position, the sampler's top-k and candidate sets as arrays, what the metrics need).
 """
 import secrets
 from dataclasses import dataclass, field
@@ -34,26 +36,38 @@ from typing import Any
 
 import numpy as np
 
-from rollout_tools import ToolCall
-
 
 # ── records ──────────────────────────────────────────────────────────────────────────────────
 
 
 @dataclass
 class TurnRecord:
-    """One sampling request: the whole prompt sent to the server and what it sampled."""
+    """One sampling request: the whole prompt sent to the server and what it sampled. All fields
+    are the spec's."""
     prompt_ids: list[int]
     output_ids: list[int]
     output_log_probs: list[float] = field(default_factory=list)
-    output_mask: list[int] | None = None                           # 1 = train on the token, 0 = context only
-    output_sampling_mask: list[list[int]] | None = None            # per token: the candidate set it was drawn from
-    output_sampler_logprobs: list[dict[int, float]] | None = None  # per token: the sampler's top log-probs
+    output_mask: list[int] | None = None                    # 1 = train on the token, 0 = context
+    output_sampling_mask: list[list[int]] | None = None     # per token: its candidate set
+    output_sampler_logprobs: list[dict[int, float]] | None = None  # per token: sampler's top-k
+
+
+@dataclass
+class ToolCall:
+    """One requested tool call (ours: the spec counts calls; the tools/ metrics need each one).
+    `name` is None when the call did not parse (then `failed`); `unknown` when no tool has the
+    name (not `failed`: no tool ran)."""
+    name: str | None
+    latency_s: float
+    failed: bool
+    unknown: bool
+    turn_index: int
 
 
 @dataclass
 class Rollout:
-    """One finished conversation, as `generate_one` returns it."""
+    """One finished conversation, as `generate_one` returns it. Fields are the spec's unless
+    marked ours."""
     completion: list[dict[str, Any]]
     completion_ids: list[int]
     turns: list[TurnRecord]
@@ -61,13 +75,14 @@ class Rollout:
     tool_failure_count: int = 0
     reward: float | None = None
     rollout_id: str = field(default_factory=lambda: secrets.token_hex(8))
-    tool_calls: list[ToolCall] = field(default_factory=list)  # one record per executed (or refused) call
-    loop_exhausted: bool = False  # still asking for tools when max_tool_calling_iterations stopped it
+    tool_calls: list[ToolCall] = field(default_factory=list)  # ours: each executed or refused call
+    loop_exhausted: bool = False  # ours: still calling tools when max_tool_calling_iterations hit
 
 
 @dataclass
 class TrainingSequence:
-    """Token lists of one training sequence, built turn by turn by `reconcile` (per token t)."""
+    """Token lists of one training sequence, built turn by turn by `reconcile`, entry t per token t
+    (the spec names the class; its fields are ours)."""
     input_ids: list[int] = field(default_factory=list)
     completion_mask: list[int] = field(default_factory=list)
     sampler_logprobs: list[float] = field(default_factory=list)
@@ -82,11 +97,12 @@ class TrainingSequence:
         self.candidates += [None] * len(ids)
 
     def add_output(self, turn: TurnRecord) -> None:
+        """The turn's sampled tokens; a masked one is context (no log-prob, top-k or candidates)."""
         n = len(turn.output_ids)
         mask = turn.output_mask if turn.output_mask is not None else [1] * n
         tops = turn.output_sampler_logprobs or [None] * n
         sets = turn.output_sampling_mask or [None] * n
-        for t, m in enumerate(mask):  # a masked output token is context: no log-prob, no top-k, no candidates
+        for t, m in enumerate(mask):
             self.input_ids.append(turn.output_ids[t])
             self.completion_mask.append(m)
             self.sampler_logprobs.append(turn.output_log_probs[t] if m else 0.0)
@@ -96,7 +112,8 @@ class TrainingSequence:
 
 @dataclass
 class RolloutGroup:
-    """The num_generations rollouts of one prompt, scored together; every list has one entry per rollout."""
+    """The num_generations rollouts of one prompt, scored together; every list has one entry per
+    rollout. Fields are the spec's unless marked ours."""
     prompts: list[Any]
     reward_kwargs: dict[str, list[Any]]
     completions: list[Any]
@@ -111,14 +128,16 @@ class RolloutGroup:
     rollout_rewards: list[float | None]
     queued_at: float = 0.0
     rewards: np.ndarray | None = None
-    prompt_index: int = -1                                         # position in the prompt stream (resume)
-    rollouts: list[Rollout] = field(default_factory=list)          # for the rollout/, completions/, tools/ metrics
-    stats: list[dict[str, Any]] = field(default_factory=list)      # per rollout: duration, drift, env timings
+    prompt_index: int = -1                                     # ours: place in the prompt stream
+    rollouts: list[Rollout] = field(default_factory=list)      # ours: for the group's metrics
+    stats: list[dict[str, Any]] = field(default_factory=list)  # ours: duration, drifts, env timings
 
 
 @dataclass
 class RolloutSample:
-    """One training sequence with its group's advantage: the only per-sample object that crosses the queue.
+    """One training sequence with its group's advantage: the only per-sample object that crosses
+    the queue (the spec's SAMPLE: "Sequence + group advantage + reward + metrics"; the other
+    fields are ours).
 
     Every per-token array is aligned with `input_ids`: entry t describes the distribution that
     produced token t (predicted from position t-1). Context tokens (prompt, tool results, drifted
@@ -126,30 +145,77 @@ class RolloutSample:
 
         input_ids         p1 p2 p3 a1 a2          (L,)   int64
         completion_mask    0  0  0  1  1          (L,)   int8
-        sampler_logprobs   0  0  0 -.3 -1.2       (L,)   float32   log π_sampler(input_ids[t] | input_ids[:t])
-        top_ids           -1 -1 -1 [..k] [..k]    (L, k) int64     sampler's k most likely tokens at t (-1 pads)
-        top_logprobs                               (L, k) float32   their sampler log-probs (-inf pads)
-        candidate_counts   0  0  0  c3 c4         (L,)   int32     size of token t's candidate set (0 = vocabulary)
-        candidate_ids     [c3 ids | c4 ids]       (Σc,)  int32     candidate sets laid end to end
+        sampler_logprobs   0  0  0 -.3 -1.2     (L,)   float32  log π_sampler(input_ids[t] | [:t])
+        top_ids           -1 -1 -1 [..k] [..k]  (L, k) int64    sampler's k likeliest at t (-1 pads)
+        top_logprobs                             (L, k) float32  their log-probs (-inf pads)
+        candidate_counts   0  0  0  c3 c4       (L,)   int32    token t's candidate set size (0: all)
+        candidate_ids     [c3 ids | c4 ids]     (Σc,)  int32    candidate sets laid end to end
     """
-    input_ids: np.ndarray
-    completion_mask: np.ndarray
-    sampler_logprobs: np.ndarray
-    advantage: float
+    input_ids: np.ndarray                              # spec: the sequence
+    completion_mask: np.ndarray                        # spec: the sequence
+    sampler_logprobs: np.ndarray                       # spec: the sequence
+    advantage: float                                   # spec: the group advantage
+    group_id: int                                      # ours: the group it came from
+    model_version: int                                 # ours: its staleness is measured from it
+    top_ids: np.ndarray | None = None                  # ours: score centering
+    top_logprobs: np.ndarray | None = None             # ours: score centering
+    candidate_counts: np.ndarray | None = None         # ours: top-k/top-p renormalisation
+    candidate_ids: np.ndarray | None = None            # ours: top-k/top-p renormalisation
+    reward: float = float("nan")                       # spec
+    metrics: dict[str, float] = field(default_factory=dict)  # spec
+    prompt: list[dict[str, Any]] | None = None         # ours: for logging completions
+    completion: list[dict[str, Any]] | None = None     # ours: for logging completions
+    rollout_id: str = ""                               # ours: the rollout it came from
+    row_index: int = -1                                # ours: the dataset row
+    enqueued_at: float = 0.0                           # ours: sample/time_in_queue_s
+    prompt_index: int = -1                             # ours: the resume index counts it
+
+
+@dataclass
+class FinishedRollout:
+    """One slot of a pending group (ours): a rollout done generating and reconciled."""
+    prompt: Any                           # as sent (with an environment's observation)
+    rollout: Rollout
+    sequences: list[TrainingSequence]     # reconcile(rollout.turns)
+    env_reward: tuple[type, float] | None  # (environment class, get_reward()), if it has one
+    stats: dict[str, Any]                 # duration_s, drifts, env/reset_s, env/reward_s
+
+
+@dataclass(eq=False)
+class PendingGroup:
+    """A group while its rollouts run (ours): slots filled in any order, built into the spec's
+    RolloutGroup once every rollout is done."""
     group_id: int
-    model_version: int
-    top_ids: np.ndarray | None = None
-    top_logprobs: np.ndarray | None = None
-    candidate_counts: np.ndarray | None = None
-    candidate_ids: np.ndarray | None = None
-    reward: float = float("nan")
-    metrics: dict[str, float] = field(default_factory=dict)
-    prompt: list[dict[str, Any]] | None = None
-    completion: list[dict[str, Any]] | None = None
-    rollout_id: str = ""
-    row_index: int = -1
-    enqueued_at: float = 0.0
-    prompt_index: int = -1  # position in the prompt stream: RolloutWorker.resume_index() counts these
+    row_index: int
+    prompt_index: int
+    row: dict
+    size: int
+    replica: Any = None             # the server its rollouts run on (rollout_servers.Replica)
+    model_version: int = 0          # the version when the group's first rollout started
+    done: set[int] = field(default_factory=set)
+    failed: bool = False
+    slots: list[FinishedRollout | None] = field(init=False)
+
+    def __post_init__(self):
+        self.slots = [None] * self.size
+
+    def build(self, queued_at: float = 0.0) -> RolloutGroup:
+        """The spec's RolloutGroup: one entry per rollout; the row's other columns as reward
+        kwargs."""
+        rollouts = [slot.rollout for slot in self.slots]
+        reward_kwargs = {k: [v] * self.size for k, v in self.row.items() if k != "prompt"}
+        return RolloutGroup(
+            prompts=[slot.prompt for slot in self.slots], reward_kwargs=reward_kwargs,
+            completions=[r.completion for r in rollouts],
+            completions_ids=[r.completion_ids for r in rollouts],
+            completions_sequences=[slot.sequences for slot in self.slots],
+            tool_call_counts=[r.tool_call_count for r in rollouts],
+            tool_failure_counts=[r.tool_failure_count for r in rollouts],
+            model_version=self.model_version, group_id=self.group_id, row_index=self.row_index,
+            env_rewards=[slot.env_reward for slot in self.slots],
+            rollout_rewards=[r.reward for r in rollouts], queued_at=queued_at,
+            prompt_index=self.prompt_index, rollouts=rollouts,
+            stats=[slot.stats for slot in self.slots])
 
 
 # ── reconcile: turns → training sequences ────────────────────────────────────────────────────
@@ -164,12 +230,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], list[int]]:
-    """Chain a rollout's turns into training sequences (see the module docstring's worked example).
+    """Chain a rollout's turns into training sequences (the module docstring's worked example).
 
     A turn whose prompt starts with every token held so far continues the sequence (its new prompt
     tokens are context); any other turn forks: a new sequence starts from the re-rendered prompt.
-    Returns the sequences that have a trained token, and per turn boundary the drift (held tokens the
-    fork re-rendered; 0 for a clean boundary).
+    Returns the sequences that have a trained token, and per turn boundary the drift (held tokens
+    the fork re-rendered; 0 for a clean boundary).
     """
     sequences: list[TrainingSequence] = []
     drifts: list[int] = []
@@ -188,15 +254,16 @@ def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], list[int
 
 
 def to_sample(seq: TrainingSequence, num_top: int | None, **fields) -> RolloutSample:
-    """Lay a sequence out as the numpy arrays of `RolloutSample` (top-k only when num_top is given)."""
+    """Lay a sequence out as the numpy arrays of `RolloutSample` (top-k only if num_top is given)."""
     L = len(seq.input_ids)
     top_ids = top_lps = counts = cand = None
     if num_top is not None:
         top_ids = np.full((L, num_top), -1, dtype=np.int64)
         top_lps = np.full((L, num_top), -np.inf, dtype=np.float32)
         for t, top in enumerate(seq.top_logprobs):
-            for j, (token, lp) in enumerate(sorted((top or {}).items(), key=lambda kv: -kv[1])[:num_top]):
-                top_ids[t, j], top_lps[t, j] = token, lp
+            for j, (token, lp) in enumerate(top_k_of(top or {}, num_top).items()):
+                top_ids[t, j] = token
+                top_lps[t, j] = lp
     if any(c is not None for c in seq.candidates):
         counts = np.array([len(c) if c else 0 for c in seq.candidates], dtype=np.int32)
         cand = np.array([i for c in seq.candidates if c for i in c], dtype=np.int32)
@@ -204,26 +271,28 @@ def to_sample(seq: TrainingSequence, num_top: int | None, **fields) -> RolloutSa
         input_ids=np.array(seq.input_ids, dtype=np.int64),
         completion_mask=np.array(seq.completion_mask, dtype=np.int8),
         sampler_logprobs=np.array(seq.sampler_logprobs, dtype=np.float32),
-        top_ids=top_ids, top_logprobs=top_lps, candidate_counts=counts, candidate_ids=cand, **fields)
+        top_ids=top_ids, top_logprobs=top_lps, candidate_counts=counts, candidate_ids=cand,
+        **fields)
 
 
 # ── server replies → TurnRecord ──────────────────────────────────────────────────────────────
 
 
 def top_k_of(entries: dict[int, float], k: int) -> dict[int, float]:
-    """The k most likely of the server's entries (it lists the sampled token first, even if unlikely)."""
+    """The k likeliest of the server's entries (it lists the sampled token first, even if unlikely)."""
     return dict(sorted(entries.items(), key=lambda kv: -kv[1])[:k])
 
 
 def parse_completion(prompt_ids: list[int], reply: dict, num_top: int | None) -> TurnRecord:
     """/v1/completions (return_token_ids, return_tokens_as_token_ids, logprobs=k) → TurnRecord."""
     choice = reply["choices"][0]
-    ids, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
     tops = None
     if num_top is not None:
         tops = [top_k_of({int(key.removeprefix("token_id:")): lp for key, lp in d.items()}, num_top)
                 for d in choice["logprobs"]["top_logprobs"]]
-    return TurnRecord(list(prompt_ids), list(ids), [float(x) for x in lps], output_sampler_logprobs=tops)
+    return TurnRecord(list(prompt_ids), list(choice["token_ids"]), logprobs,
+                      output_sampler_logprobs=tops)
 
 
 def parse_generate(prompt_ids: list[int], reply: dict, num_top: int | None) -> TurnRecord:
@@ -232,6 +301,8 @@ def parse_generate(prompt_ids: list[int], reply: dict, num_top: int | None) -> T
     content = choice["logprobs"]["content"]
     tops = None
     if num_top is not None:
-        tops = [top_k_of({e["token_id"]: e["logprob"] for e in c["top_logprobs"]}, num_top) for c in content]
-    return TurnRecord(list(prompt_ids), list(choice["token_ids"]), [float(c["logprob"]) for c in content],
+        tops = [top_k_of({e["token_id"]: e["logprob"] for e in c["top_logprobs"]}, num_top)
+                for c in content]
+    logprobs = [float(c["logprob"]) for c in content]
+    return TurnRecord(list(prompt_ids), list(choice["token_ids"]), logprobs,
                       output_sampling_mask=choice["sampling_mask"], output_sampler_logprobs=tops)

@@ -1,19 +1,23 @@
-"""Scoring a finished group (spec: the reward sources of ロールアウトループのカスタマイズ, 報酬とオフポリシー性,
-and the rollout/, completions/, tools/ and env/ rows of 記録されたメトリクス).
+"""Scoring a finished group (spec: the reward sources of ロールアウトループのカスタマイズ
+(Customising the rollout loop); 報酬とオフポリシー性 (Rewards and off-policyness); the rollout/,
+completions/, tools/ and env/ rows of 記録されたメトリクス (Recorded metrics)).
 
-Pure functions over a RolloutGroup, called by the rollout loop's score step (rollout.py):
+Pure functions over a RolloutGroup, called by the rollout loop's score loop (rollout.py):
 
     reward sources ─► one column each (NaN where a source did not score a rollout)
-        reward_funcs (sync ones in threads, all at once) · environment get_reward() (named after the
-        environment class) · Rollout.reward (named "rollout")
-    group.rewards = Σ columns per rollout (NaN when no source scored it) ─► compute_advantages(group)
-    kept iff ≥ 2 rollouts scored and not all equal ─► RolloutSample per training sequence (to_sample)
+        reward_funcs (sync ones in threads, all at once) · environment get_reward() (named after
+        the environment class) · Rollout.reward (named "rollout")
+    group.rewards = Σ columns per rollout (NaN when no source scored it) ─► compute_advantages
+    kept iff ≥ 2 rollouts scored and not all equal ─► a RolloutSample per training sequence
 
-A worked example: rewards [1, 0, NaN, 1] → scored [1, 0, 1], kept; mean 2/3, population std 0.471;
-the default advantages (rollout.py) are [0.71, -1.41, 0, 0.71]; `reward` = `reward_kept` = 0.667.
+A worked example: rewards [1, 0, NaN, 1] → scored [1, 0, 1], kept; mean 2/3, population std
+0.471; the default advantages (AsyncRolloutLoop.compute_advantages) are [0.71, -1.41, 0, 0.71];
+`reward` = `reward_kept` = 0.667.
 
-Departure from the spec: a reward source whose name repeats (two partials of one function) keeps its
-own column, named <name>_2, <name>_3, ..., so each is summed once and reported apart.
+Departures from the spec, and why:
+- A reward source whose name repeats (two partials of one function) keeps its own column,
+  <name>_2, <name>_3, ...: each is summed once and reported apart.
+- tools/*_total counts are summed over the run (add_totals): a total is read as its latest value.
 """
 import asyncio
 import math
@@ -26,12 +30,16 @@ from rollout_tools import call_maybe_async
 
 
 async def score_group(group: RolloutGroup, reward_funcs: list[Callable],
-                      compute_advantages: Callable[[RolloutGroup], np.ndarray], eos_token_ids: list[int],
+                      compute_advantages: Callable[[RolloutGroup], np.ndarray],
+                      eos_token_ids: list[int],
                       num_top: int | None) -> tuple[list[RolloutSample], dict[str, float]]:
     """Rewards → group.rewards → compute_advantages → drop the group or build its samples; and the
-    group's metrics (its tools/*_total counts are this group's; the loop turns them into totals)."""
+    group's metrics (its tools/*_total counts are this group's: add_totals makes them totals)."""
     columns = await score_rewards(reward_funcs, group)
-    total = np.stack(list(columns.values()), axis=1) if columns else np.full((len(group.rollouts), 1), np.nan)
+    if columns:
+        total = np.stack(list(columns.values()), axis=1)          # [G, sources]
+    else:
+        total = np.full((len(group.rollouts), 1), np.nan)         # [G, 1]
     scored_any = ~np.isnan(total).all(axis=1)
     group.rewards = np.where(scored_any, np.nansum(total, axis=1), np.nan)
     advantages = compute_advantages(group)
@@ -50,11 +58,19 @@ async def score_group(group: RolloutGroup, reward_funcs: list[Callable],
             m |= {f"rewards/{name}/mean": float(column[i]), f"rewards/{name}/group_std": std}
     samples = [to_sample(seq, num_top, advantage=float(advantages[i]), group_id=group.group_id,
                          model_version=group.model_version, reward=float(group.rewards[i]),
-                         metrics=dict(per_rollout[i]), prompt=group.prompts[i], completion=group.completions[i],
-                         rollout_id=group.rollouts[i].rollout_id, row_index=group.row_index,
-                         prompt_index=group.prompt_index)
+                         metrics=dict(per_rollout[i]), prompt=group.prompts[i],
+                         completion=group.completions[i], rollout_id=group.rollouts[i].rollout_id,
+                         row_index=group.row_index, prompt_index=group.prompt_index)
                for i, sequences in enumerate(group.completions_sequences) for seq in sequences]
     return samples, metrics
+
+
+def add_totals(totals: dict[str, float], metrics: dict[str, float]) -> None:
+    """Turn a group's *_total counts in `metrics` into running totals since the process started,
+    kept in `totals` (both updated in place): groups adding 2, then 3 calls report 2, then 5."""
+    for name in [n for n in metrics if n.endswith("_total")]:
+        totals[name] = totals.get(name, 0) + metrics[name]
+        metrics[name] = totals[name]
 
 
 def reward_name(func: Callable) -> str:
@@ -75,8 +91,9 @@ async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup) -> di
 
     columns: dict[str, np.ndarray] = {}
 
-    def add(name: str, column: np.ndarray) -> None:  # a repeated name (two partials of one function) gets _2, _3, ...
-        key, k = name, 1
+    def add(name: str, column: np.ndarray) -> None:  # a repeated name gets _2, _3, ...
+        key = name
+        k = 1
         while key in columns:
             k += 1
             key = f"{name}_{k}"
@@ -85,28 +102,33 @@ async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup) -> di
     for func, column in zip(reward_funcs, await asyncio.gather(*map(call, reward_funcs))):
         add(reward_name(func), column)
     for cls in dict.fromkeys(e[0] for e in group.env_rewards if e is not None):
-        add(cls.__name__, np.array([e[1] if e is not None and e[0] is cls else math.nan for e in group.env_rewards]))
+        add(cls.__name__, np.array([e[1] if e is not None and e[0] is cls else math.nan
+                                    for e in group.env_rewards]))
     if any(r is not None for r in group.rollout_rewards):
-        add("rollout", np.array([math.nan if r is None else float(r) for r in group.rollout_rewards]))
+        add("rollout", np.array([math.nan if r is None else float(r)
+                                 for r in group.rollout_rewards]))
     return columns
 
 
 def group_metrics(group: RolloutGroup, eos_token_ids: list[int]) -> dict[str, float]:
     """The group's rollout/, completions/, tools/ and env/ metrics (spec: 記録されたメトリクス)."""
-    rollouts, stats = group.rollouts, group.stats
+    rollouts = group.rollouts
+    stats = group.stats
     lengths = [len(r.completion_ids) for r in rollouts]
     drifts = [d for s in stats for d in s["drifts"]]
     last_ids = [r.turns[-1].output_ids if r.turns else [] for r in rollouts]
+    clipped = [not ids or ids[-1] not in eos_token_ids for ids in last_ids]
     m = {"rollout/duration_s": float(np.mean([s["duration_s"] for s in stats])),
          "rollout/turns_mean": float(np.mean([len(r.turns) for r in rollouts])),
          "rollout/turns_max": max(len(r.turns) for r in rollouts),
          "rollout/samples_per_rollout": float(np.mean([len(s) for s in group.completions_sequences])),
          "completions/mean_length": float(np.mean(lengths)),
          "completions/min_length": min(lengths), "completions/max_length": max(lengths),
-         "completions/clipped_ratio": float(np.mean([not ids or ids[-1] not in eos_token_ids for ids in last_ids]))}
+         "completions/clipped_ratio": float(np.mean(clipped))}
     if drifts:
         m |= {"rollout/fork_frac": float(np.mean([d > 0 for d in drifts])),
-              "rollout/drift_tokens_mean": float(np.mean(drifts)), "rollout/drift_tokens_max": max(drifts)}
+              "rollout/drift_tokens_mean": float(np.mean(drifts)),
+              "rollout/drift_tokens_max": max(drifts)}
     calls = [c for r in rollouts for c in r.tool_calls]
     if calls:
         per_turn = {}
@@ -119,10 +141,12 @@ def group_metrics(group: RolloutGroup, eos_token_ids: list[int]) -> dict[str, fl
               "tools/unknown_name_total": sum(c.unknown for c in calls),
               "tools/parallel_calls_mean": float(np.mean(list(per_turn.values()))),
               "tools/loop_exhausted_frac": float(np.mean([r.loop_exhausted for r in rollouts]))}
-        for name in {c.name for c in calls if c.name is not None and not c.unknown}:  # malformed: no name
+        ran = {c.name for c in calls if c.name is not None and not c.unknown}  # malformed: no name
+        for name in ran:
             mine = [c for c in calls if c.name == name]
             m |= {f"tools/{name}/latency_s": float(np.mean([c.latency_s for c in mine])),
-                  f"tools/{name}/call_total": len(mine), f"tools/{name}/failure_total": sum(c.failed for c in mine)}
+                  f"tools/{name}/call_total": len(mine),
+                  f"tools/{name}/failure_total": sum(c.failed for c in mine)}
     for key in ("env/reset_s", "env/reward_s"):
         if any(key in s for s in stats):
             m[key] = float(np.mean([s[key] for s in stats if key in s]))

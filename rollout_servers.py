@@ -1,29 +1,23 @@
-"""The vLLM servers the rollout process generates from (spec: 並行性, and the seed 003 note's replicas
-without a proxy): one `Replica` per URL, its live concurrency cap, the checks at start, and routing.
+"""The vLLM servers the rollout process generates from (spec: 並行性 (Concurrency); the seed 003
+note's replicas without a proxy): one `Replica` per URL, its live concurrency cap, the checks at
+start (`connect_all`), routing (`pick`) and the /metrics polls (`poll_all`).
 
     config.vllm_server_base_url = "http://a:8000,http://b:8000"      (server_urls splits it)
-        └─ Replica a, Replica b: each its VLLMClient, its ConcurrencyCap (bound: max_concurrent_rollouts
-           split over the replicas), the rollouts assigned to it, and what its /metrics said last
-    a new group ── pick(): least loaded ──► replica b       load = (assigned + queued on the server) / cap
-                                                                   + KV-cache usage
-    equal loads: the replica picked least recently (so an idle pool still takes turns)
-    the group's num_generations rollouts all run on b (they share the prompt: b's prefix cache holds it),
-    each waiting for a free slot under b's cap
-    every metrics_interval_s: poll() each replica's /metrics → its cap moves (spec rules below)
+        └─ Replica a, Replica b: each its VLLMClient, its ConcurrencyCap (bound: the replica's share
+           of max_concurrent_rollouts), the rollouts assigned to it, what its /metrics said last
+    a new group ── pick(): least loaded ──► replica b     load = (assigned + queued on the server)
+                                                                 / cap + KV-cache usage
+    the group's num_generations rollouts all run on b (b's prefix cache holds their prompt), each
+    waiting for a free slot under b's cap; every metrics_interval_s poll_all() moves the caps
 
-A worked example: caps a=8, b=8; a has 8 rollouts assigned and 2 requests queued, KV usage 0.7; b has 8
-assigned, none queued, usage 0.3 → load a = 10/8 + 0.7 = 1.95, load b = 8/8 + 0.3 = 1.3 → b.
-
-Checks at start (`connect`) run on every replica: healthy, processed log-probs, enough --max-logprobs,
-the same model, candidate sets when top-k/top-p need them; the first failure names its replica's URL.
+A worked example: caps a = 8, b = 8; a has 8 rollouts assigned and 2 requests queued, KV usage
+0.7; b has 8 assigned, none queued, usage 0.3 → load a = 10/8 + 0.7 = 1.95, load b = 8/8 + 0.3 =
+1.3 → b. Equal loads: the replica picked least recently (an idle pool still takes turns).
 
 Departures from the spec, and why:
-- Several replicas are first-class: TRL needs a proxy in front of them (it broadcasts adapter loads and
-  routes rollouts); here the rollout process routes groups itself and the trainer syncs every replica.
-- max_concurrent_rollouts bounds the requests to all servers together: each replica's cap is bounded
-  by its share, ceil(max_concurrent_rollouts / replicas).
-- A replica that stops answering (its retries exhausted on connection errors) stops the rollout process
-  with an error naming it, instead of failing its groups one by one while the others keep going.
+- Replicas are first-class (TRL needs a proxy): the rollout process routes groups itself.
+- max_concurrent_rollouts bounds all servers together: each replica's cap is bounded by its share.
+- A replica that stops answering stops the run naming it, rather than failing its groups one by one.
 """
 import asyncio
 import logging
@@ -34,8 +28,10 @@ from vllm_client import VLLMClient, VLLMError
 
 log = logging.getLogger(__name__)
 
-RAISE_BELOW, RAISE_BY = 0.6, 0.25  # spec: +25% per cap's worth of rollouts while KV usage < 0.6 and none waits
-CUT_ABOVE, CUT_BY = 0.8, 0.30      # spec: −30% when KV usage > 0.8
+RAISE_BELOW = 0.6  # spec: while KV usage < 0.6 and nothing waits, ...
+RAISE_BY = 0.25    # ... +25% per cap's worth of completed rollouts
+CUT_ABOVE = 0.8    # spec: when KV usage > 0.8, ...
+CUT_BY = 0.30      # ... −30%
 
 
 @dataclass
@@ -44,7 +40,7 @@ class ConcurrencyCap:
 
     Starts at KV-cache tokens // max_model_len (the requests that fit at full length). Every poll of
     /metrics calls `observe`; every completed rollout calls `rollout_done`:
-      - KV usage > 0.8 cuts the cap by 30%; then no further cut until in-flight falls under the new cap
+      - KV usage > 0.8 cuts the cap by 30%; no further cut until in-flight falls under the new cap
         (running requests are never cancelled, so the pool drains first);
       - while nothing waits on the server and usage stays < 0.6, each cap's worth of completed
         rollouts raises the cap by 25% (at least +1), up to `bound`;
@@ -58,7 +54,8 @@ class ConcurrencyCap:
     draining: bool = False
 
     @classmethod
-    def start(cls, bound: int, kv_cache_tokens: int | None, max_model_len: int, has_metrics: bool) -> "ConcurrencyCap":
+    def start(cls, bound: int, kv_cache_tokens: int | None, max_model_len: int,
+              has_metrics: bool) -> "ConcurrencyCap":
         if not has_metrics:
             return cls(bound, bound, adaptive=False)
         fits = kv_cache_tokens // max_model_len if kv_cache_tokens else bound
@@ -73,7 +70,8 @@ class ConcurrencyCap:
             self.completed = 0
         if kv_usage > CUT_ABOVE and not self.draining:
             self.cap = max(1, int(self.cap * (1 - CUT_BY)))
-            self.draining, self.completed = inflight >= self.cap, 0
+            self.draining = inflight >= self.cap
+            self.completed = 0
 
     def rollout_done(self, inflight: int) -> None:
         if not self.adaptive:
@@ -94,14 +92,14 @@ class Replica:
     cap: ConcurrencyCap
     max_model_len: int = 0
     use_generate: bool = False      # candidate sets come from /inference/v1/generate
-    assigned: int = 0               # rollouts of admitted groups routed here, not yet done generating
+    assigned: int = 0               # rollouts of admitted groups routed here, still generating
     inflight: int = 0               # rollouts generating here now
     kv_usage: float = 0.0           # from the last /metrics poll
     waiting: float = 0.0
     running: float = 0.0
-    preemptions: float = 0.0        # counted since this process started (rollout/vllm_preemptions_total)
+    preemptions: float = 0.0        # since this process started (rollout/vllm_preemptions_total)
     picked: int = 0                 # when it last got a group (pick's count), for ties
-    last_counter: float | None = None  # the server's own vllm:num_preemptions_total at the last poll
+    last_counter: float | None = None  # the server's vllm:num_preemptions_total at the last poll
 
     def load(self) -> float:
         return (self.assigned + self.waiting) / self.cap.cap + self.kv_usage
@@ -111,7 +109,8 @@ class Replica:
         try:
             samples = await self.client.ametrics()
         except (VLLMError, TimeoutError) as e:
-            log.warning("could not read %s/metrics (%s); its concurrency cap stays at %d", self.url, e, self.cap.cap)
+            log.warning("could not read %s/metrics (%s); its concurrency cap stays at %d", self.url, e,
+                        self.cap.cap)
             return
         if not samples:
             return
@@ -123,12 +122,14 @@ class Replica:
         self.running = sum(values("vllm:num_requests_running"))
         counter = sum(values("vllm:num_preemptions_total"))
         if self.last_counter is not None:  # a restarted server starts its counter again at 0
-            self.preemptions += counter - self.last_counter if counter >= self.last_counter else counter
+            restarted = counter < self.last_counter
+            self.preemptions += counter if restarted else counter - self.last_counter
         self.last_counter = counter
         self.cap.observe(self.kv_usage, self.waiting, self.inflight)
 
 
 def make_replicas(urls: list[str], bound: int, timeout: float, max_retries: int) -> list[Replica]:
+    """One Replica per URL, each bounded by its share of `bound`; caps start at connect()."""
     share = math.ceil(bound / len(urls))
     return [Replica(url, VLLMClient(url, timeout=timeout, max_retries=max_retries),
                     ConcurrencyCap(share, share, adaptive=False)) for url in urls]
@@ -141,43 +142,82 @@ def pick(replicas: list[Replica]) -> Replica:
     return chosen
 
 
+async def connect_all(replicas: list[Replica], config, num_top: int | None,
+                      probe_token: int) -> tuple[str, int]:
+    """Check every replica at start (`connect`) and that they serve one model: (the model's name,
+    the smallest max_model_len). The first failure names its replica's URL."""
+    served = [await connect(r, config, num_top, probe_token) for r in replicas]
+    if len(set(served)) > 1:
+        by_url = {r.url: name for r, name in zip(replicas, served)}
+        raise ValueError(f"the vLLM replicas serve different models {by_url}: every URL in "
+                         "vllm_server_base_url must serve the same model")
+    return served[0], min(r.max_model_len for r in replicas)
+
+
+async def poll_all(replicas: list[Replica]) -> dict[str, float]:
+    """Read each replica's /metrics (moving its cap) and sum up the server side of the periodic
+    metrics: KV usage the max over replicas; requests, caps and counters summed."""
+    polled = [r for r in replicas if r.cap.adaptive]
+    await asyncio.gather(*(r.poll() for r in polled))
+    metrics = {"rollout/concurrency": sum(r.inflight for r in replicas),
+               "rollout/concurrency_cap": sum(r.cap.cap for r in replicas),
+               "rollout/vllm_retry_total": sum(r.client.retry_total for r in replicas)}
+    if polled:
+        metrics |= {"rollout/kv_cache_usage": max(r.kv_usage for r in polled),
+                    "rollout/vllm_queued_requests": sum(r.waiting for r in polled),
+                    "rollout/vllm_running_requests": sum(r.running for r in polled),
+                    "rollout/vllm_preemptions_total": sum(r.preemptions for r in polled)}
+    return metrics
+
+
 async def connect(replica: Replica, config, num_top: int | None, probe_token: int) -> str:
-    """Check one server at start (flags the config needs), start its cap; returns its base model name."""
-    url, client = replica.url, replica.client
+    """Check one server at start (the flags the config needs) and start its cap; returns the name
+    of its base model."""
+    url = replica.url
+    client = replica.client
     await asyncio.to_thread(client.wait_for_health)
     info = await asyncio.to_thread(client.server_info)
-    model_config, problems, flags = info.get("model_config") or {}, [], []
+    model_config = info.get("model_config") or {}
+    problems = []   # what the server cannot do for this config ...
+    flags = []      # ... and the flags that fix it
     if (mode := model_config.get("logprobs_mode")) != "processed_logprobs":
-        problems.append(f"it returns {mode} log-probs, not those of the distribution it samples from")
+        problems.append(f"it returns {mode} log-probs, not those of the distribution it samples "
+                        "from")
         flags.append("--logprobs-mode processed_logprobs")
     max_logprobs = model_config.get("max_logprobs", 20)
     if num_top is not None and max_logprobs != -1 and max_logprobs < num_top:
-        problems.append(f"it returns at most {max_logprobs} log-probs per token and num_sampler_logprobs is {num_top}")
+        problems.append(f"it returns at most {max_logprobs} log-probs per token and "
+                        f"num_sampler_logprobs is {num_top}")
         flags.append(f"--max-logprobs {num_top}")
     if problems:
-        raise ValueError(f"the vLLM server at {url} cannot serve this config: {'; '.join(problems)}. Restart it "
-                         f"with `{' '.join(flags)}`")
+        raise ValueError(f"the vLLM server at {url} cannot serve this config: {'; '.join(problems)}. "
+                         f"Restart it with `{' '.join(flags)}`")
     served = (await asyncio.to_thread(client.models))["data"][0]["id"]
     replica.max_model_len = await asyncio.to_thread(client.max_model_len)
     if config.top_k > 0 or config.top_p < 1 or config.min_p is not None:
         replica.use_generate = await returns_candidates(client, served, config, probe_token)
         if not replica.use_generate:
-            log.warning("top_p/top_k/min_p are set but the vLLM server at %s returns no candidate sets, so the "
-                        "trainer normalises over the whole vocabulary and importance ratios are biased: restart "
-                        "it with `--return-sampling-mask --enable-scale-out` (vLLM >= 0.28)", url)
+            log.warning("top_p/top_k/min_p are set but the vLLM server at %s returns no candidate "
+                        "sets, so the trainer normalises over the whole vocabulary and importance "
+                        "ratios are biased: restart it with `--return-sampling-mask "
+                        "--enable-scale-out` (vLLM >= 0.28)", url)
     cache = info.get("cache_config") or {}
-    kv_tokens = cache.get("kv_cache_size_tokens") or (cache.get("num_gpu_blocks") or 0) * (cache.get("block_size") or 0)
+    blocks = (cache.get("num_gpu_blocks") or 0) * (cache.get("block_size") or 0)
+    kv_tokens = cache.get("kv_cache_size_tokens") or blocks
     has_metrics = await client.ametrics() is not None
-    replica.cap = ConcurrencyCap.start(replica.cap.bound, kv_tokens or None, replica.max_model_len, has_metrics)
+    replica.cap = ConcurrencyCap.start(replica.cap.bound, kv_tokens or None, replica.max_model_len,
+                                       has_metrics)
     return served
 
 
 async def returns_candidates(client: VLLMClient, model: str, config, token: int) -> bool:
-    """Probe /inference/v1/generate with one token: 403/404 = no --enable-scale-out; no sampling_mask =
-    no --return-sampling-mask."""
-    params = {"max_tokens": 1, "temperature": config.temperature, "top_k": config.top_k, "logprobs": 0}
+    """Probe /inference/v1/generate with one token: 403/404 = no --enable-scale-out; no
+    sampling_mask = no --return-sampling-mask."""
+    params = {"max_tokens": 1, "temperature": config.temperature, "top_k": config.top_k,
+              "logprobs": 0}
     try:
-        reply = await client.agenerate({"model": model, "token_ids": [token], "sampling_params": params})
+        reply = await client.agenerate({"model": model, "token_ids": [token],
+                                        "sampling_params": params})
     except VLLMError as e:
         if e.status in (403, 404):
             return False

@@ -1,33 +1,30 @@
-"""Tool calls and environments for the rollout loop (spec: ツール, 環境, and the tools / environment_factory
-parameters of AsyncGRPOTrainer).
+"""Tool calls and environments for the rollout loop (spec: ツール (Tools), 環境 (Environments), and
+the tools / environment_factory parameters of AsyncGRPOTrainer).
 
-This stands apart from `rollout.py` because it knows nothing of groups, queues or the server: it turns
-a model's text into tool calls, runs Python callables (sync ones on the loop's thread pool, async ones
-awaited) and hands back the tool messages that the next turn renders.
+It knows nothing of groups, queues or the server: it turns a model's text into tool calls, runs
+Python callables (sync ones on the loop's thread pool, async ones awaited) and hands back the tool
+messages that the next turn renders.
 
-    model output   'Let me add.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><|im_end|>'
-    parse          content 'Let me add.'   requested [{"name": "add", "arguments": {"a": 1, "b": 2}}]
-    run            [{"role": "tool", "name": "add", "content": "3"}]      ToolCall("add", latency_s, ...)
-
-How a model writes its calls (`tool_call_format`, decided once per tokenizer):
-- "response_template": the tokenizer defines its own response parsing (transformers' chat response
-  templates, `tokenizer.parse_response`); the parsed message's `tool_calls` are the calls;
-- "qwen": `<tool_call>{json}</tool_call>` blocks, the format of Qwen2.5/Qwen3 chat templates and of
-  `toy.py`'s template; also the fallback (the loop warns once) when neither is known.
-Calls of one message run in the order the model wrote them; every call gets a tool message.
+    model output  'Let me add.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    parse         content 'Let me add.'  requested [{"name": "add", "arguments": {"a": 1, "b": 2}}]
+    run           [{"role": "tool", "name": "add", "content": "3"}]   ToolCall("add", latency_s, ...)
 
 Three kinds of call, counted apart as the spec's tool metrics separate them:
     malformed  (its JSON or the template's fields do not parse)  failed: tools/failure_frequency,
                Rollout.tool_failure_count; it has no name, so no tools/<name>/* metric
-    unknown    (a well-formed call to no tool of the rollout)     tools/unknown_name_total only: a policy
-               error, not a tool that ran and raised
-    known      runs; raised → failed                              tools/<name>/call_total, /failure_total
+    unknown    (a well-formed call to no tool of the rollout)     tools/unknown_name_total only: a
+               policy error, not a tool that ran and raised
+    known      runs; raised → failed                    tools/<name>/call_total, /failure_total
 
-Environments: `environment_factory` is a callable (one environment class for every row) or a dict of
-them chosen by the row's `environment` column. Each rollout gets its own instance; `reset(**row)` runs
-before the first turn and a string it returns is appended to the last user message (without a dataset,
-that string is the prompt: one user message); the instance's public methods (except reset and
-get_reward) become that rollout's tools; `get_reward()`, if defined, scores the finished rollout.
+Environments: `environment_factory` is a callable, or a dict of them chosen by the row's
+`environment` column. Each rollout gets its own instance; `reset(**row)` runs before the first turn
+and a string it returns is appended to the last user message (without a dataset it is the prompt);
+its public methods (but reset and get_reward) are the rollout's tools; `get_reward()` scores it.
+
+Where the spec is silent, our choices (one line each, with the reason):
+- A call format is decided once per tokenizer (`tool_call_format`): its own response template,
+  else Qwen's <tool_call> blocks (Qwen2.5/Qwen3's and toy.py's format; the fallback, warned once).
+- Every call, also a malformed or unknown one, gets a tool message: the model sees its mistake.
 """
 import asyncio
 import functools
@@ -37,36 +34,27 @@ import pickle
 import re
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import Any, Callable
+
+from rollout_samples import ToolCall
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-@dataclass
-class ToolCall:
-    """One requested call: `name` None when it did not parse (then `failed`); `unknown` when no tool has
-    the name (not `failed`: no tool ran)."""
-    name: str | None
-    latency_s: float
-    failed: bool
-    unknown: bool
-    turn_index: int
-
-
 async def call_maybe_async(fn: Callable, executor: Executor | None, *args, **kwargs) -> Any:
-    """Await an async callable; run a sync one on `executor` (None: asyncio's default) without blocking
-    the event loop. A sync callable that returns an awaitable (a callable instance with async __call__)
-    is awaited too."""
+    """Await an async callable; run a sync one on `executor` (None: asyncio's default) without
+    blocking the event loop. A sync callable that returns an awaitable (a callable instance with
+    async __call__) is awaited too."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    result = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args, **kwargs))
+    call = functools.partial(fn, *args, **kwargs)
+    result = await asyncio.get_running_loop().run_in_executor(executor, call)
     return await result if inspect.isawaitable(result) else result
 
 
 def tool_call_format(tokenizer) -> str | None:
-    """"response_template" if the tokenizer parses its own responses, "qwen" if its chat template writes
-    <tool_call> blocks, None if neither (the loop then warns once and tries the Qwen format)."""
+    """"response_template" if the tokenizer parses its own responses, "qwen" if its chat template
+    writes <tool_call> blocks, None if neither (the loop then warns once and tries Qwen's format)."""
     if getattr(tokenizer, "response_template", None) is not None:
         return "response_template"
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -75,18 +63,22 @@ def tool_call_format(tokenizer) -> str | None:
 
 def parse_turn(tokenizer, fmt: str | None, text: str, prompt_ids: list[int],
                tools: list[Callable]) -> tuple[str, list[dict]]:
-    """A sampled turn's text → (message content, requested calls), in the tokenizer's own format when it
-    has one (the prompt, special tokens kept, lets the template find where the assistant turn starts)."""
+    """A sampled turn's text → (message content, requested calls), in the tokenizer's own format
+    when it has one (the prompt, special tokens kept, shows the template where the turn starts)."""
     if fmt != "response_template":
         return parse_tool_calls(text)
     try:
         message = tokenizer.parse_response(text, prefix=tokenizer.decode(prompt_ids), tools=tools)
-    except Exception as e:                             # the output does not fit the template: one malformed call
-        return text, [{"error": f"invalid tool call: the response does not parse ({type(e).__name__}: {e})"}]
+    except Exception as e:            # the output does not fit the template: one malformed call
+        reason = f"the response does not parse ({type(e).__name__}: {e})"
+        return text, [{"error": f"invalid tool call: {reason}"}]
     requested = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function", call) if isinstance(call, dict) else None
-        name, arguments = (fn.get("name"), fn.get("arguments")) if isinstance(fn, dict) else (None, None)
+        if not isinstance(fn, dict):
+            fn = {}
+        name = fn.get("name")
+        arguments = fn.get("arguments")
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
@@ -106,7 +98,9 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     A well-formed call is {"name": str, "arguments": dict} and leaves the text; a malformed one is
     {"error": reason} and stays in the text, so re-rendering reproduces what the model wrote.
     """
-    requested, content, last = [], [], 0
+    requested = []
+    content = []
+    last = 0
     for match in TOOL_CALL.finditer(text):
         try:
             call = json.loads(match[1])
@@ -127,18 +121,25 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
 
 async def run_tool_calls(requested: list[dict], tools: dict[str, Callable], executor: Executor,
                          turn_index: int) -> tuple[list[dict], list[ToolCall]]:
-    """Run one message's calls in order; every call (also a failed or refused one) gets a tool message."""
-    messages, records = [], []
+    """Run one message's calls in order; every call (also a failed or refused one) gets a tool
+    message."""
+    messages = []
+    records = []
     for call in requested:
-        name, start, failed = call.get("name"), time.monotonic(), True
+        name = call.get("name")
+        start = time.monotonic()
+        failed = True
         unknown = name is not None and name not in tools
         if "error" in call:
             content = f"Error: {call['error']}"
         elif unknown:
-            content, failed = f"Error: unknown tool {name!r}; the tools are {sorted(tools)}", False
+            content = f"Error: unknown tool {name!r}; the tools are {sorted(tools)}"
+            failed = False
         else:
             try:
-                content, failed = str(await call_maybe_async(tools[name], executor, **call["arguments"])), False
+                result = await call_maybe_async(tools[name], executor, **call["arguments"])
+                content = str(result)
+                failed = False
             except Exception as e:
                 content = f"Error: {type(e).__name__}: {e}"
         messages.append({"role": "tool", "name": name or "invalid", "content": content})
@@ -152,14 +153,15 @@ def check_tools(tools: list[Callable]) -> None:
     for tool in tools:
         qualname = getattr(tool, "__qualname__", None) or type(tool).__name__
         if not inspect.isfunction(tool) or qualname != tool.__name__:
-            raise TypeError(f"tool {qualname} must be a module-level function: the model calls tools by name, so "
-                            "each tool is registered by its __name__ and imported by the spawned rollout process "
-                            "(lambdas, closures, methods, partials and callable instances are not allowed)")
+            raise TypeError(f"tool {qualname} must be a module-level function: the model calls tools "
+                            "by name, so each tool is registered by its __name__ and imported by the "
+                            "spawned rollout process (lambdas, closures, methods, partials and "
+                            "callable instances are not allowed)")
         try:
             pickle.dumps(tool)
         except Exception as e:
-            raise TypeError(f"tool {qualname} cannot be pickled for the rollout process ({e}); define it at "
-                            "module level in an importable module") from e
+            raise TypeError(f"tool {qualname} cannot be pickled for the rollout process ({e}); "
+                            "define it at module level in an importable module") from e
         if tool.__name__ in names:
             raise ValueError(f"two tools are named {tool.__name__!r}; tool names must be unique")
         names.add(tool.__name__)
@@ -167,16 +169,19 @@ def check_tools(tools: list[Callable]) -> None:
 
 def environment_tools(env: object) -> list[Callable]:
     """The environment's public methods, except reset and get_reward, bound to the instance."""
-    return [getattr(env, name) for name, member in inspect.getmembers(type(env), inspect.isfunction)
+    methods = inspect.getmembers(type(env), inspect.isfunction)
+    return [getattr(env, name) for name, _ in methods
             if not name.startswith("_") and name not in ("reset", "get_reward")]
 
 
 async def start_environment(factory: Callable | dict[str, Callable], row: dict, executor: Executor):
-    """Create and reset one rollout's environment: (instance, prompt with the observation, reset seconds)."""
+    """Create and reset one rollout's environment: (instance, prompt with the observation, seconds
+    reset() took)."""
     if isinstance(factory, dict):
         name = row.get("environment")
         if name not in factory:
-            raise ValueError(f"the row's 'environment' is {name!r}; environment_factory has {sorted(factory)}")
+            raise ValueError(f"the row's 'environment' is {name!r}; environment_factory has "
+                             f"{sorted(factory)}")
         factory = factory[name]
     env = await call_maybe_async(factory, executor)
     start = time.monotonic()
@@ -185,8 +190,8 @@ async def start_environment(factory: Callable | dict[str, Callable], row: dict, 
     prompt = row.get("prompt")
     if prompt is None:                                 # no dataset: reset() writes the prompt
         if not isinstance(observation, str):
-            raise ValueError(f"{type(env).__name__}.reset() returned {observation!r:.80}: without a train_dataset "
-                             "it must return the prompt (a string)")
+            raise ValueError(f"{type(env).__name__}.reset() returned {observation!r:.80}: without a "
+                             "train_dataset it must return the prompt (a string)")
         return env, [{"role": "user", "content": observation}], reset_s
     if isinstance(observation, str):
         prompt = [dict(m) for m in prompt]
@@ -195,8 +200,9 @@ async def start_environment(factory: Callable | dict[str, Callable], row: dict, 
     return env, prompt, reset_s
 
 
-async def environment_reward(env: object, executor: Executor) -> tuple[tuple[type, float] | None, float]:
-    """(environment class, get_reward()) when the environment owns a reward, and the seconds it took."""
+async def environment_reward(env: object,
+                             executor: Executor) -> tuple[tuple[type, float] | None, float]:
+    """(environment class, get_reward()) when the environment owns a reward, and its seconds."""
     if not callable(getattr(env, "get_reward", None)):
         return None, 0.0
     start = time.monotonic()

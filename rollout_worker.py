@@ -1,21 +1,24 @@
-"""The trainer's handle on the rollout process (spec: 概要, the process boundary; チェックポイントと再開).
+"""The trainer's handle on the rollout process (spec: 概要 (Overview): the rollout worker, a separate
+process; チェックポイントと再開 (Checkpoints and resuming): rollout_state.json).
 
-`rollout.py` is what runs inside the spawned rollout process; this file is what runs in the trainer
-(rank 0) to start it, feed it the policy version, take its samples and watch its health:
+rollout.py is what runs inside the spawned process; this file runs in the trainer (rank 0) to start
+it, feed it the policy version, take its samples and watch its health.
 
     RolloutWorker(config, dataset, reward_funcs, tokenizer, tools=..., loop_cls=...)
-      .start()   pickle check of reward functions, tools, environment factories and loop_cls (the spec's
-                 TypeError names the object and the fix) → spawn _child_main (CUDA_VISIBLE_DEVICES="",
-                 torchrun's variables removed) → wait for `ready`, or raise the child's traceback
-      .get()     next RolloutSample from the rollout buffer; while waiting, a `failed` child raises
-                 RuntimeError chained with its traceback, a silent heartbeat (rollout_worker_timeout) too
-      .set_model_version(v)   after each weight sync: the version, and the staleness admission window
-                 (C_v = samples consumed when v began, R = samples consumed per version; see rollout.py)
-      .resume_index()         first prompt not fully handed out: what rollout_state.json stores
-      .drain_metrics(), .qsize(), .stop()   stop: event → join → terminate → kill, nothing left behind
+      .start()   pickle checks (the spec's TypeError names the object and the fix) → spawn
+                 _child_main (CUDA_VISIBLE_DEVICES="", torchrun's variables removed) → wait for
+                 `ready`, or raise the child's traceback
+      .get()     the next RolloutSample; while waiting, a `failed` child raises RuntimeError chained
+                 with its traceback, a silent heartbeat (rollout_worker_timeout) too; an empty
+                 queue means a starved trainer (staleness.Window.starved)
+      .set_model_version(v)   after each weight sync: the version and the staleness window
+                 (staleness.Window.new_version publishes C_v and R)
+      .resume_index()         first prompt not fully handed out (rollout_prompts.ResumeIndex)
+      .drain_metrics(), .qsize(), .stop()   stop: event → join → terminate → kill
 
-Departure from the spec: the spec's trainer hands the loop six inter-process primitives; here they
-travel as one `rollout.Channels` record.
+Departures from the spec:
+- The six inter-process primitives travel as one `rollout.Channels` record: one argument, not six.
+- The trainer also publishes C_v and R (staleness.py): the child admits groups by staleness.
 """
 import asyncio
 import math
@@ -28,11 +31,13 @@ import traceback
 from typing import Callable
 
 from rollout import AsyncRolloutLoop, Channels
+from rollout_prompts import ResumeIndex
 from rollout_samples import RolloutSample
 from rollout_tools import check_tools
+from staleness import Window, prior_rate
 
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
 
 
 class RolloutProcessError(Exception):
@@ -45,9 +50,10 @@ def check_picklable(obj, what: str) -> None:
         pickle.dumps(obj)
     except Exception as e:
         name = getattr(obj, "__qualname__", None) or type(obj).__name__
-        raise TypeError(f"{what} {name} cannot be pickled for the rollout process ({type(e).__name__}: {e}); the "
-                        "rollout process is spawned, so use a module-level function, a functools.partial of one, or "
-                        "a callable class instance instead of a lambda or a closure") from e
+        raise TypeError(f"{what} {name} cannot be pickled for the rollout process "
+                        f"({type(e).__name__}: {e}); the rollout process is spawned, so use a "
+                        "module-level function, a functools.partial of one, or a callable class "
+                        "instance instead of a lambda or a closure") from e
 
 
 def _child_main(loop_cls: type, kwargs: dict, channels: Channels) -> None:
@@ -72,35 +78,39 @@ class RolloutWorker:
         sample = worker.get(timeout=5.0)    # RolloutSample; None once every prompt is done
         worker.set_model_version(1)         # after each weight sync
         worker.drain_metrics()              # [{metric: value}, ...] since the last drain
-        worker.resume_index()               # first prompt index not yet handed out (rollout_state.json)
+        worker.resume_index()               # first prompt not yet handed out (rollout_state.json)
         worker.stop()
     """
 
-    def __init__(self, config, dataset, reward_funcs: Callable | list[Callable], processing_class, *,
-                 tools: list[Callable] | None = None, environment_factory=None, loop_cls: type = AsyncRolloutLoop,
-                 model_name: str | None = None, eos_token_ids: list[int] | None = None, num_processes: int = 1,
+    def __init__(self, config, dataset, reward_funcs: Callable | list[Callable] | None,
+                 processing_class, *, tools: list[Callable] | None = None, environment_factory=None,
+                 loop_cls: type = AsyncRolloutLoop, model_name: str | None = None,
+                 eos_token_ids: list[int] | None = None, num_processes: int = 1,
                  dataset_start_index: int = 0, model_version: int = 0, lora_name: str | None = None):
         columns = getattr(dataset, "column_names", None)
         if columns is not None and "prompt" not in columns:
-            raise ValueError(f"the training dataset needs a 'prompt' column (it has {columns}); rename the column "
-                             "that holds the prompts")
-        self.config, self.loop_cls = config, loop_cls
-        reward_funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-        eos = eos_token_ids if eos_token_ids is not None else [processing_class.eos_token_id]
+            raise ValueError(f"the training dataset needs a 'prompt' column (it has {columns}); "
+                             "rename the column that holds the prompts")
+        if reward_funcs is None:
+            reward_funcs = []
+        elif not isinstance(reward_funcs, list):
+            reward_funcs = [reward_funcs]
+        if eos_token_ids is None:
+            eos_token_ids = [processing_class.eos_token_id]
+        self.config = config
+        self.loop_cls = loop_cls
         self.bound = config.default_max_concurrent_rollouts(num_processes)
-        self.kwargs = dict(config=config, model_name=model_name, dataset=dataset, reward_funcs=reward_funcs,
-                           processing_class=processing_class, eos_token_ids=eos, tools=tools,
-                           environment_factory=environment_factory, max_concurrent_rollouts=self.bound,
+        self.kwargs = dict(config=config, model_name=model_name, dataset=dataset,
+                           reward_funcs=reward_funcs, processing_class=processing_class,
+                           eos_token_ids=eos_token_ids, tools=tools,
+                           environment_factory=environment_factory,
+                           max_concurrent_rollouts=self.bound,
                            dataset_start_index=dataset_start_index, lora_name=lora_name)
-        # samples the trainer takes per model version, before it has been measured
-        self.prior_rate = (config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
-                           * config.weight_sync_steps)
-        self.anchor = (model_version, 0)  # (version, consumed) where the rate measurement starts
         self.initial_version = model_version
-        self.consumed = 0
-        self.left: dict[int, int] = {}    # prompt index → samples announced but not yet handed out
-        self.announced: set[int] = set()
-        self.next_unconsumed = dataset_start_index if hasattr(dataset, "__len__") else 0
+        self.window = Window(prior_rate(config, num_processes), anchor_version=model_version)
+        self.consumed = 0                 # samples handed to the trainer
+        has_len = hasattr(dataset, "__len__")  # without one (streaming, no dataset): from prompt 0
+        self.resume = ResumeIndex(dataset_start_index if has_len else 0)
         self.finished = False
         self.received: list[dict[str, float]] = []  # metrics read while waiting for the end marker
         self.process = None
@@ -112,19 +122,26 @@ class RolloutWorker:
             check_picklable(f, "reward function")
         check_tools(self.kwargs["tools"] or [])
         factories = self.kwargs["environment_factory"]
-        for f in (factories.values() if isinstance(factories, dict) else [factories] if factories else []):
+        if not isinstance(factories, dict):
+            factories = {"": factories} if factories else {}
+        for f in factories.values():
             check_picklable(f, "environment_factory")
         check_picklable(self.loop_cls, "loop_cls")
         check_picklable(self.kwargs, "rollout argument")  # the dataset, the tokenizer, the config
         ctx = mp.get_context("spawn")
         self.channels = Channels(
-            rollout_buffer=ctx.Queue(self.config.queue_maxsize), metrics=ctx.Queue(4096), progress=ctx.Queue(),
-            exception_info=ctx.Queue(1), model_version=ctx.Value("q", self.initial_version, lock=True),
-            version_start=ctx.Value("q", 0, lock=False), rate=ctx.Value("d", self.prior_rate, lock=False),
-            consumed=ctx.Value("q", 0, lock=False), heartbeat=ctx.Value("d", time.time(), lock=False),
+            rollout_buffer=ctx.Queue(self.config.queue_maxsize),
+            metrics=ctx.Queue(4096),
+            progress=ctx.Queue(),
+            exception_info=ctx.Queue(1),
+            model_version=ctx.Value("q", self.initial_version, lock=True),
+            version_start=ctx.Value("q", self.window.version_start, lock=False),
+            rate=ctx.Value("d", self.window.rate, lock=False),
+            consumed=ctx.Value("q", self.consumed, lock=False),
+            heartbeat=ctx.Value("d", time.time(), lock=False),
             stop=ctx.Event(), ready=ctx.Event(), failed=ctx.Event())
-        self.process = ctx.Process(target=_child_main, args=(self.loop_cls, self.kwargs, self.channels),
-                                   name="rollout", daemon=True)
+        self.process = ctx.Process(target=_child_main, name="rollout", daemon=True,
+                                   args=(self.loop_cls, self.kwargs, self.channels))
         self.process.start()
         deadline = time.monotonic() + ready_timeout
         try:
@@ -143,10 +160,12 @@ class RolloutWorker:
             return None
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         if self.channels.rollout_buffer.empty():
-            self._starved()
+            self.window.starved(self.consumed)
+            self.channels.rate.value = self.window.rate
         while True:
+            wait_s = max(0.0, min(1.0, deadline - time.monotonic()))
             try:
-                sample = self.channels.rollout_buffer.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                sample = self.channels.rollout_buffer.get(timeout=wait_s)
                 break
             except queue.Empty:
                 self.check_health()
@@ -158,36 +177,23 @@ class RolloutWorker:
             return None
         self.consumed += 1
         self.channels.consumed.value = self.consumed
-        self.left[sample.prompt_index] = self.left.get(sample.prompt_index, 0) - 1
+        self.resume.handed_out(sample.prompt_index)
         return sample
-
-    def _starved(self) -> None:
-        """The trainer waits on an empty queue, so this version consumes more samples than the rate R
-        assumed (token-budget rows take as many as fit): R > consumed − C_v. Raising R to that bound
-        lets the rollout process admit the groups the trainer is waiting for.
-
-        Worked example: G = 8, max_staleness = 4, prior R = 8, C_v = 0. Admission stops at 40 samples
-        (5 × 8); the planner needs ~64 to close one micro-batch, so the trainer starves at consumed =
-        40; R becomes 41, the window 5 × 41 = 205, and generation resumes."""
-        version_start = self.channels.version_start.value
-        self.channels.rate.value = max(self.channels.rate.value, self.consumed - version_start + 1)
 
     def qsize(self) -> int:
         """Samples waiting in the rollout queue (sample/rollout_queue_size)."""
         return self.channels.rollout_buffer.qsize()
 
     def set_model_version(self, version: int) -> None:
-        """Publish the policy version after a weight sync, and move the staleness admission window."""
-        if self.consumed == self.anchor[1]:
-            self.anchor = (version, self.consumed)  # nothing consumed yet: measure from here
-        anchor_version, anchor_consumed = self.anchor
-        if version > anchor_version and self.consumed > anchor_consumed:
-            self.channels.rate.value = (self.consumed - anchor_consumed) / (version - anchor_version)
-        self.channels.version_start.value = self.consumed
+        """Publish the policy version after a weight sync, and move the staleness window."""
+        self.window.new_version(version, self.consumed)
+        self.channels.rate.value = self.window.rate
+        self.channels.version_start.value = self.window.version_start
         self.channels.model_version.value = version
 
     def drain_metrics(self) -> list[dict[str, float]]:
-        """Metric dicts from the rollout process since the last drain (all of them once get() returned None)."""
+        """Metric dicts from the rollout process since the last drain (all of them once get()
+        returned None)."""
         out, self.received = self.received, []
         while True:
             try:
@@ -198,8 +204,8 @@ class RolloutWorker:
                 out.append(metrics)
 
     def _receive_metrics_until_end(self) -> None:
-        """The child ends the metrics queue with None before it ends the samples, but two queues keep no order
-        between them: wait for that marker, so that a run's last group metrics are never missed."""
+        """The child ends the metrics queue with None before it ends the samples, but two queues
+        keep no order between them: wait for that marker, so a run's last group metrics are kept."""
         while True:
             try:
                 metrics = self.channels.metrics.get(timeout=1.0)
@@ -215,31 +221,27 @@ class RolloutWorker:
         prompts count as handed out): what rollout_state.json saves for a resume."""
         while True:
             try:
-                index, samples = self.channels.progress.get_nowait()
+                self.resume.announce(*self.channels.progress.get_nowait())
             except queue.Empty:
-                break
-            self.announced.add(index)
-            self.left[index] = self.left.get(index, 0) + samples
-        while self.next_unconsumed in self.announced and self.left.get(self.next_unconsumed) == 0:
-            self.announced.discard(self.next_unconsumed)
-            self.left.pop(self.next_unconsumed)
-            self.next_unconsumed += 1
-        return self.next_unconsumed
+                return self.resume.value()
 
     def check_health(self) -> None:
         """RuntimeError if the process failed (chained with its traceback), exited, or stopped beating."""
         self._raise_if_dead()
         silent = time.time() - self.channels.heartbeat.value
         if silent > self.config.rollout_worker_timeout:
-            raise RuntimeError(f"the rollout process sent no heartbeat for {silent:.0f}s (rollout_worker_timeout="
-                               f"{self.config.rollout_worker_timeout:g}); it is hung")
+            raise RuntimeError(f"the rollout process sent no heartbeat for {silent:.0f}s "
+                               f"(rollout_worker_timeout={self.config.rollout_worker_timeout:g}); "
+                               "it is hung")
 
     def _raise_if_dead(self) -> None:
         if self.channels.failed.is_set():
             name, message, text = self.channels.exception_info.get(timeout=5.0)
-            raise RuntimeError(f"the rollout process failed: {name}: {message}") from RolloutProcessError(text)
+            raise RuntimeError(f"the rollout process failed: {name}: {message}"
+                               ) from RolloutProcessError(text)
         if not self.process.is_alive():
-            raise RuntimeError(f"the rollout process exited unexpectedly (exit code {self.process.exitcode})")
+            raise RuntimeError("the rollout process exited unexpectedly "
+                               f"(exit code {self.process.exitcode})")
 
     def stop(self) -> None:
         """Ask the process to stop, then join → terminate → kill: nothing is left behind."""
