@@ -1,52 +1,32 @@
-"""Attention over a packed trie row (spec: ツリーパッキング, steps 3-4 "Packed row" and "Attention").
+"""ツリーパッキング (Tree packing), AMD GPU: attention over a packed trie row (spec steps 3-4,
+"Packed row" and "Attention", and the flash kernel of each GPU). Gated DeltaNet layers are
+tree_gated_delta_rule.py's; install() and row_kwargs() bring them in, so a caller sees one API.
 
 A packed row (trie_pack.PackedRow) lays out unique tokens in DFS pre-order, so the ancestors of a
 token are exactly the earlier tokens whose subtree still contains it:
 
-    idx           0  1 | 2  3  4 | 5  6  7        kv j is visible to query i  iff  j <= i <= subtree_end[j]
+    idx           0  1 | 2  3  4 | 5  6  7     query i sees kv j  iff  j <= i <= subtree_end[j]
     input_ids    p1 p2 | p3 a1 a2 | p3 b1 b2
-    subtree_end   7  7 |  4  4  4 |  7  7  7            kv: 0 1 2 3 4 5 6 7
-                                                   q 5 (p3):  ■ ■ · · · ■ · ·   p1 p2, then itself
-                                                   q 7 (b2):  ■ ■ · · · ■ ■ ■   never a1 a2 (other branch)
+    subtree_end   7  7 |  4  4  4 |  7  7  7              kv: 0 1 2 3 4 5 6 7
+                                                   q 5 (p3):  ■ ■ · · · ■ · ·   p1 p2, itself
+                                                   q 7 (b2):  ■ ■ · · · ■ ■ ■   never a1 a2
 
 Sliding windows count along each token's own path: kv j stays visible to query i only while
-position_ids[i] - position_ids[j] < window (a token's ancestors are its path, depth = position).
-Attention logit softcapping (Gemma 2) is softcap·tanh(score / softcap) before the mask.
+position_ids[i] - position_ids[j] < window (depth = position). Attention logit softcapping
+(Gemma 2) is softcap·tanh(score / softcap), before the mask. Three backends compute it:
 
-Three backends compute that same attention, chosen by `install(model, backend)`:
+    backend  how                                                    used for
+    sdpa     a dense [N, N] boolean mask; softcapped layers eager   the exact reference (CPU)
+    flex     flex_attention, a BlockMask of the rule (+ score_mod)  the CUDA default
+    flash    per segment, K/V gathered along its path; varlen call  the spec's path: _tree_flash
 
-    sdpa   a dense [N, N] boolean mask from subtree_end (and positions, per window): the exact reference
-           (CPU, tests), O(N²) memory; softcapped layers run eagerly (SDPA has no softcap).
-    flex   torch flex_attention (compiled) with a BlockMask whose mask_mod is the rule above, softcap as
-           a score_mod; the CUDA default. Each row builds one BlockMask per window, shared by the layers.
-    flash  the spec's path: per segment, K/V gathered along its root-to-segment path (kv_index) and
-           one varlen flash-attention call with causal=True. Flash aligns the causal mask bottom-right
-           when a segment has fewer queries than keys, so segment S2 = [p3 b1 b2] with keys
-           [p1 p2 | p3 b1 b2] sees its ancestors and its own causal past; a path index is a depth, so
-           window_size=(window-1, 0) is the path window. The kernel comes from the `kernels` hub library
-           as in the spec (flash-attn3; flash-attn4 on Blackwell; aiter-flash-attn on ROCm), else from
-           an installed flash_attn_interface (FA3) or flash_attn (FA2); none: an error naming each.
+    install(model)                  # "flex" on CUDA, "sdpa" on CPU; refuses unsupported models
+    out = forward_row(model, row)   # batch size 1 (one row per DP rank), masks from row_kwargs
 
-    install(model)                           # "flex" on CUDA, "sdpa" on CPU; refuses unsupported models
-    out = forward_row(model, row)            # batch size 1: one row per DP rank; the masks from row_kwargs
-
-Gated DeltaNet layers (Qwen3.5, Qwen3-Next hybrids) are tree_gated_delta_rule.py's; install() and
-row_kwargs() bring them in, so a caller sees one API. decoder_layers(model) and text_config(model) find
-the language model's layers and config by structure (also under a vision-language model).
-
-(The flash backend registers as "tree_varlen": transformers treats any implementation name containing
-"flash" as one of its own flash-attention kernels.) Transformers hands our function q [1, Hq, N, D] and
-k/v [1, Hkv, N, D] (GQA not expanded) plus every extra forward kwarg (sliding_window and softcap per
-layer); AttentionMaskInterface returns None for our names so it builds no dense mask.
-
-Departures from the spec:
-- Besides the spec's flash varlen path: sdpa (flex has no CPU backward in torch 2.13) and flex (the
-  default on CUDA: what we could measure on an H200, 88% of the FLOP bound).
-- Refused at install, with every reason, per backend: non-attention layers other than Gated DeltaNet,
-  layer types other than full/sliding/linear attention (e.g. chunked), attention sinks, attention
-  dropout, logits that are not lm_head(h) (Granite's logits_scaling, Cohere's logit_scale), and on
-  flash a window or softcap its kernel lacks (softcapping on flash-attn4 and aiter, as the spec says).
-- Final logit softcapping (Gemma 2) is loss.py's: the trainer passes final_logit_softcapping to it.
+Departures from the spec, one line each:
+- sdpa (flex has no CPU backward in torch 2.13) and flex (88% of the FLOP bound on an H200) too.
+- install() refuses, with every reason, what a backend cannot compute exactly: see _refusals.
+- Final logit softcapping (Gemma 2) is loss.py's: the trainer passes final_logit_softcapping.
 """
 import functools
 import importlib
@@ -62,11 +42,12 @@ from transformers.masking_utils import AttentionMaskInterface
 import tree_gated_delta_rule as gdn
 
 BACKENDS = ("sdpa", "flex", "flash")
-_MISSING = "tree attention needs the row's kwargs: model(..., **tree_attention.row_kwargs(model, row))"
+_MISSING = ("tree attention needs the row's kwargs: "
+            "model(..., **tree_attention.row_kwargs(model, row))")
 
 
 class _PerWindow(dict):
-    """sliding window (None: none) -> the row's mask for it, built on first use and shared by every layer."""
+    """sliding window (None: none) -> the row's mask for it, built once, shared by the layers."""
 
     def __init__(self, build):
         super().__init__()
@@ -77,29 +58,35 @@ class _PerWindow(dict):
         return mask
 
 
+# ---- the attention functions transformers calls: q [1, Hq, N, D], k/v [1, Hkv, N, D] -------------
+# (GQA not expanded), plus every extra forward kwarg (sliding_window and softcap per layer).
+
 def _eager_softcapped(query, key, value, mask, scale, softcap):
-    """Attention with scores softcap·tanh(s / softcap) (Gemma 2), which SDPA cannot do.  [1, Hq, N, D]"""
+    """Attention with scores softcap·tanh(s / softcap) (Gemma 2), which SDPA cannot do.
+    [1, Hq, N, D]"""
     rep = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)     # [1, Hq, N, D]
-    scores = (query @ key.transpose(-1, -2)) * scale                                 # [1, Hq, N, N]
+    key = key.repeat_interleave(rep, 1)                                          # [1, Hq, N, D]
+    value = value.repeat_interleave(rep, 1)                                      # [1, Hq, N, D]
+    scores = (query @ key.transpose(-1, -2)) * scale                             # [1, Hq, N, N]
     scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
     return scores.softmax(-1, dtype=torch.float32).to(query.dtype) @ value
 
 
-def _tree_sdpa(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
-               tree_masks=None, **_):
+def _tree_sdpa(module, query, key, value, attention_mask, scaling=None, sliding_window=None,
+               softcap=None, tree_masks=None, **_):
     if tree_masks is None:
         raise ValueError(_MISSING)
-    mask = tree_masks[sliding_window]                                                # [1, 1, N, N]
+    mask = tree_masks[sliding_window]                                            # [1, 1, N, N]
     if softcap is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                             enable_gqa=query.shape[1] != key.shape[1])   # [1, Hq, N, D]
+                                             enable_gqa=query.shape[1] != key.shape[1])
     else:
-        out = _eager_softcapped(query, key, value, mask, scaling or query.shape[-1] ** -0.5, softcap)
-    return out.transpose(1, 2).contiguous(), None                                    # [1, N, Hq, D]
+        scale = scaling or query.shape[-1] ** -0.5
+        out = _eager_softcapped(query, key, value, mask, scale, softcap)
+    return out.transpose(1, 2).contiguous(), None                                # [1, N, Hq, D]
 
 
-_flex = torch.compile(flex_attention)   # compiled on first call; one recompile makes row length dynamic
+_flex = torch.compile(flex_attention)   # compiled on first call; one recompile makes N dynamic
 
 
 @functools.cache
@@ -110,17 +97,17 @@ def _softcap_mod(softcap: float):
     return score_mod
 
 
-def _tree_flex(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
-               tree_block_masks=None, **_):
+def _tree_flex(module, query, key, value, attention_mask, scaling=None, sliding_window=None,
+               softcap=None, tree_block_masks=None, **_):
     if tree_block_masks is None:
         raise ValueError(_MISSING)
     out = _flex(query, key, value, block_mask=tree_block_masks[sliding_window], scale=scaling,
                 score_mod=None if softcap is None else _softcap_mod(softcap),
                 enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous(), None                                # [1, N, Hq, D]
 
 
-# ---- flash: a varlen kernel from the `kernels` hub library, else an installed flash-attn package ----
+# ---- flash: a varlen kernel from the `kernels` hub library, else an installed flash-attn -------
 
 @dataclass
 class FlashKernel:
@@ -130,23 +117,28 @@ class FlashKernel:
     window: bool            # honours window_size
     softcap: bool           # honours softcap
 
+    @classmethod
+    def of(cls, name: str, varlen) -> "FlashKernel":
+        """What a varlen function from `name` honours, read from its signature."""
+        params = frozenset(inspect.signature(varlen).parameters)
+        softcap = "softcap" in params and name not in _NO_SOFTCAP
+        return cls(name, varlen, params, "window_size" in params, softcap)
+
 
 _HUB_VERSIONS = {"kernels-community/flash-attn3": 1, "kernels-community/flash-attn4": 0,
                  "kernels-community/aiter-flash-attn": 2}
-_NO_SOFTCAP = ("kernels-community/flash-attn4", "kernels-community/aiter-flash-attn")   # spec: AMD GPU
+# the spec (AMD GPU): no softcapping on these
+_NO_SOFTCAP = ("kernels-community/flash-attn4", "kernels-community/aiter-flash-attn")
 
 
 def hub_kernel_repo(rocm: bool, capability: tuple[int, int]) -> str:
-    """The spec's kernel for a device: aiter on ROCm, flash-attn4 on Blackwell (10.x), else flash-attn3."""
+    """The spec's kernel for a device: aiter on ROCm, flash-attn4 on Blackwell (10.x), else
+    flash-attn3."""
     if rocm:
         return "kernels-community/aiter-flash-attn"
-    return "kernels-community/flash-attn4" if capability[0] == 10 else "kernels-community/flash-attn3"
-
-
-def _kernel(name, varlen) -> FlashKernel:
-    params = frozenset(inspect.signature(varlen).parameters)
-    return FlashKernel(name, varlen, params, "window_size" in params,
-                       "softcap" in params and name not in _NO_SOFTCAP)
+    if capability[0] == 10:
+        return "kernels-community/flash-attn4"
+    return "kernels-community/flash-attn3"
 
 
 @functools.cache
@@ -160,30 +152,43 @@ def flash_kernel() -> FlashKernel:
         repo = hub_kernel_repo(torch.version.hip is not None, torch.cuda.get_device_capability())
         try:
             kernels = importlib.import_module("kernels")
-            return _kernel(repo, kernels.get_kernel(repo, version=_HUB_VERSIONS[repo]).flash_attn_varlen_func)
+            hub = kernels.get_kernel(repo, version=_HUB_VERSIONS[repo])
+            return FlashKernel.of(repo, hub.flash_attn_varlen_func)
         except ImportError:
-            tried.append(f"{repo}: the `kernels` library is not installed (pip install -r requirements-gpu.txt)")
+            tried.append(f"{repo}: the `kernels` library is not installed "
+                         "(pip install -r requirements-gpu.txt)")
         except Exception as e:  # noqa: BLE001  no hub access, no build for this GPU/torch, ...
             tried.append(f"{repo} through `kernels`: {type(e).__name__}: {e}")
     for package in ("flash_attn_interface", "flash_attn"):
         try:
-            return _kernel(package, importlib.import_module(package).flash_attn_varlen_func)
+            return FlashKernel.of(package, importlib.import_module(package).flash_attn_varlen_func)
         except (ImportError, AttributeError) as e:
             tried.append(f"{package}: {e}")
     raise RuntimeError("backend 'flash' needs a flash-attention varlen kernel and none loads: "
                        + "; ".join(tried) + ". Use backend 'flex' instead.")
 
 
-def _tree_flash(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
-                tree_kv_index=None, tree_cu_seqlens_q=None, tree_cu_seqlens_k=None, tree_max_seqlen_q=None,
-                tree_max_seqlen_k=None, **_):
+def _tree_flash(module, query, key, value, attention_mask, scaling=None, sliding_window=None,
+                softcap=None, tree_kv_index=None, tree_cu_seqlens_q=None, tree_cu_seqlens_k=None,
+                tree_max_seqlen_q=None, tree_max_seqlen_k=None, **_):
+    """The spec's path: per segment, K/V gathered along its root-to-segment path (kv_index), one
+    varlen flash-attention call with causal=True.
+
+    Flash aligns the causal mask bottom-right when a segment has fewer queries than keys, so
+    segment S2 = [p3 b1 b2] with keys [p1 p2 | p3 b1 b2] sees its ancestors and its own causal
+    past; a path index is a depth, so window_size=(window-1, 0) is the path window. The kernel is
+    flash_kernel()'s: the spec's hub kernel (flash-attn3; flash-attn4 on Blackwell;
+    aiter-flash-attn on ROCm), else an installed flash_attn_interface (FA3) or flash_attn (FA2).
+    """
     if tree_kv_index is None:
         raise ValueError(_MISSING)
     kernel = flash_kernel()
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))                 # [N, H, D]
-    k, v = k.index_select(0, tree_kv_index), v.index_select(0, tree_kv_index)     # [K, Hkv, D]: paths
-    kw = dict(cu_seqlens_q=tree_cu_seqlens_q, cu_seqlens_k=tree_cu_seqlens_k, max_seqlen_q=tree_max_seqlen_q,
-              max_seqlen_k=tree_max_seqlen_k, softmax_scale=scaling, causal=True)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))               # [N, H, D]
+    k = k.index_select(0, tree_kv_index)                                        # [K, Hkv, D] paths
+    v = v.index_select(0, tree_kv_index)                                        # [K, Hkv, D]
+    kw = dict(cu_seqlens_q=tree_cu_seqlens_q, cu_seqlens_k=tree_cu_seqlens_k,
+              max_seqlen_q=tree_max_seqlen_q, max_seqlen_k=tree_max_seqlen_k,
+              softmax_scale=scaling, causal=True)
     if sliding_window is not None:      # a path index is a depth: the window counts along the path
         kw["window_size"] = (sliding_window - 1, 0)
     if softcap is not None:
@@ -193,6 +198,9 @@ def _tree_flash(module, query, key, value, attention_mask, scaling=None, sliding
     return out.unsqueeze(0), None                                  # [1, N, Hq, D]
 
 
+# The flash backend registers as "tree_varlen": transformers treats any implementation name that
+# contains "flash" as one of its own kernels. AttentionMaskInterface returns None for our names,
+# so transformers builds no dense mask of its own.
 _IMPLS = {"sdpa": ("tree_sdpa", _tree_sdpa), "flex": ("tree_flex", _tree_flex),
           "flash": ("tree_varlen", _tree_flash)}
 for _name, _fn in _IMPLS.values():
@@ -200,40 +208,52 @@ for _name, _fn in _IMPLS.values():
     AttentionMaskInterface.register(_name, lambda *args, **kwargs: None)
 
 
+# ---- the model: its language model's layers and config, and what it asks of tree packing --------
+
 def text_config(model):
-    """The language model's config (a vision-language config's text_config; the config itself otherwise)."""
+    """The language model's config (a vision-language config's text_config; else the config)."""
     return model.config.get_text_config()
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The language model's decoder layers, found by structure: the text decoder (transformers'
-    get_decoder(): `model.model` of a causal LM, the language model of a vision-language model), then its
-    `layers` list, else its one direct ModuleList child. A vision tower's blocks are never under it.
+    get_decoder(): `model.model` of a causal LM, the language model of a vision-language model),
+    then its `layers` list, else its one direct ModuleList child. A vision tower's blocks are
+    never under it.
 
         Qwen3ForCausalLM                 -> model.model.layers
-        Qwen3_5ForConditionalGeneration  -> model.model.language_model.layers   (not model.model.visual.blocks)
+        Qwen3_5ForConditionalGeneration  -> model.model.language_model.layers
+                                            (not model.model.visual.blocks)
     """
     decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         lists = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList)]
         if len(lists) != 1:
-            raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: its text decoder "
-                             f"{type(decoder).__name__} has no `layers` and {len(lists)} ModuleList children")
+            raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: its text "
+                             f"decoder {type(decoder).__name__} has no `layers` and {len(lists)} "
+                             "ModuleList children")
         layers = lists[0]
     return layers
 
 
 def _windows(cfg) -> bool:
-    """Whether any attention layer slides a window: per layer (sliding_attention types, Gemma 2/3, Qwen) or
-    model-wide (Mistral's config.sliding_window, passed by every layer)."""
+    """Whether any attention layer slides a window: per layer (sliding_attention types, Gemma 2/3,
+    Qwen) or model-wide (Mistral's config.sliding_window, passed by every layer)."""
     types = getattr(cfg, "layer_types", None)
     if types is not None:
         return "sliding_attention" in types and getattr(cfg, "sliding_window", None) is not None
-    return bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True) is not False
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return False
+    return bool(getattr(cfg, "sliding_window", None))
 
 
 def _refusals(model, backend: str) -> list[str]:
+    """Every reason this backend cannot compute the model exactly (empty: it can): attention
+    outside AttentionInterface; layer types other than full, sliding and linear attention (e.g.
+    chunked); non-attention layers other than Gated DeltaNet; attention sinks; attention dropout;
+    logits that are not lm_head(h) (Granite's logits_scaling, Cohere's logit_scale); and, on
+    flash, a window or softcap its kernel lacks (softcapping on flash-attn4 and aiter, the spec)."""
     cfg = text_config(model)
     why = []
     if not model._can_set_attn_implementation():
@@ -241,77 +261,93 @@ def _refusals(model, backend: str) -> list[str]:
     other = sorted(set(getattr(cfg, "layer_types", None) or [])
                    - {"full_attention", "sliding_attention", "linear_attention"})
     if other:
-        why.append(f"layer types {other}: only full, sliding-window and Gated DeltaNet layers are tree-packed")
+        why.append(f"layer types {other}: only full, sliding-window and Gated DeltaNet layers are "
+                   "tree-packed")
     try:
         layers = decoder_layers(model)
     except ValueError as e:
         layers = []
         why.append(str(e))
-    mixers, deltanets = [x for x in layers if not hasattr(x, "self_attn")], gdn.gated_deltanet_layers(layers)
+    mixers = [x for x in layers if not hasattr(x, "self_attn")]
+    deltanets = gdn.gated_deltanet_layers(layers)
     if len(mixers) != len(deltanets):
-        why.append("non-attention decoder layers other than Gated DeltaNet (they would run across samples)")
+        why.append("non-attention decoder layers other than Gated DeltaNet "
+                   "(they would run across samples)")
     elif deltanets and (reason := gdn.unsupported(deltanets)):
         why.append(reason)
     if backend == "flash":
         kernel = flash_kernel()
         if _windows(cfg) and not kernel.window:
-            why.append(f"sliding-window attention: the flash kernel {kernel.name} has no window_size; use 'flex'")
+            why.append(f"sliding-window attention: the flash kernel {kernel.name} has no "
+                       "window_size; use 'flex'")
         if getattr(cfg, "attn_logit_softcapping", None) is not None and not kernel.softcap:
-            why.append(f"attention logit softcapping: the flash kernel {kernel.name} does not support it "
-                       "(the spec: not on AMD or Blackwell GPUs); use 'flex'")
+            why.append(f"attention logit softcapping: the flash kernel {kernel.name} does not "
+                       "support it (the spec: not on AMD or Blackwell GPUs); use 'flex'")
     if any(n.endswith("sinks") for n, _ in model.named_parameters()):
         why.append("attention sinks")
     if getattr(cfg, "attention_dropout", 0.0):
         why.append("attention_dropout > 0")
     for name, neutral in (("logits_scaling", 1.0), ("logit_scale", 1.0)):
         if getattr(cfg, name, neutral) not in (neutral, None):
-            why.append(f"{name}={getattr(cfg, name)} (loss.py computes log-probs from lm_head(h) / temperature)")
+            why.append(f"{name}={getattr(cfg, name)} "
+                       "(loss.py computes log-probs from lm_head(h) / temperature)")
     return why
 
 
+# ---- the API: install once, then forward rows ----------------------------------------------------
+
 def install(model, backend: str | None = None) -> str:
-    """Switch `model` to tree attention (and its Gated DeltaNet layers to the tree rule); returns the backend
-    (None: flex on CUDA, sdpa on CPU). Refuses, with every reason, what the backend cannot compute exactly."""
+    """Switch `model` to tree attention (and its Gated DeltaNet layers to the tree rule); returns
+    the backend (None: flex on CUDA, sdpa on CPU). Refuses, with every reason, what the backend
+    cannot compute exactly."""
     device = next(model.parameters()).device
     backend = backend or ("flex" if device.type == "cuda" else "sdpa")
     if backend not in _IMPLS:
         raise ValueError(f"unknown tree attention backend {backend!r}; choose one of {BACKENDS}")
     why = _refusals(model, backend)
     if why:
-        raise ValueError(f"tree packing ({backend}) cannot train model_type={model.config.model_type!r}: "
-                         + "; ".join(why))
+        raise ValueError(f"tree packing ({backend}) cannot train "
+                         f"model_type={model.config.model_type!r}: " + "; ".join(why))
     gdn.install(gdn.gated_deltanet_layers(decoder_layers(model)))
     model.set_attn_implementation(_IMPLS[backend][0])
-    model.config.use_cache = False           # a KV cache would only hold every layer's K/V for nothing
+    model.config.use_cache = False           # a KV cache would hold every layer's K/V for nothing
     return backend
 
 
 def forward_row(model, row, module=None, **kwargs):
-    """One packed row through `module` (default: the whole model; the trainer passes the decoder, so the
-    LM head is left to loss.py) with the row's tree masks: batch size 1, positions are trie depths."""
+    """One packed row through `module` (default: the whole model; the trainer passes the decoder,
+    so the LM head is left to loss.py) with the row's tree masks: batch size 1, positions are trie
+    depths. kwargs go to the forward and take precedence over row_kwargs' (e.g. tree_gdn=None)."""
     device = model.get_input_embeddings().weight.device
-    return (module or model)(input_ids=row.input_ids[None].to(device),               # [1, N]
-                             position_ids=row.position_ids[None].to(device),         # [1, N]
-                             use_cache=False, **row_kwargs(model, row), **kwargs)
+    return (module or model)(input_ids=row.input_ids[None].to(device),           # [1, N]
+                             position_ids=row.position_ids[None].to(device),     # [1, N]
+                             use_cache=False, **{**row_kwargs(model, row), **kwargs})
 
 
 def row_kwargs(model, row) -> dict:
-    """Extra forward kwargs for one packed row, on the model's device, for the installed backend (and the
-    Gated DeltaNet layout when the model has such layers)."""
-    backend = next((b for b, (name, _) in _IMPLS.items() if name == model.config._attn_implementation), None)
+    """Extra forward kwargs for one packed row, on the model's device, for the installed backend
+    (and the Gated DeltaNet layout when the model has such layers)."""
+    implementation = model.config._attn_implementation
+    backend = next((b for b, (name, _) in _IMPLS.items() if name == implementation), None)
     if backend is None:
         raise ValueError("call tree_attention.install(model) first")
     device = next(model.parameters()).device
-    end, pos = row.subtree_end.to(device), row.position_ids.to(device)            # [N], [N] depth
+    end = row.subtree_end.to(device)                                            # [N]
+    pos = row.position_ids.to(device)                                           # [N] depth
     out = {}
     deltanets = gdn.gated_deltanet_layers(decoder_layers(model))
     if deltanets:
         out["tree_gdn"] = gdn.layout(row, deltanets[0].conv_kernel_size, device)
     if backend == "sdpa":
         i = torch.arange(len(end), device=device)
-        tree = (i[None, :] <= i[:, None]) & (i[:, None] <= end[None, :])        # [N, N] kv j visible to i
-        near = lambda w: pos[:, None] - pos[None, :] < w                         # [N, N] along the path
-        out["tree_masks"] = _PerWindow(lambda w: (tree if w is None else tree & near(w))[None, None])
+        tree = (i[None, :] <= i[:, None]) & (i[:, None] <= end[None, :])        # [N, N] i sees j
+
+        def dense_mask(window):                                                 # [1, 1, N, N]
+            if window is None:
+                return tree[None, None]
+            near = pos[:, None] - pos[None, :] < window                         # [N, N] on the path
+            return (tree & near)[None, None]
+        out["tree_masks"] = _PerWindow(dense_mask)
     elif backend == "flex":
         def block_mask(window):
             def visible(b, h, q, kv):
@@ -319,12 +355,14 @@ def row_kwargs(model, row) -> dict:
 
             def visible_near(b, h, q, kv):
                 return (kv <= q) & (q <= end[kv]) & (pos[q] - pos[kv] < window)
-            # compiled on CUDA (as transformers does): uncompiled it materialises all N² mask values at once
-            return create_block_mask(visible if window is None else visible_near, None, None, len(end), len(end),
-                                     device=device, _compile=device.type == "cuda")
+            # compiled on CUDA (as transformers does): uncompiled it materialises all N² values
+            return create_block_mask(visible if window is None else visible_near, None, None,
+                                     len(end), len(end), device=device,
+                                     _compile=device.type == "cuda")
         out["tree_block_masks"] = _PerWindow(block_mask)
     else:
-        out.update(tree_kv_index=row.kv_index.to(device), tree_cu_seqlens_q=row.cu_seqlens_q.to(device),
-                   tree_cu_seqlens_k=row.cu_seqlens_k.to(device), tree_max_seqlen_q=row.max_seqlen_q,
-                   tree_max_seqlen_k=row.max_seqlen_k)
+        out.update(tree_kv_index=row.kv_index.to(device),
+                   tree_cu_seqlens_q=row.cu_seqlens_q.to(device),
+                   tree_cu_seqlens_k=row.cu_seqlens_k.to(device),
+                   tree_max_seqlen_q=row.max_seqlen_q, tree_max_seqlen_k=row.max_seqlen_k)
     return out

@@ -1,34 +1,30 @@
-"""Gated DeltaNet layers over a packed trie row (spec: ツリーパッキング, "Gated DeltaNetハイブリッド" (Gated
-DeltaNet hybrids): the convolution reads each token's own predecessors, the chunked delta rule starts each
-segment from its parent's final state; Qwen3.5, Qwen3.6, Qwen3-Next).
+"""ツリーパッキング (Tree packing), "Gated DeltaNetハイブリッド" (Gated DeltaNet hybrids): the
+linear-attention layers of Qwen3.5, Qwen3.6 and Qwen3-Next over a packed trie row. The convolution
+reads each token's own predecessors; the chunked delta rule starts each segment from its parent's
+final state. (AMD GPU: nothing of its own here; fla's kernel where installed, else torch.)
 
-A linear-attention layer is a recurrence: its output at a token depends on every earlier token of the
-sequence, through a short causal convolution (kernel K = 4) and a recurrent state S [H, Dk, Dv]. In a
-packed trie the earlier tokens of a sample are its path, not the earlier packed positions. The packed
-row of trie_pack.py, two rollouts of one prompt:
+Such a layer is a recurrence: its output at a token depends on every earlier token of the sample,
+through a short causal convolution (kernel K = 4) and a recurrent state S [H, Dk, Dv]. In a packed
+trie the earlier tokens of a sample are its path, not the earlier packed positions. Two rollouts
+of one prompt, as trie_pack.py packs them:
 
-    idx            0  1 | 2  3  4 | 5  6  7      segments (cu_seqlens_q)  S0 [0 1]  S1 [2 3 4]  S2 [5 6 7]
-    input_ids     p1 p2 | p3 a1 a2 | p3 b1 b2     parents (from kv_index)  S1 <- S0,  S2 <- S0
+    idx          0  1 | 2  3  4 | 5  6  7     segments  S0 [0 1]  S1 [2 3 4]  S2 [5 6 7]
+    input_ids   p1 p2 | p3 a1 a2 | p3 b1 b2   parents   S1 <- S0,  S2 <- S0  (from kv_index)
 
-Convolution. Each segment is laid out after its K-1 path predecessors (zeros above the root), and one
-ordinary causal convolution runs over that extended sequence; a segment's outputs read only its own
-slots, so the window never crosses into the previous segment:
+    convolution (layout): each segment after its K-1 path predecessors, one causal convolution
+      extended   · · · 0 1 | · 0 1 2 3 4 | · 0 1 5 6 7     · a zero slot; digits: idx read
+      kept             0 1 |       2 3 4 |       5 6 7     the outputs at the segment's tokens
+    delta rule (_rule_dispatcher), level by level of the segment tree:
+      level 0    S0 from zeros
+      level 1    S1 and S2, each from S0's final state
 
-    extended    · · · 0 1 | · 0 1 2 3 4 | · 0 1 5 6 7      (K = 4; · is a zero slot; read from idx)
-    kept                0 1 |       2 3 4 |       5 6 7    the outputs at the segment's own tokens
+    install(modules)                  # dispatchers in the layers' modeling files (idempotent)
+    tree_gdn = layout(row, K, device) # passed as a forward kwarg by tree_attention.row_kwargs
 
-Delta rule. Segments run level by level of the segment tree (DFS order puts parents first): every
-segment of a level starts from its parent's final state S, the roots from zeros. Level 0: S0; level 1:
-S1 and S2 from S0's final state. With fla installed on CUDA a level is one varlen call (cu_seqlens,
-one initial state per segment); otherwise transformers' torch reference runs segment by segment.
-
-How it plugs in: transformers (>= 5.15) calls the module-level functions `causal_conv1d_fn` and
-`torch_chunk_gated_delta_rule` of the model's modeling file, passing every forward kwarg through.
-install() replaces both with dispatchers that take the tree path when the row's `tree_gdn` kwarg
-(a GDNLayout, from row_kwargs) is present and call the original otherwise; other models stay as they were.
-
-Departures from the spec: none in what is computed. Without fla the segment loop is slow (CPU and tests);
-the causal convolution kernel is whatever transformers resolved (causal-conv1d or torch).
+Departures from the spec, one line each:
+- None in what is computed.
+- Without fla on CUDA the torch reference runs segment by segment: slow (CPU and tests).
+- The causal convolution kernel is whatever transformers resolved (causal-conv1d or torch).
 """
 import importlib.util
 import sys
@@ -44,7 +40,7 @@ _NAMES = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
 @dataclass
 class GDNLevel:
     """The segments at one depth of the segment tree (s of them, n tokens)."""
-    index: torch.Tensor          # [n] int64  packed positions of the segments' tokens, laid end to end
+    index: torch.Tensor          # [n] int64  packed positions of the segments' tokens, end to end
     cu_seqlens: torch.Tensor     # [s+1] int64 segment boundaries in index
     segments: list[int]          # [s] segment ids
     parents: list[int]           # [s] parent segment ids (-1: a root; all roots are level 0)
@@ -52,11 +48,11 @@ class GDNLevel:
 
 @dataclass
 class GDNLayout:
-    """What the dispatchers need for one packed row of N tokens and S segments (E extended slots)."""
-    conv_index: torch.Tensor     # [E] int64 packed position read by each extended slot; N: a zero slot
+    """What the dispatchers need for one packed row: N tokens, S segments, E extended slots."""
+    conv_index: torch.Tensor     # [E] int64 packed position each extended slot reads; N: zeros
     conv_keep: torch.Tensor      # [N] int64 extended slot of each packed token
     levels: list[GDNLevel]
-    unlevel: torch.Tensor        # [N] int64 position of each packed token in the levels laid end to end
+    unlevel: torch.Tensor        # [N] int64 position of each packed token in the levels, end to end
 
 
 def gated_deltanet_layers(layers) -> list:
@@ -78,7 +74,14 @@ def unsupported(modules) -> str | None:
 
 
 def install(modules) -> None:
-    """Route the modeling files' conv and delta-rule functions through the tree dispatchers (idempotent)."""
+    """Route the modeling files' conv and delta-rule functions through the tree dispatchers
+    (idempotent).
+
+    transformers (>= 5.15) calls the module-level functions `causal_conv1d_fn` and
+    `torch_chunk_gated_delta_rule` of the model's modeling file, passing every forward kwarg
+    through. Both are replaced by dispatchers that take the tree path when the row's `tree_gdn`
+    kwarg (a GDNLayout) is present and call the original otherwise: other models stay as they were.
+    """
     for m in modules:
         mod = sys.modules[type(m).__module__]
         if not hasattr(mod.causal_conv1d_fn, "tree_original"):
@@ -88,12 +91,21 @@ def install(modules) -> None:
 
 
 def layout(row, kernel_size: int, device) -> GDNLayout:
-    """The GDNLayout of a trie_pack.PackedRow (see the module docstring)."""
-    cu_q = row.cu_seqlens_q.cpu().numpy().astype(np.int64)     # [S+1] (a row may already be on the GPU)
-    cu_k, kv = row.cu_seqlens_k.cpu().numpy().astype(np.int64), row.kv_index.cpu().numpy()
-    S, N, pad = len(cu_q) - 1, int(cu_q[-1]), kernel_size - 1
+    """The GDNLayout of a trie_pack.PackedRow (the module docstring's example).
+
+    Segments are leveled by depth in the segment tree (parents come first in DFS order). For the
+    convolution each segment is laid out after its K-1 path predecessors (zeros above the root),
+    so one ordinary causal convolution over the extended sequence never crosses into another
+    segment: a segment's outputs read only its own slots.
+    """
+    cu_q = row.cu_seqlens_q.cpu().numpy().astype(np.int64)     # [S+1] (a row may be on the GPU)
+    cu_k = row.cu_seqlens_k.cpu().numpy().astype(np.int64)     # [S+1]
+    kv = row.kv_index.cpu().numpy()                             # [K]
+    S = len(cu_q) - 1                                           # segments
+    N = int(cu_q[-1])                                           # packed tokens
+    pad = kernel_size - 1                                       # predecessor slots per segment
     n = np.diff(cu_q)                                           # [S] segment lengths
-    depth0 = np.diff(cu_k) - n                                  # [S] depth of each segment's first token
+    depth0 = np.diff(cu_k) - n                                  # [S] depth of a first token
     parent = np.full(S, -1, np.int64)
     has = depth0 > 0
     last = kv[cu_k[:-1][has] + depth0[has] - 1]                 # the token just above each non-root
@@ -104,7 +116,7 @@ def layout(row, kernel_size: int, device) -> GDNLayout:
     for s in np.flatnonzero(has):                               # parents come first in DFS order
         level[s] = level[parent[s]] + 1
 
-    j = np.arange(pad)                                          # [K-1] predecessor slots per segment
+    j = np.arange(pad)                                          # [K-1] predecessor slots
     above = depth0[:, None] - pad + j[None, :]                  # [S, K-1] path depth of each slot
     ext_pre = np.where(above >= 0, kv[np.clip(cu_k[:-1, None] + above, 0, len(kv) - 1)], N)
     seg_of = np.repeat(np.arange(S), n)                         # [N]
@@ -113,25 +125,33 @@ def layout(row, kernel_size: int, device) -> GDNLayout:
     conv_index[keep] = np.arange(N)
     conv_index[(cu_q[:-1] + np.arange(S) * pad)[:, None] + j[None, :]] = ext_pre
 
-    t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)
+    def as_index(a):                                            # numpy -> int64 tensor
+        return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)
+
     levels, order = [], []
     for lv in range(int(level.max()) + 1):
         segs = np.flatnonzero(level == lv)
         index = np.concatenate([np.arange(cu_q[s], cu_q[s + 1]) for s in segs])
         order.append(index)
-        levels.append(GDNLevel(t(index), t(np.r_[0, np.cumsum(n[segs])]), segs.tolist(), parent[segs].tolist()))
+        cu_seqlens = np.r_[0, np.cumsum(n[segs])]
+        levels.append(GDNLevel(as_index(index), as_index(cu_seqlens), segs.tolist(),
+                               parent[segs].tolist()))
     unlevel = np.empty(N, np.int64)
     unlevel[np.concatenate(order)] = np.arange(N)
-    return GDNLayout(t(conv_index), t(keep), levels, t(unlevel))
+    return GDNLayout(as_index(conv_index), as_index(keep), levels, as_index(unlevel))
 
 
 def _conv_dispatcher(original):
-    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, tree_gdn=None, **kwargs):
+    """causal_conv1d_fn that, given tree_gdn, convolves the extended sequence (GDNLayout.conv_index)
+    and keeps each packed token's output (conv_keep)."""
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, tree_gdn=None,
+                         **kwargs):
         if tree_gdn is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        x = F.pad(hidden_states, (0, 1))                                         # [1, C, N+1] slot N = 0
-        out = original(x.index_select(2, tree_gdn.conv_index), weight, bias, activation=activation, **kwargs)
-        return out.index_select(2, tree_gdn.conv_keep)                           # [1, C, E] -> [1, C, N]
+        x = F.pad(hidden_states, (0, 1))                            # [1, C, N+1] slot N is zero
+        extended = x.index_select(2, tree_gdn.conv_index)           # [1, C, E]
+        out = original(extended, weight, bias, activation=activation, **kwargs)   # [1, C, E]
+        return out.index_select(2, tree_gdn.conv_keep)              # [1, C, N]
     causal_conv1d_fn.tree_original = original
     return causal_conv1d_fn
 
@@ -141,26 +161,37 @@ def _fla_varlen(device) -> bool:
 
 
 def _rule_dispatcher(original):
+    """torch_chunk_gated_delta_rule that, given tree_gdn, runs the segments level by level: every
+    segment of a level starts from its parent's final state S, the roots from zeros. With fla on
+    CUDA a level is one varlen call (cu_seqlens, one initial state per segment); otherwise
+    transformers' torch reference runs segment by segment."""
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, tree_gdn=None, **kwargs):
         if tree_gdn is None:
             return original(query, key, value, g=g, beta=beta, **kwargs)
-        if kwargs.pop("initial_state", None) is not None or kwargs.pop("output_final_state", False) \
-                or kwargs.pop("cu_seqlens", None) is not None:
+        initial_state = kwargs.pop("initial_state", None)
+        output_final_state = kwargs.pop("output_final_state", False)
+        cu_seqlens = kwargs.pop("cu_seqlens", None)
+        if initial_state is not None or output_final_state or cu_seqlens is not None:
             raise ValueError("a tree-packed row runs without a cache and without cu_seqlens")
         varlen = _fla_varlen(query.device)
-        outs, final = [], {}                                    # final: segment -> [H, Dk, Dv] state
+        outs = []
+        final = {}                                              # segment -> [H, Dk, Dv] state
         for lv in tree_gdn.levels:
-            q, k, v, gl, bl = (x.index_select(1, lv.index) for x in (query, key, value, g, beta))  # [1, n, H, .]
-            h0 = None if lv.parents[0] < 0 else torch.stack([final[p] for p in lv.parents])  # [s, H, Dk, Dv]
-            if varlen:                                          # fla (through transformers' wrapper)
+            # [1, n, H, .] each
+            q, k, v, gl, bl = (x.index_select(1, lv.index) for x in (query, key, value, g, beta))
+            h0 = None                                           # [s, H, Dk, Dv] initial states
+            if lv.parents[0] >= 0:
+                h0 = torch.stack([final[p] for p in lv.parents])
+            if varlen:                                          # fla, through transformers
                 o, ht = original(q, k, v, g=gl, beta=bl, initial_state=h0, output_final_state=True,
                                  cu_seqlens=lv.cu_seqlens, **kwargs)
                 final.update(zip(lv.segments, ht))
-            else:                                               # the torch reference, one segment at a time
+            else:                                               # the torch reference, by segment
                 o = []
                 for i, (s, a, b) in enumerate(zip(lv.segments, lv.cu_seqlens[:-1].tolist(),
                                                   lv.cu_seqlens[1:].tolist())):
-                    oi, ht = original(q[:, a:b], k[:, a:b], v[:, a:b], g=gl[:, a:b], beta=bl[:, a:b],
+                    oi, ht = original(q[:, a:b], k[:, a:b], v[:, a:b], g=gl[:, a:b],
+                                      beta=bl[:, a:b],
                                       initial_state=None if h0 is None else h0[i:i + 1],
                                       output_final_state=True, **kwargs)
                     o.append(oi)

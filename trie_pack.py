@@ -1,4 +1,4 @@
-"""ツリーパッキング (tree packing), バッチ番号の構成 (batch composition): prefix-trie rows, the
+"""ツリーパッキング (Tree packing), バッチ番号の構成 (Batch composition): prefix-trie rows, the
 planner and the packed DFS layout (AsyncGRPOConfig: token_budget, per_device_train_batch_size).
 
 A row is what one DP rank forwards in one micro-batch. It is a prefix trie, not a concatenation:
@@ -28,15 +28,13 @@ own history. Two rollouts of one prompt, as in the spec:
 
     row = build_row([r0, r1])     # TreeRow: match → fits / added_cost → add, sample by sample
     packed = row.pack()           # PackedRow: the layout (3-4) and the loss terms (5)
-    planner = Planner(world_size, token_budget, per_device_train_batch_size)
-    rows = planner.add(sample)    # list[TreeRow] (one per rank) when a micro-batch closes
+    rows = Planner(world_size, token_budget, per_device_train_batch_size).add(sample)
 
-Departures from the spec:
-  * flush() (end of stream) fills every rank from the costliest rows; fewer samples than ranks
-    cannot make a micro-batch (an empty rank would desync collectives): discarded, with a warning.
-  * masked_token_frac counts forwarded positions without a loss term (spec: completion_mask == 0).
-  * A trained first token (completion_mask[0] == 1) has no position predicting it: add() refuses it.
-  * batch/row_fill_frac is not reported in fixed-count mode, where no token_budget exists.
+Departures from the spec, one line each:
+- flush() moves samples so no rank is empty (it would desync collectives); < world_size: dropped.
+- masked_token_frac counts forwarded positions without a loss term (spec: completion_mask == 0).
+- A trained first token (completion_mask[0] == 1) has no position predicting it: add() refuses it.
+- batch/row_fill_frac is not reported in fixed-count mode, where no token_budget exists.
 """
 import bisect
 import logging

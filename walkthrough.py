@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 import toy  # noqa: E402
 from config import AsyncGRPOConfig  # noqa: E402
-from loss import _band, _centering_term, policy_loss, token_logprobs  # noqa: E402
+from loss import centering_term, importance_bands, policy_loss, token_logprobs  # noqa: E402
 from rollout import AsyncRolloutLoop  # noqa: E402
 from rollout_samples import RolloutGroup, reconcile  # noqa: E402
 from rollout_scoring import score_group  # noqa: E402
@@ -205,7 +205,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
         ratio = (lp.target - log_q).exp()                                      # [M]
         inside = ((ratio >= config.vllm_importance_sampling_clip_min)
                   & (ratio <= config.vllm_importance_sampling_clip_max))       # [M] keep bits
-        centering = _centering_term(lp, packed.top_logprobs, packed.advantages, config)  # [M]
+        centering = centering_term(lp, packed.top_logprobs, packed.advantages, config)  # [M]
     section("loss")
     say(" m  sample  pos  target      log π     log q     ratio   keep  advantage  c_m")
     for m in range(packed.trained_tokens):
@@ -255,7 +255,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
         hidden = policy(packed).last_hidden_state[0]
         new = token_logprobs(hidden, head.weight, head.bias, packed.token_index, packed.targets,
                              top_ids=packed.top_ids)
-        centering = _centering_term(new, packed.top_logprobs, packed.advantages, config)  # [M]
+        centering = centering_term(new, packed.top_logprobs, packed.advantages, config)  # [M]
     m = int(np.flatnonzero(packed.sample_ids.numpy() == 0)[0])
     say(f"log-prob of {show_tokens(tokenizer, [target])!r} after the prompt: sampler (v0) "
         f"{fmt(samples[0].sampler_logprobs[len(prompt_ids)])}, trainer (v1) "
@@ -265,7 +265,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
     # 7. the same row under version 1: what a sample of staleness 1 looks like to the loss
     section("stale")
     ratio = (new.target - packed.sampler_logprobs).exp()                          # [M]
-    keep, low, high = _band(ratio, packed.advantages, config)                     # [M] bool each
+    keep, low, high = importance_bands(ratio, packed.advantages, config)                     # [M] bool each
     say(" sample  reward  ratio(digit)  ratio(end)  keep  clipped")
     for i in range(packed.num_samples):
         m0, m1 = np.flatnonzero(packed.sample_ids.numpy() == i)
