@@ -1,8 +1,10 @@
-"""Shared fixtures: the offline toy model directory and local vLLM-compatible servers in subprocesses."""
+"""Shared fixtures: the offline toy model directory, its tokenizer, and local vLLM-compatible
+servers (serve_local.py) in subprocesses."""
 import os
 import sys
 
 import pytest
+from transformers import AutoTokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +23,8 @@ def toy_dir(tmp_path_factory) -> str:
 
 @pytest.fixture
 def start_server(toy_dir):
-    """Factory: start_server(*cli_args, model_dir=toy_dir) -> LocalServer; every server is stopped after the test."""
+    """Factory: start_server(*cli_args, model_dir=toy_dir) -> LocalServer; every server is stopped
+    after the test."""
     servers = []
 
     def start(*args: str, model_dir: str | None = None) -> LocalServer:
@@ -36,18 +39,36 @@ def start_server(toy_dir):
 @pytest.fixture(scope="session")
 def server(toy_dir):
     """One shared server on the toy model with every optional feature switched on."""
-    s = LocalServer(toy_dir, "--max-model-len", "256", "--weight-transfer-config", '{"backend":"gloo"}',
-                    "--enable-lora", "--max-lora-rank", "8", "--max-loras", "6", "--return-sampling-mask",
-                    "--enable-scale-out", "--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs")
+    s = LocalServer(toy_dir, "--max-model-len", "256",
+                    "--weight-transfer-config", '{"backend":"gloo"}',
+                    "--enable-lora", "--max-lora-rank", "8", "--max-loras", "6",
+                    "--return-sampling-mask", "--enable-scale-out", "--max-logprobs", "-1",
+                    "--logprobs-mode", "processed_logprobs")
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def long_server(toy_dir):
-    """A module's own server with room for the tool prompt (~520 tokens) and every generation feature
-    (processed log-probs, any number of them, sampling masks, the token-in/token-out endpoint)."""
-    s = LocalServer(toy_dir, "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-                    "--return-sampling-mask", "--enable-scale-out")
+    """A module's own server with room for the tool prompt (~520 tokens) and every generation
+    feature (processed log-probs, any number of them, sampling masks, the token endpoint)."""
+    s = LocalServer(toy_dir, "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs",
+                    "--max-logprobs", "-1", "--return-sampling-mask", "--enable-scale-out")
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def small_kv_server(toy_dir):
+    """A module's own server with KV capacity for 4 full-length sequences: the concurrency cap
+    starts at 4 and usage is easy to drive high."""
+    s = LocalServer(toy_dir, "--max-model-len", "256", "--kv-cache-tokens", "1024",
+                    "--logprobs-mode", "processed_logprobs", "--max-logprobs", "8")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def tokenizer(toy_dir):
+    """The toy tokenizer, loaded fresh for each test (some tests change its templates)."""
+    return AutoTokenizer.from_pretrained(toy_dir)

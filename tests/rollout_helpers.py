@@ -1,20 +1,99 @@
-"""Module-level rewards, environments, configs and loop subclasses for test_rollout.py.
-
-The rollout process is spawned, so everything it runs must be importable by name: these cannot live
-inside test functions.
+"""What the rollout tests share: module-level rewards, environments, configs and loop subclasses
+(the rollout process is spawned, so everything it runs must be importable by name), and the
+helpers that run a worker, build a loop or a scored group.
 """
 import asyncio
 import os
+import queue
 import random
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+import toy
+from config import AsyncGRPOConfig
 from rollout import AsyncRolloutLoop
-from rollout_samples import Rollout, TurnRecord
-from train import AsyncGRPOConfig
+from rollout_samples import FinishedRollout, PendingGroup, Rollout, TurnRecord, reconcile
 from vllm_client import VLLMError
+
+SERVER_FLAGS = ("--max-model-len", "256", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "8")
+
+
+# ── running the rollout process ─────────────────────────────────────────────────────────────
+
+
+def config_for(server, **kwargs) -> AsyncGRPOConfig:
+    """A small config against `server`; kwargs override."""
+    defaults = dict(vllm_server_base_url=server.url, num_generations=2, max_completion_length=8,
+                    num_train_epochs=1, per_device_train_batch_size=8, vllm_server_timeout=30.0)
+    return AsyncGRPOConfig(**(defaults | kwargs))
+
+
+def run_worker(worker, timeout=60.0):
+    """All samples until the prompts run out, then the metrics; the worker is stopped."""
+    samples = []
+    try:
+        worker.start()
+        while (sample := worker.get(timeout=timeout)) is not None:
+            samples.append(sample)
+        return samples, worker.drain_metrics()
+    finally:
+        worker.stop()
+
+
+def poll_until(worker, done, timeout=60.0):
+    """Start, consume samples (publishing versions like a trainer) until a periodic metric dict
+    satisfies `done`; the periodic dicts seen. The worker is stopped."""
+    polls = []
+    deadline = time.monotonic() + timeout
+    version = 0
+    try:
+        worker.start()
+        while time.monotonic() < deadline:
+            try:
+                worker.get(timeout=0.2)
+                version += 1
+                worker.set_model_version(version)
+            except queue.Empty:
+                pass
+            polls += [m for m in worker.drain_metrics() if "rollout/concurrency_cap" in m]
+            if polls and done(polls[-1]):
+                return polls
+        caps = [p["rollout/concurrency_cap"] for p in polls]
+        raise AssertionError(f"condition never met; caps {caps}")
+    finally:
+        worker.stop()
+
+
+# ── a loop and groups without a process ─────────────────────────────────────────────────────
+
+
+def make_loop(tokenizer, config=None, loop_cls=AsyncRolloutLoop):
+    """A loop built in this process (no channels, not connected): for calling hooks directly."""
+    config = config or AsyncGRPOConfig(num_generations=3)
+    return loop_cls(config, "toy", toy.make_dataset(2), [], tokenizer, [tokenizer.eos_token_id],
+                    channels=None, max_concurrent_rollouts=2)
+
+
+def group_of(rollout_rewards, env_rewards=None, row=None, tool_calls=None):
+    """A finished group of one-turn rollouts answering "7" (ids [9, 2]), built as the loop builds
+    it: rollout rewards, environment rewards and each rollout's tool calls as given."""
+    n = len(rollout_rewards)
+    if row is None:
+        row = {"prompt": [{"role": "user", "content": "3+4="}], "solved": True}
+    group = PendingGroup(group_id=0, row_index=1, prompt_index=1, row=row, size=n, model_version=5)
+    for i, reward in enumerate(rollout_rewards):
+        turn = TurnRecord([1], [9, 2], [-0.1, -0.2])
+        rollout = Rollout([{"role": "assistant", "content": "7"}], [9, 2], [turn], reward=reward,
+                          tool_calls=list((tool_calls or [[]] * n)[i]))
+        env_reward = (env_rewards or [None] * n)[i]
+        group.slots[i] = FinishedRollout(row.get("prompt"), rollout, reconcile(rollout.turns)[0],
+                                         env_reward, {"duration_s": 1.0, "drifts": []})
+    return group.build()
+
+
+# ── module-level rewards, environments and loops ────────────────────────────────────────────
 
 
 def rank_reward(prompts, completions, **kwargs) -> list[float]:
@@ -39,14 +118,15 @@ class CheckedEnvLoop(FastPollLoop):
     """Fails at setup unless the child runs without a GPU and without torchrun's variables."""
 
     async def setup(self):
-        leaked = [k for k in os.environ if k in ("RANK", "WORLD_SIZE", "MASTER_PORT") or k.startswith("TORCHELASTIC_")]
+        leaked = [k for k in os.environ
+                  if k in ("RANK", "WORLD_SIZE", "MASTER_PORT") or k.startswith("TORCHELASTIC_")]
         if os.environ.get("CUDA_VISIBLE_DEVICES") != "" or leaked:
             raise RuntimeError(f"child environment not scrubbed: {leaked}")
 
 
 class ScriptedToolLoop(AsyncRolloutLoop):
     """Turn 1 asks for add(1, 2); once a tool response is in the prompt, the model answers "3"."""
-    call_json = '{"name": "add", "arguments": {"a": 1, "b": 2}}'  # exactly what the template re-renders
+    call_json = '{"name": "add", "arguments": {"a": 1, "b": 2}}'  # as the template re-renders it
 
     async def generate_one_turn(self, prompt_ids):
         answered = self.tokenizer.convert_tokens_to_ids("<tool_response>") in prompt_ids
@@ -122,7 +202,8 @@ class CurriculumRolloutLoop(AsyncRolloutLoop):
 
 
 class PromptEnv(Counter):
-    """An environment that owns the data (no train_dataset): reset() writes the prompt; it scores itself."""
+    """An environment that owns the data (no train_dataset): reset() writes the prompt; it scores
+    itself."""
 
     def reset(self, **row):
         self.calls = 0
@@ -133,8 +214,9 @@ class PromptEnv(Counter):
 
 
 class ModelRecordingLoop(FastPollLoop):
-    """Records which server answered each turn of a rollout and the model it says it served (the reply's
-    `model`), as "url|model,url|model" in the rollout's rollout_id, so the parent can read it off samples."""
+    """Records which server answered each turn of a rollout and the model it says it served (the
+    reply's `model`), as "url|model,url|model" in the rollout's rollout_id, so the parent can read
+    it off samples."""
 
     async def setup(self):
         self.served = {}
@@ -156,13 +238,18 @@ class ModelRecordingLoop(FastPollLoop):
         return self.tag(await super().generate_one(prompt, tools, group_id))
 
 
+def served(sample) -> list[tuple[str, str]]:
+    """(server URL, model it served) per turn of the sample's rollout (ModelRecordingLoop's tag)."""
+    return [tuple(turn.split("|")) for turn in sample.rollout_id.split(",")]
+
+
 class FailFastLoop(ModelRecordingLoop):
     vllm_max_retries = 1
 
 
 class SpanningLoop(ModelRecordingLoop):
-    """Two turns per rollout; group 0's rollouts wait between their turns until the trainer has published
-    version 2, so they span a sync."""
+    """Two turns per rollout; group 0's rollouts wait between their turns until the trainer has
+    published version 2, so they span a sync."""
 
     async def generate_one(self, prompt, tools, group_id=0):
         ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
@@ -171,5 +258,6 @@ class SpanningLoop(ModelRecordingLoop):
         while group_id == 0 and self.model_version < 2:
             await asyncio.sleep(0.02)
         second = await self.generate_one_turn(ids + first.output_ids)
-        completion = [{"role": "assistant", "content": self.tokenizer.decode(first.output_ids + second.output_ids)}]
-        return self.tag(Rollout(completion, first.output_ids + second.output_ids, [first, second]))
+        output_ids = first.output_ids + second.output_ids
+        completion = [{"role": "assistant", "content": self.tokenizer.decode(output_ids)}]
+        return self.tag(Rollout(completion, output_ids, [first, second]))

@@ -1,0 +1,72 @@
+"""rollout_prompts.py: the prompt stream (epochs, resume, streaming), filter_prompt's epoch rule, and
+the resume index."""
+import pytest
+from datasets import IterableDataset
+
+import toy
+from rollout_prompts import ResumeIndex, filtered_stream, prompt_stream
+
+
+def test_prompt_stream_epochs_resume_and_streaming():
+    ds = toy.make_dataset(4)
+    assert [(i, e, r) for i, e, r, _ in prompt_stream(ds, 0, 1.5, -1)] == [
+        (0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3), (4, 1, 0), (5, 1, 1)]
+    assert [(i, e, r) for i, e, r, _ in prompt_stream(ds, 6, 2, -1)] == [(6, 1, 2), (7, 1, 3)]
+    endless = prompt_stream(ds, 0, 1, max_steps=10)
+    assert len([next(endless) for _ in range(9)]) == 9
+    stream = IterableDataset.from_generator(lambda: ({"prompt": str(i)} for i in range(3)))
+    assert [(i, e, r) for i, e, r, _ in prompt_stream(stream, 2, 2, -1)] == [
+        (0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 1, 0), (4, 1, 1), (5, 1, 2)]
+    with pytest.raises(ValueError, match="empty"):  # not an endless busy loop that starves the heartbeat
+        next(prompt_stream(EmptyStream(), 0, 1, max_steps=10))
+
+
+class EmptyStream:
+    """A streaming dataset (no len) without rows; a third pass over it means the stream spins."""
+    passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        assert self.passes < 3, "prompt_stream keeps re-reading an empty stream"
+        return iter([])
+
+
+def first_two_rows(row_index, row, epoch) -> bool:
+    return row_index < 2
+
+
+def no_row(row_index, row, epoch) -> bool:
+    return False
+
+
+def test_a_resumed_epoch_is_not_rejected_for_its_missing_part():
+    """Resuming after an epoch's last accepted prompt: the rest rejected is not 'every prompt
+    rejected'; an epoch seen whole and rejected whole raises."""
+    resumed = filtered_stream(prompt_stream(toy.make_dataset(4), 2, 1, -1), first_two_rows)
+    assert [(i, accepted) for i, _, _, _, accepted in resumed] == [(2, False), (3, False)]
+    whole = filtered_stream(prompt_stream(toy.make_dataset(4), 0, 1, -1), no_row)
+    with pytest.raises(RuntimeError, match="rejected every prompt of epoch 0"):
+        list(whole)
+    two_epochs = filtered_stream(prompt_stream(toy.make_dataset(4), 0, 2, -1), first_two_rows)
+    assert sum(accepted for *_, accepted in two_epochs) == 4
+
+
+def test_resume_index_counts_handed_out_dropped_and_filtered_prompts():
+    resume = ResumeIndex(3)
+    for index, samples in ((3, 2), (4, 0), (5, 1)):
+        resume.announce(index, samples)
+    assert resume.value() == 3
+    resume.handed_out(3)
+    assert resume.value() == 3        # prompt 3 still has a sample in the queue
+    resume.handed_out(3)
+    assert resume.value() == 5        # 4 was dropped or filtered: it counts as done
+    resume.handed_out(5)
+    assert resume.value() == 6
+
+
+def test_a_sample_handed_out_before_its_prompt_is_announced_counts():
+    resume = ResumeIndex(0)
+    resume.handed_out(0)              # the progress message may arrive after the sample
+    assert resume.value() == 0
+    resume.announce(0, 1)
+    assert resume.value() == 1

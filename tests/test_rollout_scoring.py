@@ -1,0 +1,70 @@
+"""rollout_scoring.py: reward sources summed per rollout, flat groups dropped, the group's metrics
+and their running totals."""
+import asyncio
+import functools
+import math
+
+import pytest
+
+import rollout_helpers as h
+from rollout_samples import ToolCall
+from rollout_scoring import add_totals, score_group
+
+
+def scored(tokenizer, group, reward_funcs=()):
+    """score_group with the default loop's compute_advantages."""
+    loop = h.make_loop(tokenizer)
+    return asyncio.run(score_group(group, list(reward_funcs), loop.compute_advantages,
+                                   loop.eos_token_ids, loop.num_top))
+
+
+def test_score_group_sums_sources_and_drops_flat_groups(tokenizer):
+    group = h.group_of([0.5, None, 1.0], env_rewards=[(h.Counter, 2.0), None, None])
+    samples, metrics = scored(tokenizer, group, [h.solved_reward])
+    assert group.rewards == pytest.approx([1.0 + 2.0 + 0.5, 1.1, 1.2 + 1.0])
+    assert len(samples) == 3 and samples[0].model_version == 5
+    assert samples[0].reward == pytest.approx(3.5)
+    assert samples[0].metrics["rewards/Counter/mean"] == 2.0
+    assert math.isnan(samples[1].metrics["rewards/Counter/mean"])
+    assert metrics["frac_reward_zero_std"] == 0.0
+    assert metrics["reward_kept"] == pytest.approx(metrics["reward"])
+    assert sum(s.advantage for s in samples) == pytest.approx(0.0, abs=1e-6)
+
+    # no reward functions: only Rollout.reward, all equal
+    samples, metrics = scored(tokenizer, h.group_of([1.0, 1.0, None]))
+    assert samples == [] and metrics["frac_reward_zero_std"] == 1.0 and "reward_kept" not in metrics
+    samples, metrics = scored(tokenizer, h.group_of([1.0, None, None]))  # < 2 scored
+    assert samples == [] and metrics["reward"] == 1.0
+
+
+def weighted_rank(prompts, completions, weight, **kwargs) -> list[float]:
+    return [weight * i for i in range(len(completions))]
+
+
+def test_reward_sources_sharing_a_name_are_all_summed(tokenizer):
+    """Two partials of one function (and an environment class named like a function) are separate
+    sources."""
+    funcs = [functools.partial(weighted_rank, weight=1.0),
+             functools.partial(weighted_rank, weight=10.0)]
+    group = h.group_of([None, None, None], env_rewards=[(h.Counter, 100.0), None, None])
+    samples, _ = scored(tokenizer, group, funcs)
+    assert group.rewards == pytest.approx([100.0, 11.0, 22.0])
+    assert samples[1].metrics["rewards/weighted_rank/mean"] == 1.0
+    assert samples[1].metrics["rewards/weighted_rank_2/mean"] == 10.0
+
+
+def test_tool_calls_are_counted_by_kind_and_totals_run(tokenizer):
+    calls = [ToolCall("add", 0.1, False, False, 0), ToolCall("add", 0.1, True, False, 0),  # ran; raised
+             ToolCall("nope", 0.0, False, True, 0), ToolCall(None, 0.0, True, False, 1)]   # unknown; malformed
+    totals = {}
+    per_group = []
+    for _ in range(2):
+        group = h.group_of([0.0, 1.0], row={}, tool_calls=[calls, []])
+        metrics = scored(tokenizer, group)[1]
+        add_totals(totals, metrics)
+        per_group.append(metrics)
+    first, second = per_group
+    assert not any("None" in name for name in first)
+    assert first["tools/failure_frequency"] == 0.5   # the raise and the malformed call, not the unknown
+    names = ["tools/unknown_name_total", "tools/add/call_total", "tools/add/failure_total"]
+    assert [first[n] for n in names] == [1, 2, 1] and [second[n] for n in names] == [2, 4, 2]

@@ -1,0 +1,158 @@
+"""rollout_servers.py: the live concurrency cap, routing groups over replicas, the checks at start,
+and several replicas without a proxy against serve_local.py (groups stay on one replica, both
+serve, a killed replica stops the run naming it, a wrong API key fails at once with a clear 401)."""
+import queue
+import time
+from collections import defaultdict
+
+import pytest
+from datasets import Dataset
+
+import rollout_helpers as h
+import toy
+from rollout_servers import ConcurrencyCap, Replica, pick
+from rollout_worker import RolloutWorker
+
+FLAGS = h.SERVER_FLAGS
+
+
+# ── the cap and routing, without a server ───────────────────────────────────────────────────
+
+
+def test_cap_starts_from_kv_size_and_stays_at_bound_without_metrics():
+    assert ConcurrencyCap.start(bound=64, kv_cache_tokens=4096, max_model_len=1024,
+                                has_metrics=True).cap == 4
+    assert ConcurrencyCap.start(bound=2, kv_cache_tokens=4096, max_model_len=1024,
+                                has_metrics=True).cap == 2
+    fixed = ConcurrencyCap.start(bound=64, kv_cache_tokens=4096, max_model_len=1024,
+                                 has_metrics=False)
+    fixed.observe(kv_usage=0.99, waiting=5, inflight=64)
+    assert fixed.cap == 64
+
+
+def test_cap_rises_per_caps_worth_while_calm_and_cuts_once_until_drained():
+    cap = ConcurrencyCap(bound=10, cap=4)
+    cap.observe(kv_usage=0.3, waiting=0, inflight=4)
+    for _ in range(3):
+        cap.rollout_done(inflight=3)
+    assert cap.cap == 4
+    cap.rollout_done(inflight=3)
+    assert cap.cap == 5                      # +25% after 4 completions
+    cap.observe(kv_usage=0.3, waiting=1, inflight=5)  # something waits: no raise
+    for _ in range(10):
+        cap.rollout_done(inflight=4)
+    assert cap.cap == 5
+    cap.observe(kv_usage=0.9, waiting=0, inflight=5)
+    assert cap.cap == 3                      # −30%
+    cap.observe(kv_usage=0.95, waiting=0, inflight=5)
+    assert cap.cap == 3                      # in-flight (5) is not under the new cap yet
+    cap.rollout_done(inflight=2)
+    cap.observe(kv_usage=0.95, waiting=0, inflight=2)
+    assert cap.cap == 2
+    for _ in range(50):
+        cap.observe(kv_usage=0.1, waiting=0, inflight=1)
+        cap.rollout_done(inflight=1)
+    assert cap.cap == 10                     # up to the bound, never beyond
+
+
+def test_pick_prefers_the_least_loaded_then_takes_turns():
+    a, b, c = (Replica(url, None, ConcurrencyCap(8, 8)) for url in "abc")
+    assert [pick([a, b, c]).url for _ in range(4)] == ["a", "b", "c", "a"]   # idle: round robin
+    a.assigned, a.waiting, a.kv_usage = 8, 2, 0.7                           # 10/8 + 0.7 = 1.95
+    b.assigned, b.kv_usage = 8, 0.3                                         # 8/8 + 0.3 = 1.3
+    c.assigned, c.kv_usage = 12, 0.0                                        # 12/8 = 1.5
+    assert pick([a, b, c]).url == "b"
+
+
+# ── against serve_local.py ──────────────────────────────────────────────────────────────────
+
+
+def test_server_flags_are_checked_at_start(start_server, tokenizer):
+    server = start_server("--max-model-len", "128", "--max-logprobs", "4")  # raw log-probs, 4 at most
+    worker = RolloutWorker(h.config_for(server), toy.make_dataset(2), [h.rank_reward], tokenizer)
+    with pytest.raises(RuntimeError, match="--logprobs-mode processed_logprobs --max-logprobs 8"):
+        worker.start()
+    assert worker.process is None
+
+
+def test_concurrency_cap_falls_when_kv_usage_is_high(start_server, tokenizer):
+    # its own server: the requests still running when the worker stops must not load the next test's
+    server = start_server("--max-model-len", "256", "--kv-cache-tokens", "1024", "--logprobs-mode",
+                          "processed_logprobs")
+    long_prompts = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+1=" + "x" * 190}]}
+                                      for i in range(40)])
+    config = h.config_for(server, max_completion_length=40, max_concurrent_rollouts=8,
+                          num_sampler_logprobs=1)
+    worker = RolloutWorker(config, long_prompts, [h.rank_reward], tokenizer, loop_cls=h.FastPollLoop)
+    polls = h.poll_until(worker, lambda p: p["rollout/concurrency_cap"] < 4)
+    assert max(p["rollout/concurrency_cap"] for p in polls) <= 4  # 1024 KV tokens / max_model_len 256
+    assert max(p["rollout/kv_cache_usage"] for p in polls) > 0.8
+    assert polls[-1]["rollout/concurrency_cap"] == 2  # int(4 × 0.7)
+
+
+def test_concurrency_cap_rises_while_the_server_is_idle(small_kv_server, tokenizer):
+    config = h.config_for(small_kv_server, max_completion_length=4, max_concurrent_rollouts=12,
+                          num_train_epochs=20, num_sampler_logprobs=1)
+    worker = RolloutWorker(config, toy.make_dataset(8), [h.rank_reward], tokenizer,
+                           loop_cls=h.FastPollLoop)
+    polls = h.poll_until(worker, lambda p: p["rollout/concurrency_cap"] >= 7)
+    caps = [p["rollout/concurrency_cap"] for p in polls]
+    assert caps[0] == 4 and caps == sorted(caps)
+    assert all(p["rollout/kv_cache_usage"] < 0.6 for p in polls)
+
+
+def test_groups_stay_on_one_replica_and_both_replicas_serve(start_server, tokenizer):
+    a = start_server(*FLAGS)
+    b = start_server(*FLAGS)
+    config = h.config_for(a, vllm_server_base_url=f"{a.url}, {b.url}", num_generations=3,
+                          max_concurrent_rollouts=6)
+    worker = RolloutWorker(config, toy.make_dataset(6), [h.rank_reward], tokenizer,
+                           loop_cls=h.ModelRecordingLoop)
+    samples, metrics = h.run_worker(worker)
+    by_group = defaultdict(set)
+    for s in samples:
+        by_group[s.group_id] |= {url for url, _ in h.served(s)}
+    assert len(by_group) >= 4 and all(len(urls) == 1 for urls in by_group.values())  # prefix cache
+    assert set().union(*by_group.values()) == {a.url, b.url}                          # spread by load
+    caps = [m["rollout/concurrency_cap"] for m in metrics if "rollout/concurrency_cap" in m]
+    assert caps and max(caps) <= 6                                                    # split over both
+
+
+def test_a_killed_replica_stops_the_run_naming_it(start_server, tokenizer):
+    a = start_server(*FLAGS)
+    b = start_server(*FLAGS)
+    config = h.config_for(a, vllm_server_base_url=f"{a.url},{b.url}", max_steps=100,
+                          max_completion_length=32)
+    worker = RolloutWorker(config, toy.make_dataset(8), [h.rank_reward], tokenizer,
+                           loop_cls=h.FailFastLoop)
+    try:
+        worker.start()
+        seen = set()
+        for _ in range(40):                                     # both replicas serve before the kill
+            seen |= {url for url, _ in h.served(worker.get(timeout=60))}
+            if seen == {a.url, b.url}:
+                break
+        assert seen == {a.url, b.url}
+        b.stop()
+        with pytest.raises(RuntimeError) as failure:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    worker.set_model_version(worker.get(timeout=0.5).model_version + 1)
+                except queue.Empty:
+                    pass
+    finally:
+        worker.stop()
+    message = str(failure.value)
+    assert f"the vLLM server at {b.url} stopped answering" in message and a.url not in message
+
+
+def test_a_wrong_api_key_fails_at_once_with_a_clear_401(start_server, tokenizer, monkeypatch):
+    server = start_server(*FLAGS, "--api-key", "right-key")
+    monkeypatch.setenv("VLLM_API_KEY", "wrong-key")             # the spawned rollout process inherits it
+    worker = RolloutWorker(h.config_for(server), toy.make_dataset(2), [h.rank_reward], tokenizer)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="HTTP 401") as failure:
+        worker.start()
+    assert time.monotonic() - start < 30 and "refused the key in VLLM_API_KEY" in str(failure.value)
+    assert "wrong-key" not in str(failure.value) and "right-key" not in str(failure.value)
