@@ -1,27 +1,29 @@
-"""The GPU check: everything a lent GPU should confirm, in one run and one table (spec: ツリーパッキング
-(tree packing: speed-ups, Gated DeltaNet hybrids), AMD GPU (the attention kernels); under 8 minutes on one H200).
+"""ツリーパッキング (Tree packing: the speed-ups, Gated DeltaNet hybrids), AMD GPU (the attention
+kernels): everything a lent GPU should confirm, in one run and one table, in under 8 minutes on
+one H200.
 
     python gpu_check.py               # on a CUDA machine; exit status 1 if a check fails
     python gpu_check.py --cpu-smoke   # the CPU-safe parts, for CI (tests/test_gpu_check.py)
 
-    check        what runs                                                   judged by
-    env          GPU, torch, fla, and the flash kernel that loads (hub or package)   info
-    gpu tests    pytest -m gpu: flex vs sdpa (plain, windowed, softcapped), rows      exit status
-                 of varying length under compile, Gated DeltaNet hybrids on CUDA,
-                 bf16 LM-head gradients
-    packing 1k   bench.py packing: 4 prompts x 8 rollouts, prompt 1024, completion    efficiency >= 0.95 of
-                 256 (FLOP bound ~2.8x)                                              the bound, and >= 0.97x
-    packing 8k   the same with --groups 1 --prompt 8192 --completion 128             with nothing shared
-                 --checkpointing (bound ~7x; shared-prefix trainers report 5-7.5x)
-    train        train_command(): python train.py TRAIN_ARGS, the toy task against   exit status
-                 serve_local on the same GPU
+    check       what runs                                                 judged by
+    env         GPU, torch, fla, and the flash kernel that loads          info
+    gpu tests   pytest -m gpu: flex vs sdpa (plain, windowed, softcapped), exit status
+                rows of varying length under compile, Gated DeltaNet
+                hybrids on CUDA, bf16 LM-head gradients
+    packing 1k  bench.py packing: 4 prompts x 8 rollouts, prompt 1024,    efficiency >= 0.95 of
+                completion 256 (FLOP bound ~2.8x)                         the bound, and >= 0.97x
+    packing 8k  the same with --groups 1 --prompt 8192 --completion 128   with nothing shared
+                --checkpointing (bound ~7x; shared-prefix trainers: 5-7.5x)
+    train       train_command(): python train.py TRAIN_ARGS, the toy task  exit status
+                against serve_local on the same GPU
 
-Every check runs in its own process with its own time limit (LIMITS, 480 s together), so one that hangs
-or runs out of memory costs only its row. A row is PASS, FAIL (it broke), MISS (it ran and missed a
-target), INFO or SKIP.
+Every check runs in its own process with its own time limit (LIMITS, 480 s together), so one that
+hangs or runs out of memory costs only its row. A row is PASS, FAIL (it broke), MISS (it ran and
+missed a target), INFO or SKIP.
 
-Departures from the spec: none; the spec states the speed-ups, this measures ours against them. On CPU
-(--cpu-smoke) the benchmarks run their tiny correctness variant and are not judged, and train is skipped.
+Departures from the spec, one line each:
+- None: the spec states the speed-ups; this measures ours against them.
+- On CPU (--cpu-smoke) the benchmarks run their tiny variant, not judged; train is skipped.
 """
 import argparse
 import os
@@ -33,11 +35,12 @@ import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 TARGETS = {"efficiency": 0.95, "no_sharing": 0.97}
-LIMITS = {"gpu tests": 170, "packing 1k": 90, "packing 8k": 130, "train": 90}      # seconds, 480 in all
-LAYOUTS = {"packing 1k": [], "packing 8k": ["--groups", "1", "--prompt", "8192", "--completion", "128",
-                                            "--checkpointing", "--iters", "3", "--warmup", "2"]}
+LIMITS = {"gpu tests": 170, "packing 1k": 90, "packing 8k": 130, "train": 90}  # s, 480 in all
+LAYOUTS = {"packing 1k": [],
+           "packing 8k": ["--groups", "1", "--prompt", "8192", "--completion", "128",
+                          "--checkpointing", "--iters", "3", "--warmup", "2"]}
 
-# ---- the training run: the lead sets TRAIN_ARGS (train.py's CLI: AsyncGRPOConfig fields as flags) ----------
+# ---- the training run: the lead sets TRAIN_ARGS (train.py's CLI: config fields as flags) ----
 TRAIN_ARGS = ["--max_steps", "5"]
 
 
@@ -50,11 +53,11 @@ def run(cmd: list[str], limit: float) -> tuple[int | None, str, float]:
     """(exit status or None on timeout, stdout+stderr, seconds)."""
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit,
-                           env={**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")})
+        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit, env=env)
         return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
     except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        out = b"".join(x or b"" for x in (e.stdout, e.stderr)).decode(errors="replace")
         return None, out, time.perf_counter() - t0
 
 
@@ -76,14 +79,15 @@ def env_row() -> tuple[str, str]:
     except RuntimeError as e:
         kernel = f"none ({e})"
     fla = "installed" if importlib.util.find_spec("fla") else "not installed (torch reference GDN)"
-    return "INFO", (f"{torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()}; torch "
-                    f"{torch.__version__}; fla {fla}; flash kernel: {kernel}")
+    gpu = f"{torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()}"
+    return "INFO", f"{gpu}; torch {torch.__version__}; fla {fla}; flash kernel: {kernel}"
 
 
 def tests_row(limit: float) -> tuple[str, str]:
     code, out, dt = run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-o", "addopts=", "-rf",
                          "-p", "no:cacheprovider"], limit)
-    summary = next((x for x in reversed(out.splitlines()) if re.search(r"\d+ (passed|skipped|failed)", x)), "")
+    counts = [x for x in out.splitlines() if re.search(r"\d+ (passed|skipped|failed)", x)]
+    summary = counts[-1] if counts else ""
     summary = re.sub(r" in [\d.]+s\b.*", "", summary.strip("= "))
     if code is None:
         return "FAIL", f"timed out after {limit:.0f} s"
@@ -101,8 +105,8 @@ def packing_row(args: list[str], limit: float, judged: bool) -> tuple[str, str]:
         return "FAIL", last_error(out)
     got = {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.e+]+)", line)}
     detail = (f"speedup {got['speedup']:.2f}x of bound {got['flop_bound']:.2f}x = efficiency "
-              f"{got['efficiency']:.2f}; no sharing {got['no_sharing']:.2f}x; gap {got['max_logprob_gap']:.2g}; "
-              f"{dt:.0f} s")
+              f"{got['efficiency']:.2f}; no sharing {got['no_sharing']:.2f}x; "
+              f"gap {got['max_logprob_gap']:.2g}; {dt:.0f} s")
     if not judged:
         return "PASS", detail + " (CPU: timings not judged)"
     missed = [f"{k} < {t}" for k, t in TARGETS.items() if got[k] < t]
@@ -116,7 +120,8 @@ def train_row(limit: float) -> tuple[str, str]:
             if os.path.exists(os.path.join(out_dir, "metrics.jsonl")) else 0
     if code is None:
         return "FAIL", f"timed out after {limit:.0f} s ({steps} steps logged)"
-    return ("PASS" if code == 0 else "FAIL"), f"{steps} steps logged in {dt:.0f} s; " + last_error(out)
+    status = "PASS" if code == 0 else "FAIL"
+    return status, f"{steps} steps logged in {dt:.0f} s; " + last_error(out)
 
 
 def main(argv=None) -> int:
@@ -130,7 +135,10 @@ def main(argv=None) -> int:
     rows = [("env", *env_row()), ("gpu tests", *tests_row(LIMITS["gpu tests"]))]
     for name, layout in LAYOUTS.items():
         rows.append((name, *packing_row(layout, LIMITS[name], judged=not args.cpu_smoke)))
-    rows.append(("train", *(("SKIP", "needs CUDA (--cpu-smoke)") if args.cpu_smoke else train_row(LIMITS["train"]))))
+    if args.cpu_smoke:
+        rows.append(("train", "SKIP", "needs CUDA (--cpu-smoke)"))
+    else:
+        rows.append(("train", *train_row(LIMITS["train"])))
     width = max(len(r[0]) for r in rows)
     print(f"\n{'check':{width}}  status  detail   ({time.perf_counter() - t0:.0f} s)")
     for name, status, detail in rows:

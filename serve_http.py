@@ -1,32 +1,37 @@
-"""The HTTP/1.1 transport of serve_local.py: a threaded server that survives any request.
+"""The vLLM HTTP contract (reference/vllm_api.md), its transport; 概要 (Overview): the server that
+the demo starts. A threaded HTTP/1.1 server for serve_local.py that survives any request, and
+LocalServer, `python serve_local.py` as a subprocess (the demo's, bench.py's and the tests').
 
-It knows nothing of vLLM's routes (serve_local.py hands it a route table); it frames and bounds what
-arrives and answers every refusal in vLLM's JSON error shape, so no request gets a 500, a hang or a
-dropped connection for being malformed, and no request can hurt another:
+The server knows nothing of vLLM's routes (serve_local.py hands it a route table); it frames and
+bounds what arrives and answers every refusal in vLLM's JSON error shape, so no request gets a 500,
+a hang or a dropped connection for being malformed, and no request can hurt another:
 
-    bytes in ─► request line + headers (http.server; its own refusals → send_error → JSON, 501 → 405)
-            ─► body: Content-Length (digits, ≤ 32 MiB) or chunked (sizes checked, ≤ 32 MiB), else 400/413;
-               a client silent for 60 s mid-body gets 408; framing errors close the connection after a
-               lingering drain, so the client still reads why
-            ─► --api-key: `Authorization: Bearer <key>` on every path but /health and /metrics, else 401
-            ─► route (404 unknown path, 405 known path with another method) ─► JSON body (UTF-8, a JSON
+    bytes in ─► request line + headers (http.server; its refusals → send_error → JSON, 501 → 405)
+            ─► body: Content-Length (digits) or chunked (sizes checked), ≤ 32 MiB, else 400/413;
+               a client silent for 60 s mid-body gets 408; framing errors close the connection
+               after a lingering drain, so the client still reads why
+            ─► --api-key: `Authorization: Bearer <key>` on all but /health and /metrics, else 401
+            ─► route (404 unknown path, 405 known path, other method) ─► JSON body (UTF-8, an
                object; too deep or malformed → 400) ─► fn(engine, body, query[, alive])
-    a generating route polls alive(): a client that closed its side aborts its sequences (Cancelled),
-    and its connection closes without a reply
+    a generating route polls alive(): a client that closed its side aborts its sequences
+    (Cancelled), and its connection closes without a reply
 
-Departures from vLLM (uvicorn + FastAPI), and why:
+Departures from vLLM (uvicorn + FastAPI), one line each:
 - Bodies over 32 MiB get 413 (uvicorn sets no limit): one request's memory is bounded.
 - A client silent for 60 s mid-request, or idle that long on keep-alive, is dropped.
-- 401 covers every route but /health and /metrics, as vLLM's newest guard does (older ones guarded /v1
-  only); the reply is vLLM's `{"error": "Unauthorized"}`.
+- 401 guards every route but /health and /metrics, as vLLM's newest guard does (older: /v1 only).
 """
 import hashlib
 import hmac
 import json
+import os
 import re
 import select
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from http import HTTPStatus
@@ -35,9 +40,9 @@ from urllib.parse import parse_qs, urlparse
 
 from serve_local_engine import APIError, Cancelled
 
-MAX_BODY_BYTES = 32 << 20      # a larger body gets 413 (uvicorn sets no limit; one here bounds memory)
+MAX_BODY_BYTES = 32 << 20      # a larger body gets 413 (uvicorn sets no limit; this bounds memory)
 MAX_LINE = 1024                # a chunk-size or trailer line
-READ_TIMEOUT_S = 60.0          # a client silent this long mid-request (or idle on keep-alive) is dropped
+READ_TIMEOUT_S = 60.0          # a client silent this long mid-request (or idle) is dropped
 PUBLIC_PATHS = {"/health", "/metrics"}   # open without --api-key's token, as in vLLM
 
 
@@ -56,7 +61,7 @@ def json_body(raw: bytes) -> dict:
         raise APIError(400, f"Invalid JSON body: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object")
-    try:                                           # a lone \ud800 escape is JSON but no Unicode text
+    try:                                   # a lone \ud800 escape is JSON but no Unicode text
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:
         raise APIError(400, f"The request body has an unpaired surrogate escape: {e}") from None
@@ -64,24 +69,31 @@ def json_body(raw: bytes) -> dict:
 
 
 class Server(ThreadingHTTPServer):
-    """`routes`: {(method, path): fn(engine, body, query[, alive])}; those in `watching` also get `alive`."""
+    """`routes`: {(method, path): fn(engine, body, query[, alive])}; those in `watching` also get
+    `alive`."""
     daemon_threads = True
     request_queue_size = 1024                     # a rollout process opens many connections at once
 
-    def __init__(self, address: tuple[str, int], routes: dict, watching: set, engine, api_key: str | None):
+    def __init__(self, address: tuple[str, int], routes: dict, watching: set, engine,
+                 api_key: str | None):
         super().__init__(address, Handler)
-        self.routes, self.watching, self.engine, self.api_key = routes, watching, engine, api_key or None
+        self.routes = routes
+        self.watching = watching
+        self.engine = engine
+        self.api_key = api_key or None
 
     def handle_error(self, request, client_address):
-        if not isinstance(sys.exc_info()[1], OSError):  # a client gone mid-reply is not worth a traceback
+        if not isinstance(sys.exc_info()[1], OSError):  # a client gone mid-reply: no traceback
             super().handle_error(request, client_address)
 
 
 class Handler(BaseHTTPRequestHandler):
-    """One connection. Every reply, http.server's own refusals included, is vLLM's JSON error shape."""
+    """One connection. Every reply, http.server's own refusals included, is in vLLM's JSON
+    shape."""
     protocol_version = "HTTP/1.1"                 # keep-alive; every reply has a Content-Length
-    disable_nagle_algorithm = True                # headers and body are two writes: without TCP_NODELAY
-                                                  # the body waits ~40 ms for the delayed ACK of the first
+    # headers and body are two writes: without TCP_NODELAY the body waits ~40 ms for the delayed
+    # ACK of the first
+    disable_nagle_algorithm = True
     timeout = READ_TIMEOUT_S
 
     def do_GET(self):
@@ -90,20 +102,22 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         self.dispatch("POST")
 
-    def do_other(self):                            # a method no route has: 405 (404 for an unknown path)
+    def do_other(self):                     # a method no route has: 405 (404 for an unknown path)
         self.dispatch(self.command)
 
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = do_TRACE = do_CONNECT = do_other
 
     def send_error(self, code, message=None, explain=None):
-        """http.server's refusals (bad request line, headers, unknown method) as JSON; 501 → 405 as vLLM."""
+        """http.server's refusals (bad request line, headers, unknown method) as JSON; 501 → 405,
+        as vLLM answers."""
         if code == 501:
             code, message = 405, f"Method Not Allowed: {self.command}"
-        if self.request_version == "HTTP/0.9":         # an unparsable request line: still a status line
+        if self.request_version == "HTTP/0.9":     # an unparsable request line: still a status line
             self.request_version = "HTTP/1.0"
         self.close_connection = True
-        self.reply(code, APIError(code, message or HTTPStatus(code).phrase, HTTPStatus(code).phrase.replace(
-            " ", "") + "Error").body())
+        phrase = HTTPStatus(code).phrase
+        error = APIError(code, message or phrase, phrase.replace(" ", "") + "Error")
+        self.reply(code, error.body())
 
     def dispatch(self, method: str) -> None:
         url = urlparse(self.path)
@@ -114,7 +128,8 @@ class Handler(BaseHTTPRequestHandler):
                 fn = self.server.routes.get((method, url.path))
                 if fn is None:
                     if any(path == url.path for _, path in self.server.routes):
-                        raise APIError(405, f"Method Not Allowed: {method} {url.path}", "MethodNotAllowedError")
+                        raise APIError(405, f"Method Not Allowed: {method} {url.path}",
+                                       "MethodNotAllowedError")
                     raise APIError(404, f"Not Found: {method} {url.path}", "NotFoundError")
                 body = json_body(raw) if method == "POST" else {}
                 query = {k: v[-1] for k, v in parse_qs(url.query).items()}
@@ -126,7 +141,8 @@ class Handler(BaseHTTPRequestHandler):
                 raise Dropped from None
             except Exception as e:                 # a bug: answer 500 and keep serving
                 traceback.print_exc()
-                status, reply = 500, APIError(500, f"{type(e).__name__}: {e}", "InternalServerError").body()
+                status = 500
+                reply = APIError(500, f"{type(e).__name__}: {e}", "InternalServerError").body()
             self.reply(status, reply)
         except (Dropped, OSError):                 # gone mid-request, or a reply it no longer reads
             self.close_connection = True
@@ -138,27 +154,31 @@ class Handler(BaseHTTPRequestHandler):
             return
         scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
         given = hashlib.sha256(token.strip().encode("latin-1", "replace")).digest()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, hashlib.sha256(key.encode()).digest()):
+        wanted = hashlib.sha256(key.encode()).digest()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, wanted):
             raise APIError(401, "Unauthorized", bare=True)
 
     def read_body(self) -> bytes:
-        """The body framed by Content-Length or chunked encoding, at most MAX_BODY_BYTES. A body whose
-        framing is wrong leaves the connection unusable: the reply closes it."""
-        length, coding = self.headers.get("Content-Length"), self.headers.get("Transfer-Encoding")
+        """The body framed by Content-Length or chunked encoding, at most MAX_BODY_BYTES. A body
+        whose framing is wrong leaves the connection unusable: the reply closes it."""
+        length = self.headers.get("Content-Length")
+        coding = self.headers.get("Transfer-Encoding")
         try:
             if coding is not None:
                 if length is not None:
-                    raise APIError(400, "A request cannot have both Content-Length and Transfer-Encoding")
+                    raise APIError(400, "A request cannot have both Content-Length and "
+                                   "Transfer-Encoding")
                 if coding.strip().lower() != "chunked":
-                    raise APIError(400, f"Transfer-Encoding {coding!r:.40} is not supported (use chunked)")
+                    raise APIError(400, f"Transfer-Encoding {coding!r:.40} is not supported "
+                                   "(use chunked)")
                 body = self.read_chunked()
             elif length is None:
                 body = b""                         # HTTP/1.1: no framing header, no body
             elif not re.fullmatch(r"[0-9]{1,19}", length.strip()):
                 raise APIError(400, f"Invalid Content-Length {length!r:.40}")
             elif int(length) > MAX_BODY_BYTES:
-                raise APIError(413, f"The body ({int(length)} bytes) exceeds {MAX_BODY_BYTES} bytes",
-                               "RequestEntityTooLargeError")
+                raise APIError(413, f"The body ({int(length)} bytes) exceeds {MAX_BODY_BYTES} "
+                               "bytes", "RequestEntityTooLargeError")
             else:
                 body = self.rfile.read(int(length))
                 if len(body) < int(length):
@@ -168,21 +188,25 @@ class Handler(BaseHTTPRequestHandler):
             raise
         except TimeoutError:
             self.close_connection = True
-            raise APIError(408, f"The body did not arrive within {READ_TIMEOUT_S:g}s", "RequestTimeoutError") from None
+            raise APIError(408, f"The body did not arrive within {READ_TIMEOUT_S:g}s",
+                           "RequestTimeoutError") from None
         return body
 
     def read_chunked(self) -> bytes:
         body = bytearray()
         while True:
             line = self.rfile.readline(MAX_LINE)
+            if not line:
+                raise Dropped
             if not line.endswith(b"\n"):
-                raise APIError(400, "Malformed chunked body: a chunk-size line is cut or too long") if line else Dropped
+                raise APIError(400, "Malformed chunked body: a chunk-size line is cut or too long")
             size = line.split(b";")[0].strip()
             if not re.fullmatch(rb"[0-9a-fA-F]{1,16}", size):
                 raise APIError(400, f"Malformed chunked body: chunk size {size[:20]!r}")
             size = int(size, 16)
             if len(body) + size > MAX_BODY_BYTES:
-                raise APIError(413, f"The body exceeds {MAX_BODY_BYTES} bytes", "RequestEntityTooLargeError")
+                raise APIError(413, f"The body exceeds {MAX_BODY_BYTES} bytes",
+                               "RequestEntityTooLargeError")
             if size == 0:
                 break
             chunk = self.rfile.read(size)
@@ -200,9 +224,10 @@ class Handler(BaseHTTPRequestHandler):
         raise APIError(400, "Malformed chunked body: too many trailer lines")
 
     def alive(self) -> bool:
-        """False once the client has closed its side (readable, and a peek finds the end of the stream)."""
+        """False once the client has closed its side (readable, and a peek finds the end of the
+        stream)."""
         try:
-            readable = select.poll()                   # poll, not select: no limit on the descriptor number
+            readable = select.poll()               # poll, not select: any descriptor number
             readable.register(self.connection, select.POLLIN)
             return not readable.poll(0) or self.connection.recv(1, socket.MSG_PEEK) != b""
         except OSError:
@@ -227,8 +252,9 @@ class Handler(BaseHTTPRequestHandler):
             self.linger()
 
     def linger(self) -> None:
-        """Closing with unread request bytes makes TCP reset the connection, and the client may lose the
-        reply: stop writing, then read and discard what the client still sends, for a short while."""
+        """Closing with unread request bytes makes TCP reset the connection, and the client may
+        lose the reply: stop writing, then read and discard what the client still sends, for a
+        short while."""
         try:
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_WR)
@@ -239,5 +265,51 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def log_message(self, format, *args):          # one line per request is noise for tests and runs
+    def log_message(self, format, *args):          # a line per request is noise for tests and runs
         pass
+
+
+class LocalServer:
+    """`python serve_local.py ...` in its own process group (the demo's and the tests' vLLM
+    stand-in); `url` once /health answers. stop() ends it and everything it started."""
+
+    def __init__(self, model_dir: str, *args: str, log_path: str | None = None,
+                 startup_timeout: float = 120.0):
+        import httpx
+        from weight_sync import free_port
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_local.py")
+        cmd = [sys.executable, script, "--model", model_dir, "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve_local.py exited with {self.proc.returncode}:\n"
+                                   f"{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"serve_local.py did not become healthy within {startup_timeout:g}s:\n"
+                           f"{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()

@@ -1,9 +1,7 @@
-"""The generation engine behind serve_local.py: continuous batching on a transformers model.
-
-`Engine` holds the model, the scheduler queues, the loaded LoRA adapters and the weight-transfer
-group; serve_local.py puts vLLM's HTTP contract in front of it (request parsing, reply shapes, the
-CLI). `APIError` is defined here because the engine refuses some requests itself (an unknown
-adapter, a paused server, a bad adapter or weight update); serve_local.py sends it as the reply.
+"""The vLLM HTTP contract (reference/vllm_api.md), the engine behind it: continuous batching on a
+transformers model for serve_local.py. `Engine` holds the model, the scheduler queues, the loaded
+LoRA adapters and the weight-transfer group. `APIError` lives here because the engine refuses some
+requests itself (an unknown adapter, a paused server, a bad adapter or weight update).
 
     HTTP threads (ThreadingHTTPServer)         one engine thread, one step at a time
     ----------------------------------         -------------------------------------------------
@@ -13,41 +11,23 @@ adapter, a paused server, a bad adapter or weight update); serve_local.py sends 
          ▲                          │ preempt   finish on EOS / stop ids / max_tokens
          └──── reply ◄── done event ┴────────── (most recently admitted, when KV overflows)
 
-Every generated token is sampled from exactly the distribution whose log-prob is returned:
-logits → repetition penalty → temperature → min-p → top-k → top-p (vLLM's order), masked tokens
-are -inf; `--logprobs-mode processed_logprobs` returns the log-softmax of that, `raw_logprobs` the
-log-softmax of the model's logits. temperature=0 is greedy (argmax of the penalised logits).
+Every token is sampled from exactly the distribution whose log-prob is returned (process_logits,
+in vLLM's order). KV figures are real token counts (Engine.schedule). No request can hurt another
+(Engine.loop): a forward that raises fails its adapter group, a sampling that raises fails its own
+request, and a caller that goes away aborts its sequences between two steps (Engine.generate).
 
-KV figures are real token counts: held = Σ over running sequences of (prompt + generated) tokens,
-capacity = `--kv-cache-tokens` (default 16 × max_model_len). A waiting sequence is admitted only if
-it fits in the free capacity; when running sequences grow past it, the most recently admitted goes
-back to the front of the queue (a preemption; its tokens are kept and recomputed on readmission).
+    engine = Engine(model, tokenizer, args)     # args: serve_local.py's CLI; starts its thread
+    [request] = engine.generate([prompt_ids], SamplingParams(max_tokens=8), adapter=None)
 
-No request can hurt another: a forward that raises fails the requests of its adapter group, a
-sequence whose sampling raises (NaN logits from a diverged adapter, say) fails its own request; every
-other sequence goes on in the same step. A caller that goes away (`alive()` false) aborts its request's
-sequences between two steps, so nothing keeps generating for nobody.
-
-Departures from vLLM, and why:
-- No KV cache: every step recomputes each running sequence in full (right-padded batch, so causal
-  attention never sees a pad). Exact and simple; O(L²) per step is fine for small models.
-  "Blocks" are single tokens (`block_size` 1) and there is no prefix cache.
-- Sequences that name different LoRA adapters run as one forward per adapter in the same step.
-  LoRA is applied by forward hooks (y += s·x·Aᵀ·Bᵀ) on the base model, so parameter names never
-  change and full-weight updates still load by HF name. Plain LoRA only (no DoRA, no bias, no
-  modules_to_save: refused with 400). More than `--max-loras` adapters evicts the least recently
-  used one from the registry (vLLM keeps the name and reloads it from disk), so a request naming
-  it afterwards gets 404; requests already running on it finish normally.
-- n > 1: choice i uses a generator seeded with seed + i; without a seed, the server draws one
-  from its own generator (`--seed`), so runs of the same server are reproducible.
-- Weight transfer: the trainer (rank 0) owns a TCPStore at master_address:master_port; this
-  server joins as rank `rank_offset` through `PrefixStore("weight_transfer", store)` and a
-  ProcessGroupGloo (CPU) or ProcessGroupNCCL (`"backend": "nccl"`, CUDA). vLLM uses its own
-  NCCL communicator instead; the HTTP sequence and the packed chunk layout are the same.
-  `packed_num_buffers` only sets stream double-buffering in vLLM, which a blocking receive
-  here does not need. A received update is applied in one go between two engine steps, so
-  no forward ever mixes old and new weights. `/weight_checker` checksums are sha256 over each tensor's
-  bytes in the server dtype.
+Departures from vLLM, one line each:
+- No KV cache: each step recomputes every running sequence (right-padded): exact, O(L²) per step.
+- "Blocks" are single tokens (block_size 1) and there is no prefix cache.
+- One forward per LoRA adapter in a step; LoRA by forward hooks, so parameter names never change.
+- Plain LoRA only: DoRA, a bias or modules_to_save are refused with 400.
+- Past --max-loras the least recently used adapter is forgotten (vLLM reloads it): 404 after.
+- n > 1: choice i is seeded with seed + i; without a seed, one from the server's --seed generator.
+- Weight transfer by a torch.distributed group (Engine.join_group), not vLLM's NCCL communicator.
+- packed_num_buffers sets vLLM's double-buffering, which a blocking receive here does not need.
 """
 import hashlib
 import json
@@ -70,15 +50,20 @@ import torch.distributed as dist
 class APIError(Exception):
     """An HTTP error reply in vLLM's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type: str = "BadRequestError", param: str | None = None,
-                 bare: bool = False):
+    def __init__(self, status: int, message: str, type: str = "BadRequestError",
+                 param: str | None = None, bare: bool = False):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.bare = status, message, type, param, bare
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.bare = bare                           # a few vLLM routes answer {"error": "<message>"}
 
     def body(self) -> dict:
-        if self.bare:                              # a few vLLM routes answer {"error": "<message>"}
+        if self.bare:
             return {"error": self.message}
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status}}
 
 
 class Cancelled(Exception):
@@ -144,17 +129,43 @@ class Sequence:
         return len(self.request.prompt) + len(self.token_ids)
 
 
-# ── sampling ──────────────────────────────────────────────────────────────────────────────
+# ── loading and sampling ──────────────────────────────────────────────────────────────────
+
+
+def load_model(model_path: str, dtype_name: str):
+    """(model, tokenizer) of a hub id or directory, on CUDA when there is one, for inference.
+    dtype_name "auto": float32 on CPU, the checkpoint's dtype on CUDA (float32 → bfloat16).
+    A RuntimeError of one line when it cannot be loaded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto")
+    except Exception as e:
+        raise RuntimeError(f"cannot load model {model_path!r}: {str(e).splitlines()[0]}") from None
+    if dtype_name != "auto":
+        dtype = getattr(torch, dtype_name)
+    elif device == "cpu":
+        dtype = torch.float32
+    else:
+        dtype = torch.bfloat16 if model.dtype == torch.float32 else model.dtype
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False), tokenizer
 
 
 def process_logits(logits: torch.Tensor, context: list[int], p: SamplingParams) -> torch.Tensor:
-    """(V,) fp32 logits → (V,) processed logits in vLLM's order; removed tokens are -inf."""
+    """(V,) fp32 logits → (V,) processed logits in vLLM's order; removed tokens are -inf:
+
+        logits → repetition penalty → temperature → min-p → top-k → top-p
+
+    temperature=0 is greedy (argmax of the penalised logits). `--logprobs-mode processed_logprobs`
+    returns the log-softmax of the result, `raw_logprobs` that of the model's logits.
+    """
     x = logits.clone()
-    if p.repetition_penalty != 1.0:  # every token seen in prompt or output; a huge penalty stays finite
+    if p.repetition_penalty != 1.0:  # every token seen in prompt or output; stays finite
         seen = torch.tensor(sorted(set(context)), device=x.device)
         v = x[seen]
-        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty).clamp(
-            min=torch.finfo(x.dtype).min)
+        penalised = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        x[seen] = penalised.clamp(min=torch.finfo(x.dtype).min)
     if p.temperature == 0:           # greedy: vLLM applies nothing else
         return x
     x = x / p.temperature
@@ -166,8 +177,8 @@ def process_logits(logits: torch.Tensor, context: list[int], p: SamplingParams) 
     if p.top_p < 1.0:
         sorted_x, order = x.sort(descending=True)
         probs = sorted_x.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= p.top_p                   # mass of strictly likelier tokens
-        drop[0] = False                       # the likeliest always stays (a tiny top_p is 0 in fp32)
+        drop = probs.cumsum(-1) - probs >= p.top_p          # mass of strictly likelier tokens
+        drop[0] = False                       # the likeliest stays (a tiny top_p is 0 in fp32)
         x[order[drop]] = -math.inf
     return x
 
@@ -186,12 +197,15 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, args):
-        self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.model = model
+        self.tokenizer = tokenizer
+        self.args = args
         self.name = args.model
         self.device = model.device
         self.vocab = model.get_input_embeddings().num_embeddings
         gen_eos = model.generation_config.eos_token_id
-        self.eos_ids = {tokenizer.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        self.eos_ids = {tokenizer.eos_token_id} | set(gen_eos)
         self.eos_ids.discard(None)
         self.cond = threading.Condition()
         self.stepping = False                      # from scheduling a step to sampling its tokens
@@ -199,9 +213,11 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []          # in admission order
         self.pause_mode: str | None = None         # None | "abort" | "wait" | "keep"
-        self.preemptions = self.steps = self.max_batch = 0
+        self.preemptions = 0
+        self.steps = 0
+        self.max_batch = 0                         # most sequences in one step
         self.adapters: OrderedDict[str, Adapter] = OrderedDict()  # least recently used first
-        self.active: Adapter | None = None          # read by the LoRA hooks during a forward
+        self.active: Adapter | None = None         # read by the LoRA hooks during a forward
         self.hooked: set[str] = set()
         self.group = None                          # weight-transfer process group
         self.init_info: dict = {}
@@ -215,22 +231,30 @@ class Engine:
     def held(self) -> int:
         return sum(len(s) for s in self.running)
 
+    def ready(self) -> bool:
+        """Work to do, not frozen by pause(mode=keep), and nobody waiting in between_steps."""
+        return bool(self.running or self.waiting) and self.pause_mode != "keep" and not self.holds
+
     def loop(self) -> None:
+        """Step after step: schedule under `cond`, forward without it (one forward per adapter
+        group), then sample and end the step under one hold, so /metrics never sees finished
+        requests running or usage above 1. A forward that raises (a bad adapter, a bug) fails its
+        adapter group; a sampling that raises fails its own request; the others go on."""
         with torch.inference_mode():
             while True:
                 with self.cond:
-                    self.cond.wait_for(lambda: (self.running or self.waiting) and self.pause_mode != "keep"
-                                       and not self.holds)
+                    self.cond.wait_for(self.ready)
                     groups = self.schedule()
-                outputs, failed = [], []           # a failure fails its own requests; the others go on
+                outputs = []
+                failed = []
                 for adapter, seqs in groups.items():
                     try:
                         outputs += zip(seqs, self.forward(seqs, adapter))
-                    except Exception as e:         # a bad adapter or a bug: this adapter group only
+                    except Exception as e:
                         traceback.print_exc()
                         failed += [(s, f"{type(e).__name__}: {e}") for s in seqs]
-                with self.cond:                    # sample and end the step under one hold: /metrics never
-                    for s, logits in outputs:      # sees finished requests running or usage above 1
+                with self.cond:
+                    for s, logits in outputs:
                         try:
                             self.sample(s, logits)
                         except Exception as e:
@@ -240,7 +264,12 @@ class Engine:
                     self.end_step()
 
     def schedule(self) -> dict[Adapter | None, list[Sequence]]:
-        """Admit waiting sequences that fit; the running ones grouped by adapter, one forward each."""
+        """Admit waiting sequences that fit; the running ones grouped by adapter, a forward each.
+
+        KV figures are real token counts: held = Σ over running sequences of (prompt + generated)
+        tokens, capacity = --kv-cache-tokens (default 16 × max_model_len). A waiting sequence is
+        admitted only if it fits in the free capacity (end_step preempts when running ones grow).
+        """
         while self.waiting and self.held() + len(self.waiting[0]) <= self.args.kv_cache_tokens:
             self.running.append(self.waiting.popleft())
         self.stepping = True
@@ -252,6 +281,9 @@ class Engine:
         return groups
 
     def end_step(self) -> None:
+        """Drop finished sequences; while the running ones hold more than the KV capacity, the most
+        recently admitted goes back to the front of the queue (a preemption: its tokens are kept
+        and recomputed on readmission)."""
         self.running = [s for s in self.running if not s.finish_reason]
         while self.held() > self.args.kv_cache_tokens and len(self.running) > 1:
             self.preempt([self.running[-1]])
@@ -277,7 +309,8 @@ class Engine:
             self.preemptions += 1
 
     def finish(self, s: Sequence, reason: str, stop_reason: int | None = None) -> None:
-        s.finish_reason, s.stop_reason = reason, stop_reason
+        s.finish_reason = reason
+        s.stop_reason = stop_reason
         if all(q.finish_reason for q in s.request.seqs):
             s.request.done.set()
 
@@ -300,19 +333,22 @@ class Engine:
             self.waiting = deque(s for s in self.waiting if not s.finish_reason)
 
     def forward(self, seqs: list[Sequence], adapter: Adapter | None) -> torch.Tensor:
-        """Next-token logits (B, V) fp32 for each sequence, from one padded forward."""
+        """Next-token logits (B, V) fp32 for each sequence, from one forward without KV cache:
+        each sequence in full, right-padded so causal attention never sees a pad (O(L²) a step)."""
         rows = [s.request.prompt + s.token_ids for s in seqs]
         ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)  # (B, L) right-padded
         for i, r in enumerate(rows):
             ids[i, :len(r)] = torch.tensor(r)
         last = torch.tensor([len(r) - 1 for r in rows])                       # (B,)
-        keep, where = last.unique(return_inverse=True)                          # (K,), (B,)
+        keep, where = last.unique(return_inverse=True)                        # (K,), (B,)
         self.active = adapter
         try:
-            out = self.model(input_ids=ids.to(self.device), logits_to_keep=keep.to(self.device), use_cache=False)
+            out = self.model(input_ids=ids.to(self.device), logits_to_keep=keep.to(self.device),
+                             use_cache=False)
         finally:
             self.active = None
-        return out.logits[torch.arange(len(rows)), where.to(self.device)].float()  # (B, K, V) → (B, V)
+        logits = out.logits[torch.arange(len(rows)), where.to(self.device)]     # (B, K, V) → (B, V)
+        return logits.float()
 
     def sample(self, s: Sequence, logits: torch.Tensor) -> None:
         p = s.request.params
@@ -327,7 +363,8 @@ class Engine:
             lp = (x if self.args.logprobs_mode == "processed_logprobs" else logits).log_softmax(-1)
             k = min(lp.numel() if p.logprobs == -1 else p.logprobs, int(lp.isfinite().sum()))
             top = lp.topk(k)
-            s.logprobs.append(TokenLogprob(token, float(lp[token]), int((lp > lp[token]).sum()) + 1,
+            rank = int((lp > lp[token]).sum()) + 1
+            s.logprobs.append(TokenLogprob(token, float(lp[token]), rank,
                                            list(zip(top.indices.tolist(), top.values.tolist()))))
         if self.args.return_sampling_mask:
             s.sampling_mask.append(x.isfinite().nonzero().flatten().tolist())
@@ -345,27 +382,32 @@ class Engine:
             return None
         with self.cond:
             if model not in self.adapters:
-                raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+                raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError",
+                               "model")
             self.adapters.move_to_end(model)
             return self.adapters[model]
 
     def generate(self, prompts: list[list[int]], p: SamplingParams, adapter: Adapter | None,
-                 alive=lambda: True, poll_s: float = 0.1) -> list[Request]:
-        """Queue one request per prompt (n sequences each) and block until all have finished; if alive()
-        turns False meanwhile (the client disconnected), abort them all and raise Cancelled."""
+                 alive=None, poll_s: float = 0.1) -> list[Request]:
+        """Queue one request per prompt (n sequences each) and block until all have finished; if
+        alive() (None: always) turns False meanwhile, the client disconnected: abort them all
+        and raise Cancelled, so nothing keeps generating for nobody."""
         reqs = [Request(prompt, p, adapter) for prompt in prompts]
         with self.cond:
             if self.pause_mode in ("abort", "wait"):
-                raise APIError(503, f"The server is paused (mode={self.pause_mode}); retry after /resume",
-                               "ServiceUnavailableError")
+                raise APIError(503, f"The server is paused (mode={self.pause_mode}); retry after "
+                               "/resume", "ServiceUnavailableError")
             for r in reqs:
-                seed = p.seed if p.seed is not None else int(torch.randint(2**63 - 1, (1,), generator=self.seeds))
-                r.seqs = [Sequence(r, i, torch.Generator(self.device).manual_seed(seed + i)) for i in range(p.n)]
+                seed = p.seed
+                if seed is None:
+                    seed = int(torch.randint(2**63 - 1, (1,), generator=self.seeds))
+                r.seqs = [Sequence(r, i, torch.Generator(self.device).manual_seed(seed + i))
+                          for i in range(p.n)]
                 self.waiting.extend(r.seqs)
             self.cond.notify_all()
         for r in reqs:
             while not r.done.wait(poll_s):
-                if not alive():
+                if alive is not None and not alive():
                     self.abort(reqs)
                     raise Cancelled
             if r.error:
@@ -374,7 +416,7 @@ class Engine:
 
     def pause(self, mode: str, clear_cache: bool) -> None:
         with self.cond:
-            self.pause_mode = mode                 # from now on: 503 in abort/wait, no new step in keep
+            self.pause_mode = mode                 # now: 503 in abort/wait, no new step in keep
             self.cond.notify_all()                 # keep → wait: the engine must wake up to drain
             if mode == "wait":
                 self.cond.wait_for(lambda: not self.running and not self.waiting)
@@ -394,17 +436,20 @@ class Engine:
 
     # LoRA
     def load_adapter(self, name: str, path: str) -> None:
+        """Read, hook (once per module, between steps) and register an adapter. Past --max-loras
+        the least recently used is forgotten (vLLM reloads it from disk): naming it then is a 404,
+        while requests already running on it finish normally."""
         config_file = os.path.join(path, "adapter_config.json")
         if not os.path.isfile(config_file):
-            raise APIError(404, f"No LoRA adapter found at '{path}' (no adapter_config.json)", "NotFoundError",
-                           "lora_path")
+            raise APIError(404, f"No LoRA adapter found at '{path}' (no adapter_config.json)",
+                           "NotFoundError", "lora_path")
         try:
             adapter = self.read_adapter(name, path, config_file)
         except APIError:
             raise
-        except Exception as e:                     # unreadable or malformed files: the request's fault
-            raise APIError(400, f"LoRA adapter '{name}' at '{path}' cannot be read: {type(e).__name__}: {e}",
-                           param="lora_path") from e
+        except Exception as e:                     # unreadable or malformed files: the request's
+            raise APIError(400, f"LoRA adapter '{name}' at '{path}' cannot be read: "
+                           f"{type(e).__name__}: {e}", param="lora_path") from e
         modules = dict(self.model.named_modules())
         with self.between_steps():
             for module in adapter.weights.keys() - self.hooked:
@@ -415,21 +460,28 @@ class Engine:
             self.adapters.move_to_end(name)
             while len(self.adapters) > self.args.max_loras:
                 evicted, _ = self.adapters.popitem(last=False)
-                print(f"serve_local: evicted LoRA adapter '{evicted}' (more than --max-loras loaded)", flush=True)
+                print(f"serve_local: evicted LoRA adapter '{evicted}' (more than --max-loras "
+                      "loaded)", flush=True)
 
     def read_adapter(self, name: str, path: str, config_file: str) -> Adapter:
         """adapter_config.json + adapter_model.safetensors → an Adapter, every shape checked."""
         with open(config_file) as f:
             cfg = json.load(f)
-        unsupported = [k for k in ("use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern", "alpha_pattern")
-                       if cfg.get(k)] + (["bias"] if cfg.get("bias", "none") != "none" else [])
+        options = ("use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern", "alpha_pattern")
+        unsupported = [k for k in options if cfg.get(k)]
+        if cfg.get("bias", "none") != "none":
+            unsupported.append("bias")
         if unsupported:
-            raise APIError(400, f"LoRA adapter '{name}' uses {unsupported}; serve_local.py supports plain LoRA only")
-        r, alpha = cfg["r"], cfg["lora_alpha"]
+            raise APIError(400, f"LoRA adapter '{name}' uses {unsupported}; serve_local.py "
+                           "supports plain LoRA only")
+        r = cfg["r"]
+        alpha = cfg["lora_alpha"]
         if type(r) is not int or r < 1 or type(alpha) not in (int, float):
-            raise APIError(400, f"LoRA adapter '{name}': r={r!r} and lora_alpha={alpha!r} must be numbers, r >= 1")
+            raise APIError(400, f"LoRA adapter '{name}': r={r!r} and lora_alpha={alpha!r} must be "
+                           "numbers, r >= 1")
         if r > self.args.max_lora_rank:
-            raise APIError(400, f"LoRA rank {r} is greater than --max-lora-rank {self.args.max_lora_rank}")
+            raise APIError(400, f"LoRA rank {r} is greater than --max-lora-rank "
+                           f"{self.args.max_lora_rank}")
         from safetensors.torch import load_file
         modules = dict(self.model.named_modules())
         pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -437,10 +489,12 @@ class Engine:
             m = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", key)
             module = modules.get(m[1]) if m else None
             if not isinstance(module, torch.nn.Linear):
-                raise APIError(400, f"LoRA adapter '{name}': tensor {key} does not target a Linear of the base model")
+                raise APIError(400, f"LoRA adapter '{name}': tensor {key} does not target a "
+                               "Linear of the base model")
             want = (r, module.in_features) if m[2] == "A" else (module.out_features, r)
             if tuple(t.shape) != want:
-                raise APIError(400, f"LoRA adapter '{name}': {key} has shape {tuple(t.shape)}, expected {want}")
+                raise APIError(400, f"LoRA adapter '{name}': {key} has shape {tuple(t.shape)}, "
+                               f"expected {want}")
             pairs.setdefault(m[1], {})[m[2]] = t.to(self.device, self.model.dtype)
         if any(len(v) != 2 for v in pairs.values()):
             raise APIError(400, f"LoRA adapter '{name}': every module needs both lora_A and lora_B")
@@ -448,29 +502,43 @@ class Engine:
         return Adapter(name, path, {k: (v["A"], v["B"]) for k, v in pairs.items()}, scale)
 
     def lora_hook(self, module_name: str):
-        def hook(module, inputs, output):          # output (B, L, out) += scale · (B, L, in) Aᵀ Bᵀ
+        """A forward hook on the base model: parameter names never change, so full-weight updates
+        still load by HF name; it adds the active adapter's term, if it has this module."""
+        def hook(module, inputs, output):          # output (B, L, out) += s · (B, L, in) Aᵀ Bᵀ
             w = self.active.weights.get(module_name) if self.active else None
-            return output if w is None else output + self.active.scale * (inputs[0] @ w[0].T @ w[1].T)
+            if w is None:
+                return output
+            return output + self.active.scale * (inputs[0] @ w[0].T @ w[1].T)
         return hook
 
     # weight transfer
     def join_group(self, info: dict) -> None:
+        """Join the trainer's weight-transfer group: the trainer (rank 0) owns a TCPStore at
+        master_address:master_port; this server joins as rank `rank_offset` through
+        PrefixStore("weight_transfer", store) and a ProcessGroupGloo (CPU) or ProcessGroupNCCL
+        ("backend": "nccl", CUDA). vLLM uses its own NCCL communicator instead; the HTTP sequence
+        and the packed chunk layout are the same."""
         try:
-            store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"], is_master=False,
+            store = dist.TCPStore(info["master_address"], info["master_port"],
+                                  info["world_size"], is_master=False,
                                   timeout=timedelta(seconds=300))
             store = dist.PrefixStore("weight_transfer", store)
-            rank, size = info["rank_offset"], info["world_size"]
+            rank = info["rank_offset"]
+            size = info["world_size"]
             if self.args.weight_transfer_config["backend"] == "gloo":
                 self.group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=300))
             else:
                 self.group = dist.ProcessGroupNCCL(store, rank, size)
-        except (RuntimeError, ValueError) as e:    # no trainer at that address (DistNetworkError, DistStoreError)
-            raise APIError(400, f"Could not join the weight-transfer group at {info['master_address']}:"
-                           f"{info['master_port']}: {e}", param="init_info") from e
+        except (RuntimeError, ValueError) as e:    # no trainer there (DistNetworkError, ...)
+            raise APIError(400, f"Could not join the weight-transfer group at "
+                           f"{info['master_address']}:{info['master_port']}: {e}",
+                           param="init_info") from e
         self.init_info = info
 
-    def receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
-        """The tensors rank 0 broadcasts: one per tensor, or packed uint8 chunks (vLLM's layout)."""
+    def receive(self, names: list[str], dtypes: list[torch.dtype],
+                shapes: list[list[int]]) -> list[torch.Tensor]:
+        """The tensors rank 0 broadcasts: one per tensor, or packed uint8 chunks (vLLM's layout).
+        A chunk is flushed once its running total first exceeds packed_buffer_size_bytes."""
         device = "cpu" if self.args.weight_transfer_config["backend"] == "gloo" else self.device
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
@@ -480,14 +548,16 @@ class Engine:
             return t
 
         if not self.init_info["packed"]:
-            return [broadcast(torch.empty(s, dtype=d, device=device)) for d, s in zip(dtypes, shapes)]
-        out, chunk, sizes = [], [], []
+            return [broadcast(torch.empty(s, dtype=d, device=device))
+                    for d, s in zip(dtypes, shapes)]
+        out, chunk, sizes = [], [], []             # tensors; the open chunk: (dtype, shape), bytes
 
         def flush():
             buf = broadcast(torch.empty(sum(sizes), dtype=torch.uint8, device=device))  # (Σ bytes,)
             offset = 0
             for (d, s), n in zip(chunk, sizes):
-                out.append(buf[offset:offset + n].clone().view(d).reshape(s))  # clone: aligned for view(d)
+                piece = buf[offset:offset + n].clone()       # clone: aligned for view(d)
+                out.append(piece.view(d).reshape(s))
                 offset += n
             chunk.clear()
             sizes.clear()
@@ -495,28 +565,34 @@ class Engine:
         for d, s in zip(dtypes, shapes):
             chunk.append((d, s))
             sizes.append(math.prod(s) * d.itemsize)
-            if sum(sizes) > self.init_info["packed_buffer_size_bytes"]:  # flush after first exceeding
+            if sum(sizes) > self.init_info["packed_buffer_size_bytes"]:
                 flush()
         if chunk:
             flush()
         return out
 
     def check_update(self, names: list[str], shapes: list[list[int]]) -> None:
-        """Refuse an update that names unknown tensors or other shapes, before anything is received."""
-        state = self.model.state_dict()                 # tied weights share storage: either name works
+        """Refuse an update that names unknown tensors or other shapes, before anything is
+        received."""
+        state = self.model.state_dict()            # tied weights share storage: either name works
         unknown = [n for n in names if n not in state]
         wrong = [n for n, s in zip(names, shapes) if n in state and list(state[n].shape) != s]
         if unknown or wrong:
-            raise APIError(400, f"Weight update rejected (nothing applied): unknown names {unknown[:20]}, "
-                           f"wrong shapes {wrong[:20]}", param="update_info")
+            raise APIError(400, f"Weight update rejected (nothing applied): unknown names "
+                           f"{unknown[:20]}, wrong shapes {wrong[:20]}", param="update_info")
 
     def update_weights(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        """Apply a received update in one go between two engine steps, so no forward ever mixes
+        old and new weights."""
         with self.between_steps(), torch.no_grad():
             state = self.model.state_dict()
             for n, t in zip(names, tensors):
                 state[n].copy_(t)
 
     def checksums(self) -> dict[str, str]:
+        """sha256 over each tensor's bytes in the server dtype, by state-dict name."""
+        def sha256(t: torch.Tensor) -> str:
+            return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8)
+                                  .numpy()).hexdigest()
         with self.between_steps():
-            return {n: hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy()).hexdigest()
-                    for n, t in self.model.state_dict().items()}
+            return {n: sha256(t) for n, t in self.model.state_dict().items()}

@@ -1,56 +1,39 @@
-"""The one place that talks HTTP to a vLLM server: endpoints, timeouts, retries.
-
-Every other module calls a method here instead of building a URL. The contract is vLLM 0.33's HTTP
-API (`serve_local.py` speaks the same subset); one `VLLMClient` talks to one server URL, and
-`server_urls` splits `vllm_server_base_url` ("http://a:8000,http://b:8000") into the replicas' URLs.
-
-API keys: with VLLM_API_KEY set (the variable `vllm serve --api-key` also reads), every request carries
-`Authorization: Bearer <key>`; the key is never logged. A 401 is a 4xx: raised at once, naming the fix.
+"""The vLLM HTTP contract (reference/vllm_api.md), client side; 概要 (Overview): the server the
+trainer and the rollout process talk to. The one place that talks HTTP to a vLLM server
+(endpoints, timeouts, retries): every other module calls a method here instead of building a URL.
+One `VLLMClient` talks to one server; `server_urls` splits `vllm_server_base_url`
+("http://a:8000,http://b:8000") into the replicas' URLs. With VLLM_API_KEY set (the variable
+`vllm serve --api-key` reads too), every request carries `Authorization: Bearer <key>`.
 
     purpose          endpoint                              method(s) here
-    ---------------  ------------------------------------  ------------------------------------------
+    ---------------  ------------------------------------  --------------------------------------
     health / info    GET  /health                          health, wait_for_health
                      GET  /v1/models                       models, max_model_len
                      GET  /server_info?config_format=json  server_info              (dev mode)
                      GET  /get_world_size?include_dp=      world_size               (dev mode)
                      GET  /metrics  (Prometheus text)      metrics, ametrics -> parse_prometheus
     generation       POST /v1/completions                  completions, acompletions
-                     POST /inference/v1/generate           generate, agenerate      (--enable-scale-out)
+                     POST /inference/v1/generate           generate, agenerate  (--enable-scale-out)
     pause            POST /pause?mode=&clear_cache=        pause
                      POST /resume,  GET /is_paused         resume, is_paused
                      POST /reset_prefix_cache?...          reset_prefix_cache
-    weight transfer  POST /init_weight_transfer_engine     init_weight_transfer_engine  (collective)
+    weight transfer  POST /init_weight_transfer_engine     init_weight_transfer_engine (collective)
                      POST /start_weight_update             start_weight_update
-                     POST /update_weights                  update_weights               (collective)
+                     POST /update_weights                  update_weights              (collective)
                      POST /finish_weight_update            finish_weight_update
                      GET  /weight_info, POST /weight_checker  weight_info, weight_checker
     LoRA             POST /v1/load_lora_adapter            load_lora_adapter    (replies plain text)
                      POST /v1/unload_lora_adapter          unload_lora_adapter  (replies plain text)
 
-Retry policy (spec: `vllm_server_timeout` bounds waiting for the server, each generation request and
-each weight-sync call; waiting and weight sync raise on timeout, generation retries):
+Retries (spec: vllm_server_timeout bounds every wait and call): the table is on _next_delay.
 
-    answer / error                         generation       control            collective
-    2xx                                    return           return             return
-    4xx                                    VLLMError now    VLLMError now      VLLMError now
-    5xx (503 = paused server)              retry            retry              VLLMError now
-    connection refused (never sent)        retry            retry              retry
-    connection dropped mid-request         retry            retry              VLLMError now
-    timeout (`timeout` s)                  retry            TimeoutError now   TimeoutError now
-
-    retry k (k = 0, 1, ...) sleeps min(max_backoff, backoff * 2**k) * U(0.9, 1.1); after
-    max_retries retries the last error is raised as VLLMError naming the URL, the attempts and the cause.
-
-Departures from TRL's client (`reference/trl_async_grpo_notes.md` §2, §6.6):
+Departures from TRL's client (reference/trl_async_grpo_notes.md §2, §6.6), one line each:
 - 4xx is never retried: a bad request stays bad, and its message reaches the user at once.
-- One library (httpx) and one retry policy for the sync and async paths, instead of nested retry loops.
-- `wait_for_health` caps each probe at the time left, so a short deadline is met to within a poll.
-- "Collective" calls (`init_weight_transfer_engine`, `update_weights`) block inside NCCL on the server,
-  paired with the trainer's own send; once such a request may have reached the server, a retry would
-  wait for a send that already happened, so only a refused connection is retried.
+- One library (httpx) and one retry policy for the sync and async paths, no nested retry loops.
+- wait_for_health caps each probe at the time left, so a short deadline is met to within a poll.
+- A collective call is retried only if refused: the server may already wait inside NCCL for it.
 - Connection pools are unbounded: the rollout's adaptive cap bounds concurrency, not the pool.
-- `timeout` is httpx's per-phase timeout (connect, read, ...). A non-streamed reply sends nothing
-  until it is done, so for our calls it bounds the whole request.
+- `timeout` is httpx's per phase; a non-streamed reply sends nothing until done, so it bounds all.
 """
 import asyncio
 import logging
@@ -73,24 +56,31 @@ Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
 class VLLMError(RuntimeError):
-    """A vLLM server refused or failed a call. `message` is the server's message; `status` the HTTP code."""
+    """A vLLM server refused or failed a call. `message` is the server's message; `status` the
+    HTTP code."""
 
     def __init__(self, message: str, url: str, status: int | None = None):
         where = url if status is None else f"{url} -> HTTP {status}"
         super().__init__(f"{where}: {message}")
-        self.message, self.url, self.status = message, url, status
+        self.message = message
+        self.url = url
+        self.status = status
 
 
 def server_urls(config_or_url) -> list[str]:
-    """The server URLs of `vllm_server_base_url` (a config or the string): comma-separated, one per replica.
+    """The server URLs of `vllm_server_base_url` (a config or the string): comma-separated, one
+    per replica.
 
     >>> server_urls("http://a:8000/, http://b:8000")
     ['http://a:8000', 'http://b:8000']
     """
-    text = config_or_url if isinstance(config_or_url, str) else config_or_url.vllm_server_base_url
+    text = config_or_url
+    if not isinstance(config_or_url, str):
+        text = config_or_url.vllm_server_base_url
     urls = [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
     if not urls or len(set(urls)) < len(urls):
-        raise ValueError(f"vllm_server_base_url={text!r}: give one or more distinct server URLs, comma-separated")
+        raise ValueError(f"vllm_server_base_url={text!r}: give one or more distinct server URLs, "
+                         "comma-separated")
     return urls
 
 
@@ -114,12 +104,14 @@ def _field(response: httpx.Response, *keys: str):
         value = response.json()
     except ValueError:
         value = None
-    where, status = str(response.url), response.status_code
+    where = str(response.url)
+    status = response.status_code
     if not isinstance(value, dict):
         raise VLLMError(f"expected a JSON object, got {response.text[:200]!r}", where, status)
     for key in keys:
         if not isinstance(value, dict) or key not in value:
-            raise VLLMError(f"reply has no {'.'.join(keys)!r}: {response.text[:200]!r}", where, status)
+            raise VLLMError(f"reply has no {'.'.join(keys)!r}: {response.text[:200]!r}", where,
+                            status)
         value = value[key]
     return value
 
@@ -129,8 +121,14 @@ _LABEL = re.compile(r'([a-zA-Z_]\w*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
 
 
+def _unescape(m: re.Match) -> str:
+    """A label value's escape: \\n is a newline, \\x is x."""
+    return "\n" if m[1] == "n" else m[1]
+
+
 def parse_prometheus(text: str) -> Samples:
-    """Prometheus text exposition -> {metric name: [(labels, value), ...]}; comments and odd lines skipped.
+    """Prometheus text exposition -> {metric name: [(labels, value), ...]}; comments and odd
+    lines skipped.
 
     >>> parse_prometheus('# TYPE vllm:num_requests_running gauge\\n'
     ...                  'vllm:num_requests_running{engine="0",model_name="toy"} 3.0\\n')
@@ -139,7 +137,7 @@ def parse_prometheus(text: str) -> Samples:
     samples: Samples = {}
     for line in text.splitlines():
         line = line.strip()
-        match = None if line.startswith("#") else _SAMPLE.match(line)  # a timestamp may follow the value
+        match = None if line.startswith("#") else _SAMPLE.match(line)  # a timestamp may follow
         if match is None:
             continue
         name, labels, value = match.groups()
@@ -147,49 +145,74 @@ def parse_prometheus(text: str) -> Samples:
             number = float(value)  # accepts NaN, +Inf, -Inf
         except ValueError:
             continue
-        parsed = {k: _ESCAPE.sub(lambda m: "\n" if m[1] == "n" else m[1], v) for k, v in _LABEL.findall(labels or "")}
+        parsed = {k: _ESCAPE.sub(_unescape, v) for k, v in _LABEL.findall(labels or "")}
         samples.setdefault(name, []).append((parsed, number))
     return samples
 
 
 class VLLMClient:
-    """HTTP client for one vLLM server: a base URL, a sync and an async connection pool, a retry counter."""
+    """HTTP client for one vLLM server: a base URL, a sync and an async connection pool, a retry
+    counter."""
 
     def __init__(self, base_url: str, timeout: float = 1800.0, max_retries: int = 8,
                  backoff: float = 0.5, max_backoff: float = 16.0):
         self.base_url = base_url.rstrip("/")
-        self.timeout, self.max_retries, self.backoff, self.max_backoff = timeout, max_retries, backoff, max_backoff
-        self.retry_total = 0  # retries made so far, sync and async together (rollout/vllm_retry_total)
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.retry_total = 0  # retries so far, sync and async (rollout/vllm_retry_total)
         key = os.environ.get("VLLM_API_KEY")
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._client = httpx.Client(timeout=timeout, limits=_POOL, headers=self._headers)
-        self._async: httpx.AsyncClient | None = None  # made in, and tied to, the event loop that first needs it
+        self._async: httpx.AsyncClient | None = None  # made in, and tied to, the first event loop
 
     # ---- the retry policy, shared by the sync and async paths ----
 
     def _next_delay(self, method: str, url: str, kind: str, attempt: int,
-                    response: httpx.Response | None, error: httpx.TransportError | None) -> float | None:
+                    response: httpx.Response | None,
+                    error: httpx.TransportError | None) -> float | None:
         """None if `response` is the answer; else the seconds to sleep before retrying; else raise.
 
-        kind: "generation" | "control" | "collective", the columns of the table in the module docstring.
+        kind: "generation" | "control" | "collective". The policy (spec: `vllm_server_timeout`
+        bounds waiting for the server, each generation request and each weight-sync call;
+        waiting and weight sync raise on timeout, generation retries):
+
+            answer / error                     generation      control           collective
+            2xx                                return          return            return
+            4xx                                VLLMError now   VLLMError now     VLLMError now
+            5xx (503 = paused server)          retry           retry             VLLMError now
+            connection refused (never sent)    retry           retry             retry
+            connection dropped mid-request     retry           retry             VLLMError now
+            timeout (`timeout` s)              retry           TimeoutError now  TimeoutError now
+
+        Retry k (k = 0, 1, ...) sleeps min(max_backoff, backoff * 2**k) * U(0.9, 1.1); after
+        max_retries retries the last error is raised as VLLMError naming the URL, the attempts and
+        the cause. A collective call (init_weight_transfer_engine, update_weights) blocks inside
+        NCCL on the server, paired with the trainer's own send: once it may have reached the
+        server, a retry would wait for a send that already happened. A 401 names the fix.
         """
         if response is not None:
             if response.status_code < 400:
                 return None
             status, message = response.status_code, _server_message(response)
             if status == 401:
-                message += (": the server was started with --api-key; set VLLM_API_KEY to that key" if not
-                            self._headers else ": it refused the key in VLLM_API_KEY; set the key it was started with")
+                if self._headers:
+                    message += (": it refused the key in VLLM_API_KEY; set the key it was "
+                                "started with")
+                else:
+                    message += (": the server was started with --api-key; set VLLM_API_KEY to "
+                                "that key")
             if status < 500 or kind == "collective":
                 raise VLLMError(message, url, status)
             last = f"HTTP {status}: {message}"
         elif isinstance(error, httpx.TimeoutException) and kind != "generation":
-            raise TimeoutError(f"{method} {url} timed out after {self.timeout:g}s (vllm_server_timeout); "
-                               f"{kind} calls are not retried") from error
-        elif isinstance(error, httpx.ConnectError) or (
-                kind != "collective" and isinstance(error, (httpx.NetworkError, httpx.RemoteProtocolError,
-                                                            httpx.TimeoutException))):
-            status, last = None, f"{type(error).__name__}: {error}"
+            raise TimeoutError(f"{method} {url} timed out after {self.timeout:g}s "
+                               f"(vllm_server_timeout); {kind} calls are not retried") from error
+        elif isinstance(error, httpx.ConnectError) or (kind != "collective" and isinstance(
+                error, (httpx.NetworkError, httpx.RemoteProtocolError, httpx.TimeoutException))):
+            status = None
+            last = f"{type(error).__name__}: {error}"
         else:
             raise VLLMError(f"{method} failed: {type(error).__name__}: {error}", url) from error
         if attempt >= self.max_retries:
@@ -197,12 +220,13 @@ class VLLMClient:
             raise VLLMError(message, url, status) from error
         self.retry_total += 1
         delay = min(self.max_backoff, self.backoff * 2 ** attempt) * random.uniform(0.9, 1.1)
-        log.warning("%s %s failed (%s); retry %d/%d in %.2fs", method, url, last, attempt + 1, self.max_retries,
-                    delay)
+        log.warning("%s %s failed (%s); retry %d/%d in %.2fs", method, url, last, attempt + 1,
+                    self.max_retries, delay)
         return delay
 
     def _request(self, method: str, path: str, kind: str = "control", **kwargs) -> httpx.Response:
-        url, attempt = self.base_url + path, 0
+        url = self.base_url + path
+        attempt = 0
         while True:
             try:
                 response, error = self._client.request(method, url, **kwargs), None
@@ -214,10 +238,13 @@ class VLLMClient:
             time.sleep(delay)
             attempt += 1
 
-    async def _arequest(self, method: str, path: str, kind: str = "control", **kwargs) -> httpx.Response:
+    async def _arequest(self, method: str, path: str, kind: str = "control",
+                        **kwargs) -> httpx.Response:
         if self._async is None:
-            self._async = httpx.AsyncClient(timeout=self.timeout, limits=_POOL, headers=self._headers)
-        url, attempt = self.base_url + path, 0
+            self._async = httpx.AsyncClient(timeout=self.timeout, limits=_POOL,
+                                            headers=self._headers)
+        url = self.base_url + path
+        attempt = 0
         while True:
             try:
                 response, error = await self._async.request(method, url, **kwargs), None
@@ -234,15 +261,19 @@ class VLLMClient:
     def health(self) -> bool:
         """One short probe of GET /health; no retries."""
         try:
-            response = self._client.get(self.base_url + "/health", timeout=min(HEALTH_PROBE_S, self.timeout))
+            response = self._client.get(self.base_url + "/health",
+                                        timeout=min(HEALTH_PROBE_S, self.timeout))
             return response.status_code == 200
         except httpx.TransportError:
             return False
 
     def wait_for_health(self, timeout: float | None = None) -> None:
-        """Poll GET /health until it answers 200; TimeoutError after `timeout` s (default: the client's)."""
+        """Poll GET /health until it answers 200; TimeoutError after `timeout` s (default: the
+        client's)."""
         limit = self.timeout if timeout is None else timeout
-        url, deadline, last = self.base_url + "/health", time.monotonic() + limit, "no probe finished"
+        url = self.base_url + "/health"
+        deadline = time.monotonic() + limit
+        last = "no probe finished"
         while (left := deadline - time.monotonic()) > 0:
             try:
                 status = self._client.get(url, timeout=min(HEALTH_PROBE_S, left)).status_code
@@ -252,8 +283,8 @@ class VLLMClient:
             except httpx.TransportError as e:
                 last = f"{type(e).__name__}: {e}"
             time.sleep(max(0.0, min(HEALTH_POLL_S, deadline - time.monotonic())))
-        raise TimeoutError(f"vLLM server at {url} was not healthy within {limit:g}s (last probe: {last}); "
-                           "is it running, and is vllm_server_base_url right?")
+        raise TimeoutError(f"vLLM server at {url} was not healthy within {limit:g}s (last probe: "
+                           f"{last}); is it running, and is vllm_server_base_url right?")
 
     def models(self) -> dict:
         return _field(self._request("GET", "/v1/models"))
@@ -263,7 +294,8 @@ class VLLMClient:
         for card in self.models().get("data", []):
             if card.get("parent") is None and card.get("max_model_len"):
                 return int(card["max_model_len"])
-        raise VLLMError("no base model card with max_model_len in /v1/models", self.base_url + "/v1/models")
+        raise VLLMError("no base model card with max_model_len in /v1/models",
+                        self.base_url + "/v1/models")
 
     def server_info(self) -> dict:
         return _field(self._request("GET", "/server_info?config_format=json"), "vllm_config")
@@ -292,7 +324,8 @@ class VLLMClient:
     # ---- pause / resume / cache ----
 
     def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
-        """mode: abort | wait | keep. Note: clear_cache=True preempts running requests even with keep."""
+        """mode: abort | wait | keep. Note: clear_cache=True preempts running requests even with
+        keep."""
         self._request("POST", f"/pause?mode={mode}&clear_cache={str(clear_cache).lower()}")
 
     def resume(self) -> None:
@@ -308,14 +341,17 @@ class VLLMClient:
     # ---- weight transfer (the order is: init once; then per sync start, update, finish) ----
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        """Blocks until the trainer (rank 0) joins the group: call it in a thread next to the trainer's init."""
-        self._request("POST", "/init_weight_transfer_engine", "collective", json={"init_info": init_info})
+        """Blocks until the trainer (rank 0) joins the group: call it in a thread next to the
+        trainer's init."""
+        self._request("POST", "/init_weight_transfer_engine", "collective",
+                      json={"init_info": init_info})
 
     def start_weight_update(self) -> None:
         self._request("POST", "/start_weight_update")
 
     def update_weights(self, update_info: dict | list[dict]) -> None:
-        """Blocks until the workers received and loaded the tensors the trainer broadcasts meanwhile."""
+        """Blocks until the workers received and loaded the tensors the trainer broadcasts
+        meanwhile."""
         self._request("POST", "/update_weights", "collective", json={"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -326,7 +362,8 @@ class VLLMClient:
         return str(_field(self._request("GET", "/weight_info"), "weight_version"))
 
     def weight_checker(self, action: str, baseline: dict | None = None) -> dict:
-        """action: checksum | reset | compare (compare needs `baseline`, a checksum reply's `checksums`)."""
+        """action: checksum | reset | compare (compare needs `baseline`, a checksum reply's
+        `checksums`)."""
         body = {"action": action} if baseline is None else {"action": action, "baseline": baseline}
         return _field(self._request("POST", "/weight_checker", json=body))
 
@@ -348,7 +385,8 @@ class VLLMClient:
         return _field(await self._arequest("POST", "/v1/completions", "generation", json=body))
 
     async def agenerate(self, body: dict) -> dict:
-        return _field(await self._arequest("POST", "/inference/v1/generate", "generation", json=body))
+        reply = await self._arequest("POST", "/inference/v1/generate", "generation", json=body)
+        return _field(reply)
 
     async def ametrics(self) -> Samples | None:
         try:

@@ -1,5 +1,5 @@
-"""One prompt of the toy task through the whole system, with the values it really takes
-(WALKTHROUGH.md reads this script's output; spec: 概要 (overview), followed step by step).
+"""概要 (Overview), followed step by step: one prompt of the toy task through the whole system,
+with the values it really takes (WALKTHROUGH.md shows this script's output).
 
     python walkthrough.py                          # every step's values, in ~15 s on one CPU core
     python walkthrough.py --write WALKTHROUGH.md   # refresh the document's output blocks
@@ -44,7 +44,7 @@ from rollout import AsyncRolloutLoop  # noqa: E402
 from rollout_samples import RolloutGroup, reconcile  # noqa: E402
 from rollout_scoring import score_group  # noqa: E402
 from train import (FullSync, LocalServer, Policy, build_optimizer, load_model,  # noqa: E402
-                   local_server_args, stop_token_ids, train_step)
+                   local_server_args, train_step)
 from trie_pack import build_row  # noqa: E402
 from vllm_client import VLLMClient  # noqa: E402
 
@@ -111,8 +111,12 @@ def walkthrough(out) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     logging.disable(logging.WARNING)
-    say = lambda *lines: print(*lines, sep="\n", file=out)  # noqa: E731
-    section = lambda name: say(f"=== {name}")  # noqa: E731
+
+    def say(*lines: str) -> None:
+        print(*lines, sep="\n", file=out)
+
+    def section(name: str) -> None:
+        say(f"=== {name}")
 
     with tempfile.TemporaryDirectory() as tmp:
         # 0. the toy model, warmed up on the answer format, saved like a hub model
@@ -189,8 +193,8 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
         f"subtree_end[{GRID_FROM}:]  {packed.subtree_end[GRID_FROM:].tolist()}",
         f"token_index  {packed.token_index.tolist()}",
         f"sample_ids   {packed.sample_ids.tolist()}",
-        f"attention (query i sees key j iff j <= i <= subtree_end[j]); keys 0..{GRID_FROM - 1}, "
-        f"the shared prompt, are seen by every query:")
+        "attention: query i sees key j iff j <= i <= subtree_end[j];",
+        f"keys 0..{GRID_FROM - 1}, the shared prompt, are seen by every query:")
     say(*mask_grid(packed, tokenizer, GRID_FROM))
 
     # 5. the loss: ratios, keep bits, centering (loss.py), then one optimizer step (train.py)
@@ -224,7 +228,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
         grads[centred] = (loss.item(), torch.autograd.grad(loss, head.weight)[0])
     (loss_c, g_c), (loss_p, g_p) = grads[True], grads[False]
     say(f"loss = Σ keep·-min(r·A, clip(r)·A) / n = {fmt(loss_c, 6)} with centering, "
-        f"{fmt(loss_p, 6)} without (the term adds A·sg(w)·(c - sg(c)) = 0)",
+        f"{fmt(loss_p, 6)} without", "(the centering term adds A·sg(w)·(c - sg(c)) = 0)",
         f"LM-head gradient norm {fmt(float(g_p.norm()), 5)} → {fmt(float(g_c.norm()), 5)} "
         f"with centering; they differ by {fmt(float((g_c - g_p).norm()), 5)}")
     optimizer, scheduler = build_optimizer(policy, config)
@@ -265,15 +269,16 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
     # 7. the same row under version 1: what a sample of staleness 1 looks like to the loss
     section("stale")
     ratio = (new.target - packed.sampler_logprobs).exp()                          # [M]
-    keep, low, high = importance_bands(ratio, packed.advantages, config)                     # [M] bool each
+    keep, low, high = importance_bands(ratio, packed.advantages, config)          # [M] bool each
     say(" sample  reward  ratio(digit)  ratio(end)  keep  clipped")
     for i in range(packed.num_samples):
         m0, m1 = np.flatnonzero(packed.sample_ids.numpy() == i)
         say(f"{i:7d}  {samples[i].reward:6.1f}  {fmt(ratio[m0]):>12s}  {fmt(ratio[m1]):>10s}  "
             f"{int(keep[m0] & keep[m1]):4d}  {int((low | high)[[m0, m1]].any()):7d}")
     bounds = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
-    say(f"{int(keep.sum())} of {len(keep)} loss terms inside [{bounds[0]}, {bounds[1]}] (kept), {int((low | high).sum())} outside "
-        f"1 ± {config.epsilon} (clipped); centering term max |c_m| = {fmt(centering.abs().max())}")
+    say(f"{int(keep.sum())} of {len(keep)} loss terms inside [{bounds[0]}, {bounds[1]}] (kept), "
+        f"{int((low | high).sum())} outside 1 ± {config.epsilon} (clipped);",
+        f"centering term max |c_m| = {fmt(centering.abs().max())}")
 
 
 def blocks(text: str) -> dict[str, str]:

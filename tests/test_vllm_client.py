@@ -1,7 +1,9 @@
-"""vllm_client.py against tiny scripted stdlib HTTP servers: retries, timeouts, error messages, parsing.
+"""vllm_client.py against tiny scripted stdlib HTTP servers: retries, timeouts, error messages,
+parsing.
 
-Each scripted server answers its n-th request with `replies[n]` (the last reply repeats), serves a bounded
-number of requests and stops by itself; "stall" holds the request without answering until the test ends.
+Each scripted server answers its n-th request with `replies[n]` (the last reply repeats), serves a
+bounded number of requests and stops by itself; "stall" holds the request without answering until
+the test ends.
 """
 import asyncio
 import json
@@ -23,8 +25,9 @@ class Scripted(ThreadingHTTPServer):
 
     def __init__(self, replies, max_requests: int):
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.replies, self.max_requests = replies, max_requests
-        self.requests: list[tuple[str, str, object]] = []  # (method, path with query, JSON body or None)
+        self.replies = replies
+        self.max_requests = max_requests
+        self.requests: list[tuple[str, str, object]] = []  # (method, path + query, JSON or None)
         self.authorizations: list[str | None] = []        # each request's Authorization header
         self.released = threading.Event()
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
@@ -33,7 +36,8 @@ class Scripted(ThreadingHTTPServer):
 
     def _serve(self):
         deadline = time.monotonic() + 20
-        while len(self.requests) < self.max_requests and not self.released.is_set() and time.monotonic() < deadline:
+        while (len(self.requests) < self.max_requests and not self.released.is_set()
+               and time.monotonic() < deadline):
             self.handle_request()
         self.server_close()
 
@@ -58,7 +62,8 @@ class _Handler(BaseHTTPRequestHandler):
         status, body = reply
         data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "text/plain" if isinstance(body, str) else "application/json")
+        ctype = "text/plain" if isinstance(body, str) else "application/json"
+        self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -68,7 +73,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def serve():
-    """serve(replies, max_requests=20) -> a started Scripted server; all are released after the test."""
+    """serve(replies, max_requests=20) -> a started Scripted server; all are released after the
+    test."""
     servers = []
 
     def start(replies, max_requests: int = 20) -> Scripted:
@@ -98,7 +104,8 @@ def test_control_call_retries_503(serve):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"error": {"message": "max_tokens is too large", "type": "BadRequestError"}}, "max_tokens is too large"),
+    ({"error": {"message": "max_tokens is too large", "type": "BadRequestError"}},
+     "max_tokens is too large"),
     ({"error": "Invalid pause mode"}, "Invalid pause mode"),
     ({"message": "The model `x` does not exist."}, "The model `x` does not exist."),
     ({"detail": "Not Found"}, "Not Found"),
@@ -158,7 +165,8 @@ def test_backoff_doubles_up_to_its_cap(monkeypatch):
     sleeps = []
     monkeypatch.setattr(vllm_client.time, "sleep", sleeps.append)
     monkeypatch.setattr(vllm_client.random, "uniform", lambda a, b: 1.0)
-    client = VLLMClient(f"http://127.0.0.1:{_closed_port()}", max_retries=5, backoff=0.5, max_backoff=2.0)
+    client = VLLMClient(f"http://127.0.0.1:{_closed_port()}", max_retries=5, backoff=0.5,
+                        max_backoff=2.0)
     with pytest.raises(VLLMError, match="gave up after 6 attempts"):
         client.completions({"prompt": [1]})
     assert sleeps == [0.5, 1.0, 2.0, 2.0, 2.0]
@@ -185,10 +193,11 @@ def test_lora_replies_are_plain_text(serve):
     s = serve([(200, "Success: LoRA adapter 'policy-v1' added successfully."),
                (200, "Success: LoRA adapter 'policy-v0' removed successfully.")])
     client = VLLMClient(s.url, **FAST)
-    assert client.load_lora_adapter("policy-v1", "/tmp/a") == "Success: LoRA adapter 'policy-v1' added successfully."
+    added = client.load_lora_adapter("policy-v1", "/tmp/a")
+    assert added == "Success: LoRA adapter 'policy-v1' added successfully."
     assert client.unload_lora_adapter("policy-v0").startswith("Success")
-    assert s.requests == [("POST", "/v1/load_lora_adapter", {"lora_name": "policy-v1", "lora_path": "/tmp/a",
-                                                             "load_inplace": False}),
+    load = {"lora_name": "policy-v1", "lora_path": "/tmp/a", "load_inplace": False}
+    assert s.requests == [("POST", "/v1/load_lora_adapter", load),
                           ("POST", "/v1/unload_lora_adapter", {"lora_name": "policy-v0"})]
 
 
@@ -208,7 +217,8 @@ def test_endpoints_paths_and_bodies(serve):
         "/v1/models": {"object": "list", "data": [
             {"id": "policy-v1", "parent": "toy", "max_model_len": None},
             {"id": "toy", "parent": None, "max_model_len": 256}]},
-        "/server_info?config_format=json": {"vllm_config": {"model_config": {"dtype": "torch.float32"}}},
+        "/server_info?config_format=json": {"vllm_config": {
+            "model_config": {"dtype": "torch.float32"}}},
         "/get_world_size?include_dp=false": {"world_size": 2},
         "/pause?mode=abort&clear_cache=false": {"status": "paused"},
         "/resume": {"status": "resumed"},
@@ -219,7 +229,10 @@ def test_endpoints_paths_and_bodies(serve):
         "/weight_checker": {"match": True, "mismatches": []},
         "/inference/v1/generate": COMPLETION,
     }
-    s = serve(lambda method, path, body: (200, replies[path]) if path in replies else (404, {"detail": "Not Found"}))
+    def reply(method, path, body):
+        return (200, replies[path]) if path in replies else (404, {"detail": "Not Found"})
+
+    s = serve(reply)
     client = VLLMClient(s.url, **FAST)
     assert client.max_model_len() == 256
     assert client.server_info() == {"model_config": {"dtype": "torch.float32"}}
@@ -227,8 +240,8 @@ def test_endpoints_paths_and_bodies(serve):
     client.pause("abort", clear_cache=False)
     client.resume()
     assert client.reset_prefix_cache(reset_running_requests=True) is True
-    client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                                        "world_size": 2})
+    client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": 1,
+                                        "rank_offset": 1, "world_size": 2})
     client.finish_weight_update("v2")
     assert client.weight_info() == "v2"
     assert client.weight_checker("compare", {"w": "ab"}) == {"match": True, "mismatches": []}
@@ -261,14 +274,16 @@ python_gc_objects_collected_total{generation="0"} -Inf
 
 def test_parse_prometheus_realistic_text():
     m = parse_prometheus(PROMETHEUS)
-    assert m["vllm:num_requests_running"] == [({"engine": "0", "model_name": "Qwen/Qwen3-0.6B"}, 3.0),
-                                              ({"engine": "1", "model_name": "Qwen/Qwen3-0.6B"}, 5.0)]
+    qwen = "Qwen/Qwen3-0.6B"
+    assert m["vllm:num_requests_running"] == [({"engine": "0", "model_name": qwen}, 3.0),
+                                              ({"engine": "1", "model_name": qwen}, 5.0)]
     usage = dict((labels["engine"], v) for labels, v in m["vllm:kv_cache_usage_perc"])
     assert usage["0"] == 0.42 and math.isnan(usage["1"])
     assert m["vllm:num_preemptions_total"][0][1] == 7.0
     assert m["vllm:e2e_request_latency_seconds_bucket"][0][0]["le"] == "+Inf"
     labels, value = m["vllm:cache_config_info"][0]
-    assert labels == {"block_size": "16", "engine": "0", "note": 'a "quoted", comma, {brace}', "num_gpu_blocks": "4096"}
+    assert labels == {"block_size": "16", "engine": "0", "note": 'a "quoted", comma, {brace}',
+                      "num_gpu_blocks": "4096"}
     assert m["process_open_fds"] == [({}, 17.0)]
     assert m["python_gc_objects_collected_total"][0][1] == -math.inf
     assert "vllm:num_preemptions" not in m  # comment lines are not samples
@@ -314,7 +329,8 @@ def test_401_raises_at_once_naming_the_api_key_variable(serve, monkeypatch, key,
     client = VLLMClient(s.url, **FAST)
     with pytest.raises(VLLMError) as info:
         client.completions({"prompt": [1]})
-    assert info.value.status == 401 and hint in str(info.value) and (key is None or key not in str(info.value))
+    assert info.value.status == 401 and hint in str(info.value)
+    assert key is None or key not in str(info.value)
     assert len(s.requests) == 1 and client.retry_total == 0
     assert s.authorizations == [None if key is None else f"Bearer {key}"]
 

@@ -1,0 +1,149 @@
+"""serve_http.py, the transport: framing and bounding bodies byte by byte, vLLM's JSON error shape
+for every refusal (http.server's own included), --api-key, and a client that goes away freeing its
+sequences. Requests are raw bytes on a socket, so nothing between us and the server fixes them."""
+import http.client
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from conftest import LocalServer
+from test_serve_local import PROMPT, assert_error, metrics, wait_for
+
+
+def raw(server, data: bytes, timeout: float = 15.0) -> tuple:
+    """Send bytes as they are; (status, JSON body or None, http.client.HTTPResponse) of the one
+    reply."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
+        sock.sendall(data)
+        method = "HEAD" if data.startswith(b"HEAD") else "POST"
+        response = http.client.HTTPResponse(sock, method=method)
+        response.begin()
+        body = response.read()
+    return response.status, json.loads(body) if body else None, response
+
+
+def request(method: str, path: str, body: bytes = b"", headers: dict | None = None) -> bytes:
+    """The bytes of one HTTP/1.1 request (Content-Length of the body unless headers are given)."""
+    if headers is None:
+        headers = {"Content-Length": str(len(body))}
+    lines = [f"{method} {path} HTTP/1.1\r\n"] + [f"{k}: {v}\r\n" for k, v in
+                                                 {"Host": "x", **headers}.items()]
+    return "".join(lines).encode() + b"\r\n" + body
+
+
+def error_message(body) -> str:
+    err = body["error"]
+    return err if isinstance(err, str) else err["message"]
+
+
+def ok(server) -> list[int]:
+    """A normal request still works: the server kept serving."""
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3,
+                                                         "seed": 1, "return_token_ids": True},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+# ── malformed requests, byte by byte ──────────────────────────────────────────────────────────
+
+BODY = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+CHUNKED = {"Transfer-Encoding": "chunked"}
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.mark.parametrize("data, status", [
+    (request("POST", COMPLETIONS, b'{"prompt": "\xff\xfe"}'), 400),               # not UTF-8
+    (request("POST", COMPLETIONS, b'{"prompt": "a\\ud800b"}'), 400),             # a lone surrogate
+    (request("POST", COMPLETIONS, b"[" * 100000 + b"]" * 100000), 400),           # nested deeply
+    (request("POST", COMPLETIONS, b'{"prompt": [1, 2'), 400),                     # truncated JSON
+    (request("POST", COMPLETIONS, b'"text"'), 400),                               # not an object
+    (request("POST", COMPLETIONS, b'{"max_tokens": 1' + b"0" * 5000 + b"}"), 400),  # 5000 digits
+    (request("POST", COMPLETIONS, b"", {"Content-Length": "abc"}), 400),
+    (request("POST", COMPLETIONS, b"", {"Content-Length": "-5"}), 400),
+    (request("POST", COMPLETIONS, b"", {"Content-Length": str(1 << 40)}), 413),
+    (request("POST", COMPLETIONS, BODY, {"Content-Length": str(len(BODY)), **CHUNKED}), 400),
+    (request("POST", COMPLETIONS, BODY, {"Transfer-Encoding": "gzip"}), 400),
+    (request("POST", COMPLETIONS, b"zz\r\n" + BODY + b"\r\n0\r\n\r\n", CHUNKED), 400),  # bad size
+    (request("POST", COMPLETIONS, b"5\r\n" + BODY + b"\r\n0\r\n\r\n", CHUNKED), 400),   # overrun
+    (request("POST", COMPLETIONS, b"%x\r\n" % (40 << 20) + b"x" * 1000, CHUNKED), 413),
+    (request("POST", COMPLETIONS, b"", {}), 400),           # no body: the prompt is missing
+    (request("PUT", COMPLETIONS, BODY), 405),
+    (request("DELETE", "/health"), 405),
+    (request("GET", COMPLETIONS), 405),
+    (request("BREW", COMPLETIONS, BODY), 405),              # no handler in http.server
+    (request("POST", "/v2/nowhere", BODY), 404),
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"GET /health HTTP/1.1\r\n" + b"X: " + b"y" * 70000 + b"\r\n\r\n", 431),
+])
+def test_malformed_requests_get_a_json_4xx(server, data, status):
+    got, reply, _ = raw(server, data)
+    assert got == status, reply
+    assert error_message(reply)
+    ok(server)
+
+
+def test_a_valid_chunked_body_is_served(server):
+    pieces = [BODY[i:i + 7] for i in range(0, len(BODY), 7)]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    status, reply, _ = raw(server, request("POST", COMPLETIONS, body, CHUNKED))
+    assert status == 200 and len(reply["choices"]) == 1
+
+
+def test_head_gets_headers_only(server):
+    status, reply, response = raw(server, request("HEAD", COMPLETIONS))
+    assert status == 405 and reply is None
+    assert response.getheader("Content-Type") == "application/json"
+
+
+def test_an_oversized_body_is_refused_and_the_client_reads_why(server):
+    r = httpx.post(server.url + COMPLETIONS, content=b" " * (33 << 20), timeout=60)
+    assert_error(r, 413)
+
+
+def test_a_client_that_stops_sending_does_not_block_others(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(request("POST", COMPLETIONS, b"", {"Content-Length": "100"}) + b'{"pro')
+        ok(server)                                       # served while that body never arrives
+
+
+def test_a_client_that_disconnects_frees_its_sequences(server):
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "n": 4}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(request("POST", COMPLETIONS, body))
+        wait_for(lambda: metrics(server)["vllm:num_requests_running"] == 4)
+    start = time.monotonic()
+
+    def idle() -> bool:
+        m = metrics(server)
+        return m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == 0
+    wait_for(idle, timeout=5)
+    assert time.monotonic() - start < 2                  # aborted, not generated to the end
+    ok(server)
+
+
+# ── --api-key ─────────────────────────────────────────────────────────────────────────────────
+
+
+def test_api_key_guards_every_route_but_health_and_metrics(toy_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")         # read when --api-key is absent, as vLLM
+    s = LocalServer(toy_dir, "--max-model-len", "64")
+    try:
+        assert httpx.get(s.url + "/health").status_code == 200
+        assert httpx.get(s.url + "/metrics").status_code == 200
+        guarded = [("POST", COMPLETIONS), ("GET", "/v1/models"), ("POST", "/inference/v1/generate"),
+                   ("GET", "/server_info"), ("POST", "/pause"), ("GET", "/nowhere")]
+        for method, path in guarded:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                r = httpx.request(method, s.url + path, json={}, headers=headers)
+                assert r.status_code == 401, (method, path, r.text)
+                assert r.json() == {"error": "Unauthorized"}
+        r = httpx.post(s.url + COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 2},
+                       headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200
+        assert "s3cret" not in s.output()
+    finally:
+        s.stop()
