@@ -1,7 +1,10 @@
-"""loss.py: chunked log-probs against full logits, the clipped and masked objective, score centering,
-candidate-set renormalisation, step-wide normalisation, metrics and the MoE router loss."""
+"""loss.py: chunked log-probs against full logits, the clipped and masked objective, score
+centering, candidate-set renormalisation, step-wide normalisation, metrics and the MoE router
+loss."""
 import math
-import warnings
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -46,16 +49,19 @@ def leaves(n=10, dtype=torch.float32, seed=0):
 
 def test_chunked_logprobs_equal_full_logits_values_and_gradients():
     hidden, weight, bias = leaves()
-    token_index = torch.tensor([0, 1, 1, 3, 4, 4, 4, 7, 8, 9])                   # shared positions repeat
+    token_index = torch.tensor([0, 1, 1, 3, 4, 4, 4, 7, 8, 9])           # shared positions repeat
     targets = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
     top_ids = torch.randint(0, V, (10, 4), generator=torch.Generator().manual_seed(1))
-    top_ids[:, 0], top_ids[2, 3] = targets, -1                                   # the target is a top token; a pad
-    sets = [[], list(range(0, 40)), [], list(range(5, 30)) + [90], [], [9, 10, 11, 50], [], [], list(range(10, 60)), []]
-    top_ids[3, 2] = 95                                                           # a top id outside its set
+    top_ids[:, 0] = targets                                              # the target is a top token
+    top_ids[2, 3] = -1                                                   # a pad
+    sets = [[], list(range(0, 40)), [], list(range(5, 30)) + [90], [], [9, 10, 11, 50], [], [],
+            list(range(10, 60)), []]
+    top_ids[3, 2] = 95                                                   # a top id outside its set
     cand_ids, cand_offsets = packed_sets(sets)
     T = 0.7
-    lp = loss.token_logprobs(hidden, weight, bias, token_index, targets, temperature=T, top_ids=top_ids,
-                             candidate_ids=cand_ids, candidate_offsets=cand_offsets, chunk_size=3)
+    lp = loss.token_logprobs(hidden, weight, bias, token_index, targets, temperature=T,
+                             top_ids=top_ids, candidate_ids=cand_ids,
+                             candidate_offsets=cand_offsets, chunk_size=3)
     full, ref_t, ref_top = naive(hidden, weight, bias, token_index, targets, T, top_ids, sets)
     valid = (top_ids >= 0) & torch.isfinite(ref_top)
     assert torch.equal(lp.top_valid, valid) and not valid[2, 3] and not valid[3, 2]
@@ -68,7 +74,8 @@ def test_chunked_logprobs_equal_full_logits_values_and_gradients():
 
     g = torch.Generator().manual_seed(2)
     u_t, u_top = torch.randn(10, generator=g), torch.randn(10, 4, generator=g)
-    grads = torch.autograd.grad((lp.target * u_t).sum() + (lp.top * u_top).sum(), (hidden, weight, bias))
+    objective = (lp.target * u_t).sum() + (lp.top * u_top).sum()
+    grads = torch.autograd.grad(objective, (hidden, weight, bias))
     ref_sum = (ref_t * u_t).sum() + (torch.where(valid, ref_top, 0) * u_top).sum()
     ref = torch.autograd.grad(ref_sum, (hidden, weight, bias))
     for a, b in zip(grads, ref):
@@ -87,7 +94,7 @@ def test_candidate_set_renormalisation_is_log_softmax_over_masked_logits():
         s = torch.tensor(sets[t] or range(V))
         assert abs(lp.target[t] - (z[t, targets[t]] - z[t, s].logsumexp(0))) <= 1e-6
     vocab = loss.token_logprobs(hidden, weight, None, torch.arange(3), targets).target
-    assert (vocab[:2] < lp.target[:2] - 0.1).all()                               # a smaller set: larger log-prob
+    assert (vocab[:2] < lp.target[:2] - 0.1).all()                       # smaller set, larger log π
     with pytest.raises(ValueError, match="outside its candidate set"):
         loss.token_logprobs(hidden, weight, None, torch.arange(3), torch.tensor([9, 21, 99]),
                             candidate_ids=ids, candidate_offsets=offsets)
@@ -97,7 +104,8 @@ def test_temperature_divides_logits_in_target_and_top_terms():
     hidden, weight, bias = leaves(4)
     targets, top_ids = torch.tensor([1, 2, 3, 4]), torch.tensor([[7, 8]] * 4)
     for T in (0.5, 2.0):
-        lp = loss.token_logprobs(hidden, weight, bias, torch.arange(4), targets, temperature=T, top_ids=top_ids)
+        lp = loss.token_logprobs(hidden, weight, bias, torch.arange(4), targets, temperature=T,
+                                 top_ids=top_ids)
         _, ref_t, ref_top = naive(hidden, weight, bias, torch.arange(4), targets, T, top_ids)
         _, t1, top1 = naive(hidden, weight, bias, torch.arange(4), targets, 1.0, top_ids)
         assert (lp.target - ref_t).abs().max() <= 1e-6 and (lp.top - ref_top).abs().max() <= 1e-6
@@ -113,20 +121,21 @@ def test_backward_holds_no_chunk_logits():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lp = loss.token_logprobs(hidden, weight, bias, torch.arange(64), torch.arange(64) % V, chunk_size=8,
-                                 top_ids=torch.zeros(64, 2, dtype=torch.long))
+        lp = loss.token_logprobs(hidden, weight, bias, torch.arange(64), torch.arange(64) % V,
+                                 chunk_size=8, top_ids=torch.zeros(64, 2, dtype=torch.long))
     inputs = {hidden.data_ptr(), weight.data_ptr(), bias.data_ptr()}
     extra = sum(t.numel() for t in saved if t.data_ptr() not in inputs)
-    assert extra < 64 * 16                                                       # O(M·k); M·V would be 6720
+    assert extra < 64 * 16                                               # O(M·k); M·V is 6720
     lp.target.sum().backward()
 
 
 def stats_lp(logp, top=None, valid=None, tail=None):
     """A TokenLogProbs made by hand, to test the objective alone."""
     M = logp.numel()
-    return loss.TokenLogProbs(target=logp, top=top if top is not None else torch.zeros(M, 0),
-                              top_valid=valid if valid is not None else torch.zeros(M, 0, dtype=torch.bool),
-                              tail_mass=tail if tail is not None else torch.zeros(M), entropy=torch.zeros(M))
+    return loss.TokenLogProbs(
+        target=logp, top=top if top is not None else torch.zeros(M, 0),
+        top_valid=valid if valid is not None else torch.zeros(M, 0, dtype=torch.bool),
+        tail_mass=tail if tail is not None else torch.zeros(M), entropy=torch.zeros(M))
 
 
 def test_ratio_metrics_on_a_hand_computed_example():
@@ -136,7 +145,8 @@ def test_ratio_metrics_on_a_hand_computed_example():
     logp = (sampler + ratios.log()).requires_grad_()
     lp = stats_lp(logp)
     lp.entropy = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
-    top_lp = torch.tensor([[0.5, 0.2], [0.9, 0.0], [0.3, 0.3], [1.0, 0.0], [0.25, 0.25], [0.1, 0.2]]).log()  # -inf pads
+    top_lp = torch.tensor([[0.5, 0.2], [0.9, 0.0], [0.3, 0.3], [1.0, 0.0], [0.25, 0.25],
+                           [0.1, 0.2]]).log()                            # 0.0: -inf pads
     _, m = loss.policy_loss(lp, sampler, adv, 6, config(score_centering=False), top_lp)
     f = loss.finalize_metrics(m)
     assert f["sampling/importance_sampling_ratio/mean"] == pytest.approx(12.95 / 6)
@@ -145,9 +155,9 @@ def test_ratio_metrics_on_a_hand_computed_example():
     diffs = [math.log(2), math.log(4), 0, math.log(8), -math.log(0.6), math.log(1.1)]
     assert f["sampling/sampling_logp_difference/mean"] == pytest.approx(sum(diffs) / 6, rel=1e-6)
     assert f["sampling/sampling_logp_difference/max"] == pytest.approx(math.log(8), rel=1e-6)
-    assert f["sampling/masked_mean"] == pytest.approx(2 / 6)                   # 0.25 < 0.5 and 8 > 5
+    assert f["sampling/masked_mean"] == pytest.approx(2 / 6)             # 0.25 < 0.5 and 8 > 5
     assert f["clip_ratio/high_mean"] == pytest.approx(1 / 6)                   # r=2, A>0
-    assert f["clip_ratio/low_mean"] == pytest.approx(1 / 6)                    # r=0.6, A<0 (r=0.25 is masked)
+    assert f["clip_ratio/low_mean"] == pytest.approx(1 / 6)              # r=0.6, A<0 (0.25: masked)
     assert f["entropy"] == pytest.approx(3.5)
     assert f["sampling/sampler_mass"] == pytest.approx((0.7 + 0.9 + 0.6 + 1.0 + 0.5 + 0.3) / 6)
 
@@ -157,7 +167,7 @@ def test_an_empty_row_gives_zero_loss_zero_gradients_and_neutral_metrics():
     row = row_for(hidden, weight, torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0),
                   torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
     out, m = loss.compute_loss(hidden, weight, bias, row, config(), num_tokens=7)
-    out.backward()                                                               # every rank must run backward
+    out.backward()                                                       # every rank runs backward
     assert out.item() == 0 and hidden.grad.abs().sum() == 0 and weight.grad.abs().sum() == 0
     f = loss.finalize_metrics(m)
     assert math.isnan(f["entropy"]) and f["sampling/importance_sampling_ratio/min"] == math.inf
@@ -176,23 +186,28 @@ def test_clipped_surrogate_value_and_gradient(r, adv, clipped, value):
                               config(score_centering=False, epsilon_high=0.28))
     out.backward()
     assert out.item() == pytest.approx(value, rel=1e-6)
-    assert logp.grad.item() == pytest.approx(0.0 if clipped else -adv * r, rel=1e-6)   # d(-rA)/dlog π = -rA
+    # d(-rA)/dlog π = -rA
+    assert logp.grad.item() == pytest.approx(0.0 if clipped else -adv * r, rel=1e-6)
 
 
 def row_for(hidden, weight, targets, sampler_lp, adv, top_ids=None, top_lp=None, token_index=None):
     n = targets.numel()
-    return SimpleNamespace(token_index=token_index if token_index is not None else torch.arange(n), targets=targets,
-                           sampler_logprobs=sampler_lp, advantages=adv, top_ids=top_ids, top_logprobs=top_lp)
+    if token_index is None:
+        token_index = torch.arange(n)
+    return SimpleNamespace(token_index=token_index, targets=targets, sampler_logprobs=sampler_lp,
+                           advantages=adv, top_ids=top_ids, top_logprobs=top_lp)
 
 
 def test_masked_tokens_contribute_zero_gradient():
     hidden, weight, bias = leaves(5)
     targets = torch.tensor([3, 4, 5, 6, 7])
     lp = loss.token_logprobs(hidden, weight, bias, torch.arange(5), targets).target.detach()
-    sampler = lp - torch.tensor([0.0, math.log(6.0), 0.1, math.log(0.4), -0.1])    # ratios 1, 6, .9, .4, 1.1
+    # ratios 1, 6, .9, .4, 1.1
+    sampler = lp - torch.tensor([0.0, math.log(6.0), 0.1, math.log(0.4), -0.1])
     top_ids = torch.stack([targets, targets + 1], 1)
     top_lp = torch.full((5, 2), -3.0)
-    row = row_for(hidden, weight, targets, sampler, torch.tensor([1.0, 1.0, -1.0, 1.0, 1.0]), top_ids, top_lp)
+    adv = torch.tensor([1.0, 1.0, -1.0, 1.0, 1.0])
+    row = row_for(hidden, weight, targets, sampler, adv, top_ids, top_lp)
     out, m = loss.compute_loss(hidden, weight, bias, row, config(), num_tokens=5)
     out.backward()
     assert (hidden.grad[[1, 3]] == 0).all() and (hidden.grad[[0, 2, 4]].abs().sum(1) > 0).all()
@@ -201,8 +216,8 @@ def test_masked_tokens_contribute_zero_gradient():
 
 def per_token_gradient(hidden, weight, y, log_q, adv, cfg, top_ids):
     """g(y) = -∇(loss of one sampled token y at position 0), flattened over (hidden, weight)."""
-    row = row_for(hidden, weight, torch.tensor([y]), log_q[y:y + 1], torch.tensor([adv], dtype=hidden.dtype),
-                  top_ids[None], log_q[top_ids][None])
+    row = row_for(hidden, weight, torch.tensor([y]), log_q[y:y + 1],
+                  torch.tensor([adv], dtype=hidden.dtype), top_ids[None], log_q[top_ids][None])
     out, _ = loss.compute_loss(hidden, weight, None, row, cfg, num_tokens=1)
     return -torch.cat([g.flatten() for g in torch.autograd.grad(out, (hidden, weight))])
 
@@ -223,22 +238,27 @@ def test_score_centering_has_zero_mean_under_the_sampler(adv):
     Vt = weight.shape[0]
     g = torch.Generator().manual_seed(3)
     log_pi = (hidden @ weight.T)[0].detach().log_softmax(0)                      # [V]
-    log_q = (log_pi + 1.2 * torch.randn(Vt, generator=g, dtype=log_pi.dtype)).log_softmax(0)  # a far-off sampler
+    noise = 1.2 * torch.randn(Vt, generator=g, dtype=log_pi.dtype)
+    log_q = (log_pi + noise).log_softmax(0)                              # a far-off sampler
     r = (log_pi - log_q).exp()
     eps = 0.2
     clipped = (r > 1 + eps) if adv > 0 else (r < 1 - eps)
     assert ((r < 0.5) | (r > 5)).sum() >= 3 and (clipped & (r >= 0.5) & (r <= 5)).sum() >= 3
-    q, all_ids = log_q.exp(), torch.arange(Vt)                                   # the top-k covers the vocabulary
+    q = log_q.exp()
+    all_ids = torch.arange(Vt)                                           # top-k: all of V
     for centering, zero in ((True, True), (False, False)):
         cfg = config(score_centering=centering, num_sampler_logprobs=Vt)
-        drift = sum(q[y] * per_token_gradient(hidden, weight, y, log_q, adv, cfg, all_ids) for y in range(Vt))
+        drift = sum(q[y] * per_token_gradient(hidden, weight, y, log_q, adv, cfg, all_ids)
+                    for y in range(Vt))
         assert (drift.abs().max() <= 1e-6) == zero, drift.abs().max()
 
 
-@pytest.mark.parametrize("r_tail, adv", [(0.95, 1.0), (3.0, 1.0), (3.0, -1.0), (6.0, -1.0), (0.7, -1.0)])
+@pytest.mark.parametrize("r_tail, adv",
+                         [(0.95, 1.0), (3.0, 1.0), (3.0, -1.0), (6.0, -1.0), (0.7, -1.0)])
 def test_score_centering_tail_closed_form(r_tail, adv):
-    """Top-50 of 105 tokens; the sampler's tail is proportional to π_θ, as the estimator assumes, and its ratio
-    r_tail is kept, clipped (A>0 at 3, A<0 at .7) or masked (6): E_q[g] = 0 over all tokens still."""
+    """Top-50 of 105 tokens; the sampler's tail is proportional to π_θ, as the estimator assumes,
+    and its ratio r_tail is kept, clipped (A>0 at 3, A<0 at .7) or masked (6): E_q[g] = 0 over all
+    tokens still."""
     hidden, weight = toy_position()
     g = torch.Generator().manual_seed(4)
     log_pi = (hidden @ weight.T)[0].detach().log_softmax(0)                      # [V]
@@ -246,13 +266,14 @@ def test_score_centering_tail_closed_form(r_tail, adv):
     head = pi.argsort(descending=True)[:50]
     tail = torch.ones_like(pi, dtype=torch.bool).index_fill_(0, head, False)
     q = torch.empty_like(pi)
-    q[tail] = pi[tail] / r_tail                                                  # ratio r_tail on every tail token
+    q[tail] = pi[tail] / r_tail                                          # ratio r_tail on the tail
     w = pi[head] * (2.0 * torch.rand(50, generator=g, dtype=pi.dtype)).exp()
     assert q[tail].sum() < 0.9
     q[head] = w / w.sum() * (1 - q[tail].sum())
     log_q = q.log()
     cfg = config(num_sampler_logprobs=50)
-    drift = sum(q[y] * per_token_gradient(hidden, weight, y, log_q, adv, cfg, head) for y in range(len(q)))
+    drift = sum(q[y] * per_token_gradient(hidden, weight, y, log_q, adv, cfg, head)
+                for y in range(len(q)))
     assert drift.abs().max() <= 1e-6
 
 
@@ -267,7 +288,8 @@ def test_score_centering_changes_gradient_not_loss_and_off_is_the_clipped_object
     results = {}
     for centering in (True, False):
         row = row_for(hidden, weight, targets, sampler, adv, top_ids, top_lp)
-        out, _ = loss.compute_loss(hidden, weight, bias, row, config(score_centering=centering), num_tokens=6)
+        cfg = config(score_centering=centering)
+        out, _ = loss.compute_loss(hidden, weight, bias, row, cfg, num_tokens=6)
         results[centering] = out.item(), torch.autograd.grad(out, hidden)[0]
     r = (lp - sampler).exp()
     expected = -torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv).sum() / 6
@@ -275,7 +297,8 @@ def test_score_centering_changes_gradient_not_loss_and_off_is_the_clipped_object
     assert (results[True][1] - results[False][1]).abs().max() > 1e-3
     lp = loss.token_logprobs(hidden, weight, bias, torch.arange(6), targets).target
     r = (lp - sampler).exp()
-    plain = torch.autograd.grad(-torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv).sum() / 6, hidden)[0]
+    plain_loss = -torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv).sum() / 6
+    plain = torch.autograd.grad(plain_loss, hidden)[0]
     assert (results[False][1] - plain).abs().max() <= 1e-7
 
 
@@ -295,7 +318,8 @@ def test_loss_is_a_token_mean_over_the_step_whatever_the_micro_batches():
         parts = []
         for lo, hi in zip(bounds, bounds[1:]):
             s = slice(lo, hi)
-            row = row_for(hidden, weight, targets[s], sampler[s], adv[s], top_ids[s], top_lp[s], torch.arange(lo, hi))
+            row = row_for(hidden, weight, targets[s], sampler[s], adv[s], top_ids[s], top_lp[s],
+                          torch.arange(lo, hi))
             out, m = loss.compute_loss(hidden, weight, bias, row, config(), num_tokens=12)
             out.backward()
             parts.append(m)
@@ -306,28 +330,48 @@ def test_loss_is_a_token_mean_over_the_step_whatever_the_micro_batches():
         assert m == pytest.approx(metrics[0], rel=1e-6)
 
 
+WARN_ONCE = """
+import warnings
+from types import SimpleNamespace
+import torch
+import loss
+from config import AsyncGRPOConfig
+row = SimpleNamespace(token_index=torch.arange(2), targets=torch.tensor([1, 2]),
+                      sampler_logprobs=torch.tensor([-4.0, -4.0]), advantages=torch.ones(2))
+cfg = AsyncGRPOConfig(top_k=50, score_centering=False)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(3):
+        loss.compute_loss(torch.randn(2, 16), torch.randn(105, 16), None, row, cfg, 2)
+print(len(caught), *(str(w.message) for w in caught))
+"""
+
+
 def test_vocabulary_normalisation_warns_once_with_the_server_flags():
+    """top_k without the samples' candidate sets: one warning per process (a fresh one here) that
+    names the server flags which send them."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", WARN_ONCE], cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    count, message = run.stdout.split(" ", 1)
+    assert count == "1" and "--return-sampling-mask --enable-scale-out" in message
     hidden, weight, _ = leaves(2)
     row = row_for(hidden, weight, torch.tensor([1, 2]), torch.tensor([-4.0, -4.0]), torch.ones(2))
-    cfg = config(top_k=50, score_centering=False)
-    loss._warn_biased_ratios.cache_clear()
-    with pytest.warns(UserWarning, match="--return-sampling-mask --enable-scale-out"):
-        loss.compute_loss(hidden, weight, None, row, cfg, 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        loss.compute_loss(hidden, weight, None, row, cfg, 2)
     with pytest.raises(ValueError, match="score_centering"):
         loss.compute_loss(hidden, weight, None, row, config(), 2)
 
 
 def test_router_aux_loss_on_a_tiny_moe_and_error_on_a_dense_model():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    cfg = Qwen3MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+    cfg = Qwen3MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                         moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                         router_aux_loss_coef=0.02)
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg)
-    assert loss.router_aux_loss_coef(cfg, None) == 0.02 and loss.router_aux_loss_coef(cfg, 0.5) == 0.5
+    assert loss.router_aux_loss_coef(cfg, None) == 0.02
+    assert loss.router_aux_loss_coef(cfg, 0.5) == 0.5
     out = model(torch.tensor([[1, 2, 3, 4, 5]]), output_router_logits=True)
     total = loss.add_router_aux_loss(out.logits.new_zeros(()), out.aux_loss, 0.5, weight=0.5)
     assert total.item() == pytest.approx(0.25 * out.aux_loss.item())
@@ -341,21 +385,26 @@ def test_router_aux_loss_on_a_tiny_moe_and_error_on_a_dense_model():
 
 
 def test_final_logit_softcapping_matches_the_models_own_logits_values_and_gradients():
-    """Gemma 2 softcaps its logits after the head, softcap·tanh(z / softcap); token_logprobs with the config's
-    final_logit_softcapping equals log_softmax of the model's own logits / T, in value and in gradient."""
+    """Gemma 2 softcaps its logits after the head, softcap·tanh(z / softcap); token_logprobs with
+    the config's final_logit_softcapping equals log_softmax of the model's own logits / T, in value
+    and in gradient."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
     torch.manual_seed(0)
-    m = Gemma2ForCausalLM(Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                       final_logit_softcapping=0.5, attn_implementation="eager")).float()
+    m = Gemma2ForCausalLM(Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=16,
+                                       final_logit_softcapping=0.5,
+                                       attn_implementation="eager")).float()
     ids, T = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(1)), 0.7
     token_index, targets = torch.arange(11), ids[0, 1:]
     out = m(input_ids=ids, output_hidden_states=True)
     ref = (out.logits[0, :-1] / T).log_softmax(-1).gather(1, targets[:, None])[:, 0]        # [11]
-    hidden = out.hidden_states[-1][0]                                                        # [12, H] after norm
-    lp = loss.token_logprobs(hidden, m.lm_head.weight, None, token_index, targets, temperature=T,
-                             final_logit_softcapping=m.config.final_logit_softcapping, chunk_size=4).target
-    uncapped = loss.token_logprobs(hidden, m.lm_head.weight, None, token_index, targets, temperature=T).target
+    hidden = out.hidden_states[-1][0]                                    # [12, H] after norm
+    head = m.lm_head.weight
+    lp = loss.token_logprobs(hidden, head, None, token_index, targets, temperature=T,
+                             final_logit_softcapping=m.config.final_logit_softcapping,
+                             chunk_size=4).target
+    uncapped = loss.token_logprobs(hidden, head, None, token_index, targets, temperature=T).target
     assert (lp - ref).abs().max() <= 1e-6 and (uncapped - ref).abs().max() > 1e-2
     u = torch.randn(11, generator=torch.Generator().manual_seed(2))
     got = torch.autograd.grad((lp * u).sum(), m.parameters(), retain_graph=True)
@@ -371,10 +420,11 @@ def test_softcapped_chunked_logprobs_with_candidate_sets_and_top_tokens_equal_fu
     sets = [[], list(range(0, 40)), [], list(range(5, 30)), [], [9, 10, 11, 50]]
     cand_ids, cand_offsets = packed_sets(sets)
     cap, T = 1.5, 0.8
-    lp = loss.token_logprobs(hidden, weight, bias, token_index, targets, temperature=T, top_ids=top_ids,
-                             candidate_ids=cand_ids, candidate_offsets=cand_offsets, final_logit_softcapping=cap,
+    lp = loss.token_logprobs(hidden, weight, bias, token_index, targets, temperature=T,
+                             top_ids=top_ids, candidate_ids=cand_ids,
+                             candidate_offsets=cand_offsets, final_logit_softcapping=cap,
                              chunk_size=4)
-    z = cap * torch.tanh(F.linear(hidden[token_index], weight, bias) / cap) / T               # [M, V]
+    z = cap * torch.tanh(F.linear(hidden[token_index], weight, bias) / cap) / T       # [M, V]
     allowed = torch.tensor([[not s or v in s for v in range(V)] for s in sets])
     full = z.masked_fill(~allowed, float("-inf")).log_softmax(-1)
     ref_t, ref_top = full.gather(1, targets[:, None])[:, 0], full.gather(1, top_ids.clamp(min=0))
@@ -382,7 +432,8 @@ def test_softcapped_chunked_logprobs_with_candidate_sets_and_top_tokens_equal_fu
     assert (lp.target - ref_t).abs().max() <= 1e-6
     assert (lp.top - torch.where(valid, ref_top, 0)).abs().max() <= 1e-6
     u_t, u_top = torch.randn(6), torch.randn(6, 2)
-    got = torch.autograd.grad((lp.target * u_t).sum() + (lp.top * u_top).sum(), (hidden, weight, bias))
+    objective = (lp.target * u_t).sum() + (lp.top * u_top).sum()
+    got = torch.autograd.grad(objective, (hidden, weight, bias))
     want = torch.autograd.grad((ref_t * u_t).sum() + (torch.where(valid, ref_top, 0) * u_top).sum(),
                                (hidden, weight, bias))
     for a, b in zip(got, want):
@@ -390,11 +441,13 @@ def test_softcapped_chunked_logprobs_with_candidate_sets_and_top_tokens_equal_fu
 
 
 def test_bf16_head_gradients_accumulate_in_fp32_as_one_matmul_would():
-    """64 chunks of bf16 LM-head gradients: summed in bf16 they were ~1% off; summed in fp32 and rounded once,
-    the error is that of a single bf16 matmul (both against an fp64 reference on the same bf16 inputs)."""
+    """64 chunks of bf16 LM-head gradients: summed in bf16 they were ~1% off; summed in fp32 and
+    rounded once, the error is that of a single bf16 matmul (both against an fp64 reference on the
+    same bf16 inputs)."""
     g = torch.Generator().manual_seed(0)
     M, Vb, Hb = 1024, 256, 32
-    hidden, bias = torch.randn(M, Hb, generator=g).bfloat16(), torch.randn(Vb, generator=g).bfloat16()
+    hidden = torch.randn(M, Hb, generator=g).bfloat16()
+    bias = torch.randn(Vb, generator=g).bfloat16()
     weight = (torch.randn(Vb, Hb, generator=g) / Hb**0.5).bfloat16()
     targets, u = torch.randint(0, Vb, (M,), generator=g), torch.randn(M, generator=g)
 
@@ -407,11 +460,14 @@ def test_bf16_head_gradients_accumulate_in_fp32_as_one_matmul_would():
         return torch.autograd.grad((lp * u).sum(), (w, b))
 
     ref = head_grads(hidden.double(), weight.double(), bias.double())
-    err = lambda got: [((a.double() - r).norm() / r.norm()).item() for a, r in zip(got, ref)]
-    single, chunked = err(head_grads(hidden, weight, bias)), err(head_grads(hidden, weight, bias, chunk=16))
+
+    def err(got):
+        return [((a.double() - r).norm() / r.norm()).item() for a, r in zip(got, ref)]
+    single = err(head_grads(hidden, weight, bias))
+    chunked = err(head_grads(hidden, weight, bias, chunk=16))
     assert all(c.dtype == torch.bfloat16 for c in head_grads(hidden, weight, bias, chunk=16))
     assert chunked[0] <= 1.01 * single[0] and chunked[1] <= 1.01 * single[1], (chunked, single)
-    assert single[0] < 4e-3                                                    # bf16: 2^-8 relative at most
+    assert single[0] < 4e-3                                              # bf16: 2^-8 relative
 
 
 @pytest.mark.gpu
@@ -426,7 +482,8 @@ def test_bf16_head_gradients_on_cuda_are_as_exact_as_one_matmul():
     def head_grad(h, w, chunk=None):
         h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
         if chunk:
-            lp = loss.token_logprobs(h, w, None, torch.arange(M, device="cuda"), targets, chunk_size=chunk).target
+            lp = loss.token_logprobs(h, w, None, torch.arange(M, device="cuda"), targets,
+                                     chunk_size=chunk).target
         else:
             lp = F.linear(h, w).float().log_softmax(-1).gather(1, targets[:, None])[:, 0]
         return torch.autograd.grad((lp * u).sum(), w)[0]

@@ -47,11 +47,13 @@ def post(server, path, body, timeout=60, **kw) -> httpx.Response:
 
 
 def nan_adapter(toy_dir, path):
-    """A peft LoRA adapter with NaN weights, as a diverged run would push: valid files, poisoned output."""
+    """A peft LoRA adapter with NaN weights, as a diverged run would push: valid files, poisoned
+    output."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(toy_dir),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+                           LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                      init_lora_weights=False))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -63,22 +65,24 @@ def test_a_poisoned_request_fails_alone(srv, toy_dir, tmp_path):
     nan_adapter(toy_dir, str(tmp_path / "nan"))
     r = post(srv, "/v1/load_lora_adapter", {"lora_name": "nan", "lora_path": str(tmp_path / "nan")})
     assert r.status_code == 200
-    long = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "n": 2, "seed": 3, "return_token_ids": True,
-            "logprobs": 0}
+    long = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "n": 2, "seed": 3,
+            "return_token_ids": True, "logprobs": 0}
     with ThreadPoolExecutor(2) as pool:
         running = pool.submit(post, srv, "/v1/completions", long)
         wait_for(lambda: metrics(srv)["vllm:num_requests_running"] == 2)
-        poisoned = post(srv, "/v1/completions", {"prompt": PROMPT, "model": "nan", "max_tokens": 5})
-        assert not running.done()                                  # failed while the long one still runs
+        poisoned = post(srv, "/v1/completions", {"prompt": PROMPT, "model": "nan",
+                                                 "max_tokens": 5})
+        assert not running.done()                      # failed while the long one still runs
         result = running.result()
     assert_error(poisoned, 500)
     assert "NaN" in poisoned.json()["error"]["message"]
     assert result.status_code == 200
     choices = result.json()["choices"]
     assert [len(c["token_ids"]) for c in choices] == [200, 200]
-    alone = post(srv, "/v1/completions", long).json()["choices"]   # the same request, now without a neighbour
+    alone = post(srv, "/v1/completions", long).json()["choices"]   # now without a neighbour
     assert [c["token_ids"] for c in alone] == [c["token_ids"] for c in choices]
-    assert [c["logprobs"]["token_logprobs"] for c in alone] == [c["logprobs"]["token_logprobs"] for c in choices]
+    assert ([c["logprobs"]["token_logprobs"] for c in alone]
+            == [c["logprobs"]["token_logprobs"] for c in choices])
     post(srv, "/v1/unload_lora_adapter", {"lora_name": "nan"})
 
 
@@ -126,8 +130,9 @@ def test_non_finite_floats_are_refused(srv, value):
 
 def test_tiny_temperatures_are_raised_to_vllms_floor(srv):
     def run(t):
-        r = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": t, "seed": 9,
-                                          "logprobs": 0, "return_token_ids": True, "ignore_eos": True})
+        r = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": t,
+                                          "seed": 9, "logprobs": 0, "return_token_ids": True,
+                                          "ignore_eos": True})
         assert r.status_code == 200, r.text
         c = r.json()["choices"][0]
         return c["token_ids"], c["logprobs"]["token_logprobs"]
@@ -137,20 +142,20 @@ def test_tiny_temperatures_are_raised_to_vllms_floor(srv):
 
 
 def test_extreme_but_valid_values_are_served(srv):
-    for fields in ({"seed": 2**63 - 1, "n": 3}, {"seed": -2**63}, {"seed": -1}, {"repetition_penalty": 1e300},
-                   {"top_p": 1e-300}, {"top_k": 10**30}, {"top_k": -1}, {"min_p": 1.0},
-                   {"stop_token_ids": list(range(VOCAB)) * 50}):
+    for fields in ({"seed": 2**63 - 1, "n": 3}, {"seed": -2**63}, {"seed": -1},
+                   {"repetition_penalty": 1e300}, {"top_p": 1e-300}, {"top_k": 10**30},
+                   {"top_k": -1}, {"min_p": 1.0}, {"stop_token_ids": list(range(VOCAB)) * 50}):
         r = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, **fields})
         assert r.status_code == 200, (fields, r.text)
 
 
 def test_work_is_bounded_before_the_engine(srv):
     start = time.monotonic()
-    r = post(srv, "/v1/completions", {"prompt": "ab " * (1 << 19), "max_tokens": 2})  # 1.5 MB of text
+    r = post(srv, "/v1/completions", {"prompt": "ab " * (1 << 19), "max_tokens": 2})  # 1.5 MB
     assert_error(r, 400)
     assert "maximum context length" in r.json()["error"]["message"]
     assert time.monotonic() - start < 30
-    r = post(srv, "/v1/completions", {"prompt": [PROMPT] * 5000, "max_tokens": 250})   # every prompt checked
+    r = post(srv, "/v1/completions", {"prompt": [PROMPT] * 5000, "max_tokens": 250})  # each checked
     assert_error(r, 400)
     assert metrics(srv)["vllm:num_requests_waiting"] == 0
 
@@ -164,9 +169,12 @@ def text(**kw):
     return st.text(CHAR, **kw)
 
 
+def containers(inner):
+    return st.lists(inner, max_size=3) | st.dictionaries(text(max_size=4), inner, max_size=3)
+
+
 ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | text(max_size=5),
-                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text(max_size=4), inner,
-                                                                                    max_size=3), max_leaves=8)
+                        containers, max_leaves=8)
 TOKEN = st.integers(0, VOCAB - 1)
 
 
@@ -183,34 +191,41 @@ SAMPLING = {
     "top_k": field(st.integers(-1, 200), st.integers(max_value=-2)),
     "min_p": field(st.floats(0, 1), st.floats(1.0001) | st.floats(max_value=-1e-9)),
     "repetition_penalty": field(st.floats(0.01, 10), st.floats(max_value=0)),
-    "seed": field(st.integers(-2**63, 2**63 - 1), st.integers(2**63) | st.integers(max_value=-2**63 - 1)),
+    "seed": field(st.integers(-2**63, 2**63 - 1),
+                  st.integers(2**63) | st.integers(max_value=-2**63 - 1)),
     "stop_token_ids": field(st.lists(TOKEN, max_size=4), st.lists(st.integers(), max_size=3)),
     "ignore_eos": field(st.booleans(), st.integers()),
     "logprobs": field(st.integers(-1, 5), st.integers(max_value=-2)),
 }
 COMPLETION = {**SAMPLING,
-              "prompt": field(st.lists(TOKEN, min_size=1, max_size=12) | text(min_size=1, max_size=20)
-                              | st.lists(st.lists(TOKEN, min_size=1, max_size=6), min_size=1, max_size=2),
+              "prompt": field(st.lists(TOKEN, min_size=1, max_size=12)
+                              | text(min_size=1, max_size=20)
+                              | st.lists(st.lists(TOKEN, min_size=1, max_size=6), min_size=1,
+                                         max_size=2),
                               st.lists(st.integers(), max_size=4) | st.just([])),
               "model": field(st.just("toy-dir") | st.none(), text(max_size=5)),
               "return_token_ids": field(st.booleans(), text(max_size=2)),
               "return_tokens_as_token_ids": field(st.booleans(), st.integers()),
               "stream": field(st.just(False), st.just(True)),
               "max_tokns": ANY_JSON}                            # a typo: always refused
-GENERATE = {"token_ids": COMPLETION["prompt"], "sampling_params": st.fixed_dictionaries(
-    {}, optional={**SAMPLING, "top_k": field(st.integers(1, 50), st.integers(max_value=0))}) | ANY_JSON,
-    "request_id": field(text(max_size=8), st.integers()), "model": COMPLETION["model"]}
+GENERATE_SAMPLING = {**SAMPLING, "top_k": field(st.integers(1, 50), st.integers(max_value=0))}
+GENERATE = {"token_ids": COMPLETION["prompt"],
+            "sampling_params": st.fixed_dictionaries({}, optional=GENERATE_SAMPLING) | ANY_JSON,
+            "request_id": field(text(max_size=8), st.integers()), "model": COMPLETION["model"]}
 
 
 def bodies():
-    """(path, body) for the generation routes and the small control routes (not /pause: it would stop the
-    shared server; not weight transfer: a valid init_info joins a group and waits for a trainer)."""
-    return st.one_of(st.tuples(st.just("/v1/completions"), st.fixed_dictionaries({}, optional=COMPLETION)),
-                     st.tuples(st.just("/inference/v1/generate"), st.fixed_dictionaries({}, optional=GENERATE)),
-                     st.tuples(st.sampled_from(["/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-                                                "/weight_checker", "/update_weight_version"]),
-                               st.dictionaries(st.sampled_from(["lora_name", "lora_path", "load_inplace", "action",
-                                                                "baseline", "new_version"]), ANY_JSON)))
+    """(path, body) for the generation routes and the small control routes (not /pause: it would
+    stop the shared server; not weight transfer: a valid init_info joins a group and waits for a
+    trainer)."""
+    control_paths = st.sampled_from(["/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                                     "/weight_checker", "/update_weight_version"])
+    control_fields = st.sampled_from(["lora_name", "lora_path", "load_inplace", "action",
+                                      "baseline", "new_version"])
+    return st.one_of(
+        st.tuples(st.just("/v1/completions"), st.fixed_dictionaries({}, optional=COMPLETION)),
+        st.tuples(st.just("/inference/v1/generate"), st.fixed_dictionaries({}, optional=GENERATE)),
+        st.tuples(control_paths, st.dictionaries(control_fields, ANY_JSON)))
 
 
 def check_reply(server, path, body) -> None:
@@ -229,7 +244,8 @@ def test_generated_requests_get_200_or_a_4xx_and_the_server_keeps_serving(srv, r
 
 @pytest.mark.slow
 def test_fuzz_run_stays_green(srv):
-    """Minutes of requests: schema requests, and raw-byte mutations of them (noise spliced in anywhere)."""
+    """Minutes of requests: schema requests, and raw-byte mutations of them (noise spliced in
+    anywhere)."""
     examples = int(os.environ.get("SERVE_FUZZ_EXAMPLES", 2000))
 
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
@@ -243,10 +259,10 @@ def test_fuzz_run_stays_green(srv):
             data = data[:cut] + noise + data[cut:]
             try:
                 status, reply, _ = raw(srv, data, timeout=10)
-            except (http.client.HTTPException, ConnectionError):    # cut before a whole request: no reply is due
+            except (http.client.HTTPException, ConnectionError):    # no whole request: no reply
                 status, reply = None, None
             except socket.timeout:
-                status, reply = None, None                          # a body promised but never sent: 60 s rule
+                status, reply = None, None                          # a body never sent: 60 s rule
             if status is not None:
                 assert status == 200 or 400 <= status < 500, (data, status, reply)
         ok(srv)
