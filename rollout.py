@@ -24,15 +24,13 @@ trainer's side of the boundary is rollout_worker.py.
     drain_metrics() ◄── metrics ────────── per group, and every metrics_interval_s (_metrics_loop)
     get() checks health ◄── heartbeat, failed + traceback;  stop() ── stop ──► run() returns
 
-Departures from the spec, one line each (the details are on the code named):
-- A group starts only if its samples will be consumed before they go stale (staleness.admits).
-- The six inter-process primitives travel as one `Channels` record; max_concurrent_rollouts comes
-  resolved (the parent knows num_processes).
+Departures from the spec, one line each (the why is on the code named):
+- A group starts only if its samples are consumed before they go stale (staleness.admits).
+- The six inter-process primitives travel as one `Channels` record (one argument, not six).
 - max_completion_length counts the generated tokens of all turns (generate_one).
 - A rollout's requests name the policy version it started under, as a LoRA adapter (adapter_name).
 - A failed rollout drops its group; FAILED_GROUPS_TO_STOP groups in a row stop the run (_rollout).
-- Metric kinds: *_total are running totals; backpressure_s and score_block_s are seconds since the
-  last periodic emission (_metrics_loop); every other metric is one observation to average.
+- *_total metrics are running totals; backpressure_s, score_block_s: seconds since the last one.
 """
 import asyncio
 import contextvars
@@ -108,6 +106,10 @@ class AsyncRolloutLoop:
         generate_one_turn(prompt_ids)          once per request          the config's sampling
         compute_advantages(group)              once per scored group     rewards standardised
         setup(), close()                       as the loop starts/stops  nothing
+
+    RolloutWorker builds it in the child with the spec's arguments, except that the six
+    inter-process primitives come as one `channels` record and max_concurrent_rollouts comes
+    resolved (the parent knows num_processes).
     """
     metrics_interval_s = 2.0  # seconds between /metrics polls and periodic metric emissions
     vllm_max_retries = 8      # retries of a failed request before it fails (vllm_client's policy)
@@ -437,7 +439,8 @@ class AsyncRolloutLoop:
             group.failed = True
             self.failures_in_a_row += 1
             log.error("rollout %d of group %d (dataset row %d) failed; the group is dropped: "
-                      "%s: %s", i, group.group_id, group.row_index, type(e).__name__, e, exc_info=True)
+                      "%s: %s", i, group.group_id, group.row_index, type(e).__name__, e,
+                      exc_info=True)
             if self.failed_groups_in_a_row >= FAILED_GROUPS_TO_STOP:
                 raise RuntimeError(f"{self.failures_in_a_row} rollouts failed in a row, in "
                                    f"{self.failed_groups_in_a_row} groups; the last one: "

@@ -30,11 +30,11 @@ def check_prompt_source(dataset, environment_factory, max_steps: int) -> None:
         return
     if environment_factory is None or isinstance(environment_factory, dict):
         raise ValueError("no train_dataset: pass a dataset with a 'prompt' column, or an "
-                         "environment_factory (one factory, not a dict: a dict picks environments by "
-                         "a dataset column) whose reset() returns each prompt")
+                         "environment_factory (one factory, not a dict: a dict picks environments "
+                         "by a dataset column) whose reset() returns each prompt")
     if max_steps <= 0:
-        raise ValueError("no train_dataset: the environment supplies the prompts, so set max_steps > 0 "
-                         "to define the length of the run")
+        raise ValueError("no train_dataset: the environment supplies the prompts, so set "
+                         "max_steps > 0 to define the length of the run")
 
 
 def prompt_stream(dataset, start_index: int, num_train_epochs: float,
@@ -57,8 +57,8 @@ def prompt_stream(dataset, start_index: int, num_train_epochs: float,
             index += 1
     if not hasattr(dataset, "__len__"):
         if start_index:
-            log.warning("a streaming dataset cannot be repositioned: the rollout restarts at prompt 0, "
-                        "not %d", start_index)
+            log.warning("a streaming dataset cannot be repositioned: the rollout restarts at "
+                        "prompt 0, not %d", start_index)
         index = 0
         epoch = 0
         while endless or epoch < math.ceil(num_train_epochs):

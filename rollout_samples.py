@@ -22,7 +22,7 @@ t = tool result tokens):
     held after turn 1:  u u a x y E     turn 2's prompt does not extend it: they agree on 4 tokens
                                         (u u a x), so the boundary is a fork with drift 6 - 4 = 2
     sequence 0   u u a x y E                     mask 0 0 0 1 1 1
-    sequence 1   u u a x y' E t t a z E t a w E  mask 0 0 0 0 0  0 0 0 0 1 1 0 0 1 1  (turn 3 extends)
+    sequence 1   u u a x y' E t t a z E t a w E  mask 0 0 0 0 0  0 0 0 0 1 1 0 0 1 1  (turn 3: +)
 
     rollout/fork_frac = 1/2, rollout/drift_tokens_mean = (2 + 0)/2, rollout/samples_per_rollout = 2.
     Both sequences share `u u a x`, which the trainer's prefix trie forwards once.
@@ -148,7 +148,7 @@ class RolloutSample:
         sampler_logprobs   0  0  0 -.3 -1.2     (L,)   float32  log π_sampler(input_ids[t] | [:t])
         top_ids           -1 -1 -1 [..k] [..k]  (L, k) int64    sampler's k likeliest at t (-1 pads)
         top_logprobs                             (L, k) float32  their log-probs (-inf pads)
-        candidate_counts   0  0  0  c3 c4       (L,)   int32    token t's candidate set size (0: all)
+        candidate_counts   0  0  0  c3 c4       (L,)   int32    size of t's candidate set (0: all)
         candidate_ids     [c3 ids | c4 ids]     (Σc,)  int32    candidate sets laid end to end
     """
     input_ids: np.ndarray                              # spec: the sequence
@@ -254,7 +254,7 @@ def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], list[int
 
 
 def to_sample(seq: TrainingSequence, num_top: int | None, **fields) -> RolloutSample:
-    """Lay a sequence out as the numpy arrays of `RolloutSample` (top-k only if num_top is given)."""
+    """Lay a sequence out as the numpy arrays of `RolloutSample` (top-k only given num_top)."""
     L = len(seq.input_ids)
     top_ids = top_lps = counts = cand = None
     if num_top is not None:
@@ -279,7 +279,8 @@ def to_sample(seq: TrainingSequence, num_top: int | None, **fields) -> RolloutSa
 
 
 def top_k_of(entries: dict[int, float], k: int) -> dict[int, float]:
-    """The k likeliest of the server's entries (it lists the sampled token first, even if unlikely)."""
+    """The k likeliest of the server's entries (it lists the sampled token first, however
+    unlikely)."""
     return dict(sorted(entries.items(), key=lambda kv: -kv[1])[:k])
 
 

@@ -74,18 +74,19 @@ def add_totals(totals: dict[str, float], metrics: dict[str, float]) -> None:
 
 
 def reward_name(func: Callable) -> str:
-    """rewards/<name>/...: a function's __name__, a partial's function, a callable instance's class."""
+    """rewards/<name>/...: a function's __name__, a partial's function, a callable's class."""
     inner = getattr(func, "func", func)
     return getattr(inner, "__name__", type(inner).__name__)
 
 
 async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup) -> dict[str, np.ndarray]:
     """Every reward source of a group as a column (NaN where a source did not score a rollout):
-    reward functions (sync ones in threads, all concurrently), environment rewards (named after the
-    environment class) and Rollout.reward. Every source keeps its own column, so each is summed once;
-    a name already taken gets a suffix (_2, _3, ...) in the rewards/<name>/ metrics."""
+    reward functions (sync ones in threads, all concurrently), environment rewards (named after
+    the environment class) and Rollout.reward. Every source keeps its own column, so each is
+    summed once; a name already taken gets a suffix (_2, _3, ...) in the rewards/<name>/ metrics."""
     async def call(func):
-        values = await call_maybe_async(func, None, prompts=group.prompts, completions=group.completions,
+        values = await call_maybe_async(func, None, prompts=group.prompts,
+                                        completions=group.completions,
                                         completion_ids=group.completions_ids, **group.reward_kwargs)
         return np.array([math.nan if v is None else float(v) for v in values])
 
@@ -121,7 +122,8 @@ def group_metrics(group: RolloutGroup, eos_token_ids: list[int]) -> dict[str, fl
     m = {"rollout/duration_s": float(np.mean([s["duration_s"] for s in stats])),
          "rollout/turns_mean": float(np.mean([len(r.turns) for r in rollouts])),
          "rollout/turns_max": max(len(r.turns) for r in rollouts),
-         "rollout/samples_per_rollout": float(np.mean([len(s) for s in group.completions_sequences])),
+         "rollout/samples_per_rollout": float(np.mean([len(s)
+                                                       for s in group.completions_sequences])),
          "completions/mean_length": float(np.mean(lengths)),
          "completions/min_length": min(lengths), "completions/max_length": max(lengths),
          "completions/clipped_ratio": float(np.mean(clipped))}

@@ -109,8 +109,8 @@ class Replica:
         try:
             samples = await self.client.ametrics()
         except (VLLMError, TimeoutError) as e:
-            log.warning("could not read %s/metrics (%s); its concurrency cap stays at %d", self.url, e,
-                        self.cap.cap)
+            log.warning("could not read %s/metrics (%s); its concurrency cap stays at %d",
+                        self.url, e, self.cap.cap)
             return
         if not samples:
             return
@@ -190,8 +190,8 @@ async def connect(replica: Replica, config, num_top: int | None, probe_token: in
                         f"num_sampler_logprobs is {num_top}")
         flags.append(f"--max-logprobs {num_top}")
     if problems:
-        raise ValueError(f"the vLLM server at {url} cannot serve this config: {'; '.join(problems)}. "
-                         f"Restart it with `{' '.join(flags)}`")
+        raise ValueError(f"the vLLM server at {url} cannot serve this config: "
+                         f"{'; '.join(problems)}. Restart it with `{' '.join(flags)}`")
     served = (await asyncio.to_thread(client.models))["data"][0]["id"]
     replica.max_model_len = await asyncio.to_thread(client.max_model_len)
     if config.top_k > 0 or config.top_p < 1 or config.min_p is not None:

@@ -7,7 +7,7 @@ messages that the next turn renders.
 
     model output  'Let me add.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
     parse         content 'Let me add.'  requested [{"name": "add", "arguments": {"a": 1, "b": 2}}]
-    run           [{"role": "tool", "name": "add", "content": "3"}]   ToolCall("add", latency_s, ...)
+    run           [{"role": "tool", "name": "add", "content": "3"}]   ToolCall("add", ...)
 
 Three kinds of call, counted apart as the spec's tool metrics separate them:
     malformed  (its JSON or the template's fields do not parse)  failed: tools/failure_frequency,
@@ -54,7 +54,7 @@ async def call_maybe_async(fn: Callable, executor: Executor | None, *args, **kwa
 
 def tool_call_format(tokenizer) -> str | None:
     """"response_template" if the tokenizer parses its own responses, "qwen" if its chat template
-    writes <tool_call> blocks, None if neither (the loop then warns once and tries Qwen's format)."""
+    writes <tool_call> blocks, None if neither (the loop then warns once and tries Qwen's)."""
     if getattr(tokenizer, "response_template", None) is not None:
         return "response_template"
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -153,10 +153,10 @@ def check_tools(tools: list[Callable]) -> None:
     for tool in tools:
         qualname = getattr(tool, "__qualname__", None) or type(tool).__name__
         if not inspect.isfunction(tool) or qualname != tool.__name__:
-            raise TypeError(f"tool {qualname} must be a module-level function: the model calls tools "
-                            "by name, so each tool is registered by its __name__ and imported by the "
-                            "spawned rollout process (lambdas, closures, methods, partials and "
-                            "callable instances are not allowed)")
+            raise TypeError(f"tool {qualname} must be a module-level function: the model calls "
+                            "tools by name, so each tool is registered by its __name__ and "
+                            "imported by the spawned rollout process (lambdas, closures, methods, "
+                            "partials and callable instances are not allowed)")
         try:
             pickle.dumps(tool)
         except Exception as e:
@@ -190,8 +190,8 @@ async def start_environment(factory: Callable | dict[str, Callable], row: dict, 
     prompt = row.get("prompt")
     if prompt is None:                                 # no dataset: reset() writes the prompt
         if not isinstance(observation, str):
-            raise ValueError(f"{type(env).__name__}.reset() returned {observation!r:.80}: without a "
-                             "train_dataset it must return the prompt (a string)")
+            raise ValueError(f"{type(env).__name__}.reset() returned {observation!r:.80}: "
+                             "without a train_dataset it must return the prompt (a string)")
         return env, [{"role": "user", "content": observation}], reset_s
     if isinstance(observation, str):
         prompt = [dict(m) for m in prompt]

@@ -57,7 +57,7 @@ def check_picklable(obj, what: str) -> None:
 
 
 def _child_main(loop_cls: type, kwargs: dict, channels: Channels) -> None:
-    """Entry point of the spawned process: a CPU-only, non-distributed environment, then the loop."""
+    """The spawned process's entry point: a CPU-only, non-distributed environment, then the loop."""
     for name in list(os.environ):
         if name in TORCHRUN_ENV or name.startswith("TORCHELASTIC_"):
             del os.environ[name]
@@ -86,7 +86,8 @@ class RolloutWorker:
                  processing_class, *, tools: list[Callable] | None = None, environment_factory=None,
                  loop_cls: type = AsyncRolloutLoop, model_name: str | None = None,
                  eos_token_ids: list[int] | None = None, num_processes: int = 1,
-                 dataset_start_index: int = 0, model_version: int = 0, lora_name: str | None = None):
+                 dataset_start_index: int = 0, model_version: int = 0,
+                 lora_name: str | None = None):
         columns = getattr(dataset, "column_names", None)
         if columns is not None and "prompt" not in columns:
             raise ValueError(f"the training dataset needs a 'prompt' column (it has {columns}); "
@@ -148,14 +149,15 @@ class RolloutWorker:
             while not self.channels.ready.wait(0.1):
                 self._raise_if_dead()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the rollout process was not ready within {ready_timeout:g}s")
+                    raise TimeoutError("the rollout process was not ready within "
+                                       f"{ready_timeout:g}s")
         except BaseException:
             self.stop()
             raise
 
     def get(self, timeout: float | None = None) -> RolloutSample | None:
-        """The next sample (queue order); None once every prompt is done. queue.Empty after `timeout` s.
-        While waiting, a failed or hung rollout process raises RuntimeError."""
+        """The next sample (queue order); None once every prompt is done; queue.Empty after
+        `timeout` s. While waiting, a failed or hung rollout process raises RuntimeError."""
         if self.finished:
             return None
         deadline = math.inf if timeout is None else time.monotonic() + timeout
@@ -194,7 +196,8 @@ class RolloutWorker:
     def drain_metrics(self) -> list[dict[str, float]]:
         """Metric dicts from the rollout process since the last drain (all of them once get()
         returned None)."""
-        out, self.received = self.received, []
+        out = self.received
+        self.received = []
         while True:
             try:
                 metrics = self.channels.metrics.get_nowait()
@@ -226,7 +229,8 @@ class RolloutWorker:
                 return self.resume.value()
 
     def check_health(self) -> None:
-        """RuntimeError if the process failed (chained with its traceback), exited, or stopped beating."""
+        """RuntimeError if the process failed (chained with its traceback), exited, or went
+        silent."""
         self._raise_if_dead()
         silent = time.time() - self.channels.heartbeat.value
         if silent > self.config.rollout_worker_timeout:

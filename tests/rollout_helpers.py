@@ -17,7 +17,8 @@ from rollout import AsyncRolloutLoop
 from rollout_samples import FinishedRollout, PendingGroup, Rollout, TurnRecord, reconcile
 from vllm_client import VLLMError
 
-SERVER_FLAGS = ("--max-model-len", "256", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "8")
+SERVER_FLAGS = ("--max-model-len", "256", "--logprobs-mode", "processed_logprobs",
+                "--max-logprobs", "8")
 
 
 # ── running the rollout process ─────────────────────────────────────────────────────────────

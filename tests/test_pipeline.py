@@ -21,7 +21,8 @@ from trie_pack import Planner
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 20, "top_p": 0.9}],
                          ids=["plain", "top-k-top-p"])
-def test_sampler_and_trainer_logprobs_agree_through_packing(long_server, toy_dir, tokenizer, sampling):
+def test_sampler_and_trainer_logprobs_agree_through_packing(long_server, toy_dir, tokenizer,
+                                                            sampling):
     config = h.config_for(long_server, num_generations=4, max_completion_length=12,
                           per_device_train_batch_size=4, **sampling)
     worker = RolloutWorker(config, toy.make_dataset(6), [h.rank_reward], tokenizer)
@@ -30,7 +31,7 @@ def test_sampler_and_trainer_logprobs_agree_through_packing(long_server, toy_dir
         worker.start()
         while (sample := worker.get(timeout=60)) is not None:
             samples.append(sample)
-            if len(samples) % config.per_device_train_batch_size == 0:  # a version, as a trainer would
+            if len(samples) % config.per_device_train_batch_size == 0:  # as a trainer would
                 worker.set_model_version(len(samples) // config.per_device_train_batch_size)
     finally:
         worker.stop()
@@ -51,7 +52,8 @@ def test_sampler_and_trainer_logprobs_agree_through_packing(long_server, toy_dir
     parts = []
     for row in rows:
         hidden = tree_attention.forward_row(model, row, model.model).last_hidden_state[0]   # [N, H]
-        loss, metrics = compute_loss(hidden, model.lm_head.weight, None, row, config, num_tokens=trained)
+        loss, metrics = compute_loss(hidden, model.lm_head.weight, None, row, config,
+                                     num_tokens=trained)
         loss.backward()
         parts.append(metrics)
     m = finalize_metrics(reduce_metrics(parts))
@@ -59,7 +61,7 @@ def test_sampler_and_trainer_logprobs_agree_through_packing(long_server, toy_dir
     assert abs(m["sampling/importance_sampling_ratio/mean"] - 1) < 1e-5
     assert m["sampling/masked_mean"] == 0
     assert m["clip_ratio/low_mean"] == 0 and m["clip_ratio/high_mean"] == 0
-    assert 0.01 < m["sampling/sampler_mass"] <= 1 + 1e-5    # the top num_sampler_logprobs' share of q
+    assert 0.01 < m["sampling/sampler_mass"] <= 1 + 1e-5  # the top num_sampler_logprobs' share
     assert all(p.grad is not None and torch.isfinite(p.grad).all()
                for p in model.parameters() if p.requires_grad)
     np.testing.assert_array_less(0, [m["entropy"]])

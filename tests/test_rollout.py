@@ -49,8 +49,9 @@ def loop_with_server_text(tokenizer, text: str, **config):
     async def reply(body):
         loop.bodies.append(body)
         out = ids[:body["max_tokens"]]
-        return {"model": body["model"], "choices": [{"token_ids": out, "logprobs": {
-            "token_logprobs": [-0.5] * len(out), "top_logprobs": [{f"token_id:{t}": -0.5} for t in out]}}]}
+        logprobs = {"token_logprobs": [-0.5] * len(out),
+                    "top_logprobs": [{f"token_id:{t}": -0.5} for t in out]}
+        return {"model": body["model"], "choices": [{"token_ids": out, "logprobs": logprobs}]}
     loop.replicas[0].client.acompletions = reply
     return loop
 
@@ -69,14 +70,16 @@ def test_malformed_reply_fails_with_a_clear_error(tokenizer):
 def test_advantages_are_standardised_and_nan_gets_zero(tokenizer):
     group = h.group_of([None] * 3)
     group.rewards = np.array([1.0, np.nan, 3.0])
-    assert h.make_loop(tokenizer).compute_advantages(group) == pytest.approx([-1.0, 0.0, 1.0], abs=1e-3)
+    advantages = h.make_loop(tokenizer).compute_advantages(group)
+    assert advantages == pytest.approx([-1.0, 0.0, 1.0], abs=1e-3)
 
 
 def test_a_spec_signature_override_keeps_the_completion_budget(tokenizer):
-    loop = loop_with_server_text(tokenizer, CALL, max_completion_length=100, max_tool_calling_iterations=5)
+    loop = loop_with_server_text(tokenizer, CALL, max_completion_length=100,
+                                 max_tool_calling_iterations=5)
     rollout = asyncio.run(loop.generate_one([{"role": "user", "content": "1+2="}], [toy.add]))
-    per_turn = len(tokenizer.encode(CALL, add_special_tokens=False)) + 1     # the call, then end of turn
-    budgets = list(range(100, 0, -per_turn))                    # the last turn is cut at the budget left
+    per_turn = len(tokenizer.encode(CALL, add_special_tokens=False)) + 1  # the call, end of turn
+    budgets = list(range(100, 0, -per_turn))           # the last turn is cut at the budget left
     assert [b["max_tokens"] for b in loop.bodies] == budgets and len(budgets) >= 2
     assert len(rollout.completion_ids) == 100 and len(loop.turn_prompts) == len(budgets)
     assert [c.name for c in rollout.tool_calls] == ["add"] * (len(budgets) - 1)
@@ -85,7 +88,8 @@ def test_a_spec_signature_override_keeps_the_completion_budget(tokenizer):
 def test_the_tokenizers_own_response_format_drives_the_tool_loop(tokenizer):
     tokenizer.response_template = MISTRAL_LIKE
     text = 'Sure[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}][/TOOL_CALLS]'
-    loop = loop_with_server_text(tokenizer, text, max_completion_length=300, max_tool_calling_iterations=1)
+    loop = loop_with_server_text(tokenizer, text, max_completion_length=300,
+                                 max_tool_calling_iterations=1)
     rollout = asyncio.run(loop.generate_one([{"role": "user", "content": "1+2="}], [toy.add]))
     assert [(c.name, c.failed) for c in rollout.tool_calls] == [("add", False)]
     assert rollout.completion[1] == {"role": "tool", "name": "add", "content": "3"}
@@ -106,8 +110,8 @@ def test_an_unknown_tool_format_warns_once(tokenizer, caplog):
                                                      (h.PromptEnv, -1, "max_steps > 0")])
 def test_no_dataset_is_refused_at_start_naming_the_fix(tokenizer, factory, max_steps, fix):
     with pytest.raises(ValueError, match=fix):
-        AsyncRolloutLoop(AsyncGRPOConfig(max_steps=max_steps), "toy", None, [], tokenizer, [2], channels=None,
-                         max_concurrent_rollouts=2, environment_factory=factory)
+        AsyncRolloutLoop(AsyncGRPOConfig(max_steps=max_steps), "toy", None, [], tokenizer, [2],
+                         channels=None, max_concurrent_rollouts=2, environment_factory=factory)
 
 
 # ── the process against serve_local.py ──────────────────────────────────────────────────────
@@ -116,36 +120,42 @@ def test_no_dataset_is_refused_at_start_naming_the_fix(tokenizer, factory, max_s
 def test_default_loop_end_to_end_with_tools(long_server, tokenizer, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
-    worker = RolloutWorker(h.config_for(long_server, max_completion_length=6, max_tool_calling_iterations=1),
-                           toy.make_dataset(2), [h.rank_reward], tokenizer, tools=[toy.add], loop_cls=h.CheckedEnvLoop)
+    config = h.config_for(long_server, max_completion_length=6, max_tool_calling_iterations=1)
+    worker = RolloutWorker(config, toy.make_dataset(2), [h.rank_reward], tokenizer, tools=[toy.add],
+                           loop_cls=h.CheckedEnvLoop)
     samples, metrics = h.run_worker(worker)
     assert len(samples) >= 4 and {s.prompt_index for s in samples} == {0, 1}
     for s in samples:
         L = len(s.input_ids)
         trained = s.completion_mask == 1
-        assert s.completion_mask.shape == s.sampler_logprobs.shape == (L,) and s.top_ids.shape == (L, 8)
-        assert trained.any() and (s.sampler_logprobs[trained] <= 0).all() and (s.sampler_logprobs[~trained] == 0).all()
+        assert s.completion_mask.shape == s.sampler_logprobs.shape == (L,)
+        assert s.top_ids.shape == (L, 8) and trained.any()
+        assert (s.sampler_logprobs[trained] <= 0).all()
+        assert (s.sampler_logprobs[~trained] == 0).all()
         assert (s.top_ids[~trained] == -1).all() and (s.top_ids[trained, 0] >= 0).all()
         assert s.candidate_counts is None and s.model_version == 0 and not math.isnan(s.advantage)
         assert np.all(np.diff(s.top_logprobs[trained], axis=1) <= 0)  # most likely first
     assert worker.resume_index() == 2
     names = set().union(*metrics)
-    assert {"rollout/duration_s", "rollout/samples_per_rollout", "completions/mean_length", "reward", "rollout/concurrency",
-            "rollout/concurrency_cap", "rollout/kv_cache_usage", "rollout/vllm_retry_total"} <= names
+    assert {"rollout/duration_s", "rollout/samples_per_rollout", "completions/mean_length",
+            "reward", "rollout/concurrency", "rollout/concurrency_cap", "rollout/kv_cache_usage",
+            "rollout/vllm_retry_total"} <= names
 
 
 def test_tool_call_round_trip(long_server, tokenizer):
-    worker = RolloutWorker(h.config_for(long_server, max_completion_length=64), toy.make_dataset(2), [h.rank_reward],
-                           tokenizer, tools=[toy.add], loop_cls=h.ScriptedToolLoop)
+    worker = RolloutWorker(h.config_for(long_server, max_completion_length=64), toy.make_dataset(2),
+                           [h.rank_reward], tokenizer, tools=[toy.add], loop_cls=h.ScriptedToolLoop)
     samples, metrics = h.run_worker(worker)
     assert len(samples) == 4  # 2 prompts × 2 rollouts, one sequence each
     s = samples[0]
     assert [m["role"] for m in s.completion] == ["assistant", "tool", "assistant"]
-    assert s.completion[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 1, "b": 2}}
+    call = {"name": "add", "arguments": {"a": 1, "b": 2}}
+    assert s.completion[0]["tool_calls"][0]["function"] == call
     assert s.completion[1]["content"] == "3" and s.completion[2]["content"] == "3"
     text = tokenizer.decode(s.input_ids[s.completion_mask == 1])
-    assert text == '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><|im_end|>3<|im_end|>'
-    assert "<tool_response>\n3\n</tool_response>" in tokenizer.decode(s.input_ids[s.completion_mask == 0])
+    assert text == f"{CALL}<|im_end|>3<|im_end|>"
+    context = tokenizer.decode(s.input_ids[s.completion_mask == 0])
+    assert "<tool_response>\n3\n</tool_response>" in context
     group = next(m for m in metrics if "tools/call_frequency" in m)
     assert group["tools/call_frequency"] == 1.0 and group["tools/add/call_total"] == 2
     assert group["tools/failure_frequency"] == 0.0 and group["rollout/fork_frac"] == 0.0
@@ -153,12 +163,13 @@ def test_tool_call_round_trip(long_server, tokenizer):
 
 
 def test_rerendered_tool_call_forks_the_rollout(long_server, tokenizer):
-    worker = RolloutWorker(h.config_for(long_server, max_completion_length=64), toy.make_dataset(1), [h.rank_reward],
-                           tokenizer, tools=[toy.add], loop_cls=h.CompactToolLoop)
+    worker = RolloutWorker(h.config_for(long_server, max_completion_length=64), toy.make_dataset(1),
+                           [h.rank_reward], tokenizer, tools=[toy.add], loop_cls=h.CompactToolLoop)
     samples, metrics = h.run_worker(worker)
     assert len(samples) == 4  # 1 prompt × 2 rollouts × 2 sequences
     first, second = [s for s in samples if s.rollout_id == samples[0].rollout_id]
-    assert tokenizer.decode(first.input_ids[first.completion_mask == 1]).startswith('<tool_call>{"name":"add"')
+    trained_text = tokenizer.decode(first.input_ids[first.completion_mask == 1])
+    assert trained_text.startswith('<tool_call>{"name":"add"')
     assert tokenizer.decode(second.input_ids[second.completion_mask == 1]) == "3<|im_end|>"
     shared = next(i for i, (a, b) in enumerate(zip(first.input_ids, second.input_ids)) if a != b)
     assert shared > np.argmax(first.completion_mask)  # the fork point lies inside turn 1's output
@@ -169,42 +180,49 @@ def test_rerendered_tool_call_forks_the_rollout(long_server, tokenizer):
 
 
 def test_environment_tools_reset_and_reward(long_server, tokenizer):
-    worker = RolloutWorker(h.config_for(long_server, max_completion_length=64), toy.make_dataset(2), [h.rank_reward],
-                           tokenizer, environment_factory=h.Counter, loop_cls=h.ScriptedToolLoop)
+    worker = RolloutWorker(h.config_for(long_server, max_completion_length=64), toy.make_dataset(2),
+                           [h.rank_reward], tokenizer, environment_factory=h.Counter,
+                           loop_cls=h.ScriptedToolLoop)
     samples, metrics = h.run_worker(worker)
     assert len(samples) == 4
-    assert all(s.metrics["rewards/Counter/mean"] == 1.0 for s in samples)  # one call to the env's add
+    assert all(s.metrics["rewards/Counter/mean"] == 1.0 for s in samples)  # one call to its add
     assert all(s.prompt[-1]["content"].endswith("=\nUse the tools.") for s in samples)
     group = next(m for m in metrics if "env/reset_s" in m)
     assert "env/reward_s" in group and group["tools/add/call_total"] == 2
 
 
 def test_candidate_sets_from_the_token_endpoint(long_server, tokenizer):
-    worker = RolloutWorker(h.config_for(long_server, top_k=5, top_p=0.9, num_sampler_logprobs=4, max_completion_length=8),
-                           toy.make_dataset(2),
-                           [h.rank_reward], tokenizer)
+    config = h.config_for(long_server, top_k=5, top_p=0.9, num_sampler_logprobs=4,
+                          max_completion_length=8)
+    worker = RolloutWorker(config, toy.make_dataset(2), [h.rank_reward], tokenizer)
     samples, _ = h.run_worker(worker)
     for s in samples:
         trained = np.flatnonzero(s.completion_mask)
-        assert s.candidate_counts.sum() == len(s.candidate_ids) and (s.candidate_counts[s.completion_mask == 0] == 0).all()
+        assert s.candidate_counts.sum() == len(s.candidate_ids)
+        assert (s.candidate_counts[s.completion_mask == 0] == 0).all()
         offsets = np.concatenate([[0], np.cumsum(s.candidate_counts)])
         for t in trained:
             candidates = s.candidate_ids[offsets[t]:offsets[t + 1]]
             assert 1 <= len(candidates) <= 5 and s.input_ids[t] in candidates
             assert set(s.top_ids[t][s.top_ids[t] >= 0]) <= set(candidates)
 
+
 def test_generation_is_admitted_by_staleness(small_kv_server, tokenizer):
     # R = 2 samples per version, max_staleness 1: at most (1 + 1) × 2 samples ahead of the trainer
     config = h.config_for(small_kv_server, per_device_train_batch_size=2, max_staleness=1)
-    worker = RolloutWorker(config, toy.make_dataset(16), [h.rank_reward], tokenizer, loop_cls=h.FastPollLoop)
+    worker = RolloutWorker(config, toy.make_dataset(16), [h.rank_reward], tokenizer,
+                           loop_cls=h.FastPollLoop)
 
     def settled_queue(seconds=3.0):
-        """Wait for the queue to fill and stop growing (without get(): a get() on an empty queue means a
-        starved trainer, which raises the rate), and return its size."""
-        size, since, deadline = -1, time.monotonic(), time.monotonic() + 60
+        """Wait for the queue to fill and stop growing (without get(): a get() on an empty queue
+        means a starved trainer, which raises the rate), and return its size."""
+        size = -1
+        since = time.monotonic()                    # when the size last changed
+        deadline = time.monotonic() + 60
         while (time.monotonic() - since < seconds or size <= 0) and time.monotonic() < deadline:
             if worker.qsize() != size:
-                size, since = worker.qsize(), time.monotonic()
+                size = worker.qsize()
+                since = time.monotonic()
             time.sleep(0.05)
         return size
     try:
@@ -222,9 +240,11 @@ def test_generation_is_admitted_by_staleness(small_kv_server, tokenizer):
 
 
 def test_curriculum_example_filters_solved_prompts(small_kv_server, tokenizer):
-    rows = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "solved": i % 2 == 0} for i in range(4)]
-    config = h.CurriculumConfig(**vars(h.config_for(small_kv_server, num_train_epochs=2, max_concurrent_rollouts=2,
-                                                  num_sampler_logprobs=1, max_completion_length=8)))
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "solved": i % 2 == 0}
+            for i in range(4)]
+    plain = h.config_for(small_kv_server, num_train_epochs=2, max_concurrent_rollouts=2,
+                        num_sampler_logprobs=1, max_completion_length=8)
+    config = h.CurriculumConfig(**vars(plain))
     worker = RolloutWorker(config, Dataset.from_list(rows), [h.solved_reward], tokenizer,
                            loop_cls=h.CurriculumRolloutLoop)
     samples, _ = h.run_worker(worker)
@@ -241,11 +261,12 @@ def test_curriculum_example_filters_solved_prompts(small_kv_server, tokenizer):
 
 def test_resume_starts_at_the_saved_prompt_index(small_kv_server, tokenizer):
     config = h.config_for(small_kv_server, num_train_epochs=2, top_k=5)  # no --enable-scale-out
-    worker = RolloutWorker(config, toy.make_dataset(3), [h.rank_reward], tokenizer, dataset_start_index=4)
+    worker = RolloutWorker(config, toy.make_dataset(3), [h.rank_reward], tokenizer,
+                           dataset_start_index=4)
     samples, _ = h.run_worker(worker)
     assert sorted({(s.prompt_index, s.row_index) for s in samples}) == [(4, 1), (5, 2)]
     assert worker.resume_index() == 6
-    assert all(s.candidate_counts is None for s in samples)  # the server has no candidate sets: vocabulary kept
+    assert all(s.candidate_counts is None for s in samples)  # no candidate sets: the vocabulary
 
 
 def test_a_failed_rollout_drops_only_its_group(small_kv_server, tokenizer):
@@ -257,16 +278,18 @@ def test_a_failed_rollout_drops_only_its_group(small_kv_server, tokenizer):
 
 
 def test_one_failing_prompt_of_a_large_group_does_not_stop_the_process(small_kv_server, tokenizer):
-    """num_generations 8 (the default): the 8 rollouts of one bad prompt fail back to back; only its group goes."""
+    """num_generations 8 (the default): the 8 rollouts of one bad prompt fail back to back; only
+    its group goes."""
     rows = [{"prompt": [{"role": "user", "content": c}]} for c in ("1+1=", "boom", "2+2=")]
-    worker = RolloutWorker(h.config_for(small_kv_server, num_generations=8), Dataset.from_list(rows),
+    worker = RolloutWorker(h.config_for(small_kv_server, num_generations=8),
+                           Dataset.from_list(rows),
                            [h.rank_reward], tokenizer, loop_cls=h.FlakyLoop)
     samples, _ = h.run_worker(worker)
     assert sorted({s.row_index for s in samples}) == [0, 2] and worker.resume_index() == 3
 
 
 def test_a_paused_server_is_retried_and_counted(start_server, tokenizer):
-    server = start_server("--max-model-len", "256", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "8")
+    server = start_server(*h.SERVER_FLAGS)
     client = VLLMClient(server.url, timeout=10)
     client.pause(mode="abort")          # generation requests now get 503 until /resume
     worker = RolloutWorker(h.config_for(server), toy.make_dataset(2), [h.rank_reward], tokenizer,
@@ -288,25 +311,29 @@ def test_a_paused_server_is_retried_and_counted(start_server, tokenizer):
 
 
 def test_an_environment_supplies_prompts_and_rewards_without_a_dataset(long_server, tokenizer):
-    worker = RolloutWorker(h.config_for(long_server, max_steps=3, max_completion_length=6), None, None, tokenizer,
-                           environment_factory=h.PromptEnv)
+    config = h.config_for(long_server, max_steps=3, max_completion_length=6)
+    worker = RolloutWorker(config, None, None, tokenizer, environment_factory=h.PromptEnv)
     try:
         worker.start()
         samples = [worker.get(timeout=60) for _ in range(4)]
     finally:
         worker.stop()
     assert [m["content"] for m in samples[0].prompt] == ["2+3="]
-    assert {s.prompt_index for s in samples} <= {0, 1, 2, 3} and all(0 <= s.reward < 1 for s in samples)
+    assert {s.prompt_index for s in samples} <= {0, 1, 2, 3}
+    assert all(0 <= s.reward < 1 for s in samples)
     assert len({s.prompt_index for s in samples}) >= 2
 
 
 def test_retry_and_preemption_totals_are_running_totals(start_server, tokenizer):
-    """After a paused server's preemptions (pause keep + clear_cache) and retried 503s (pause abort), later
-    polls keep reporting them: rollout/vllm_*_total are totals since the process started, not deltas."""
-    server = start_server("--max-model-len", "256", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "8")
-    worker = RolloutWorker(h.config_for(server, max_completion_length=200, max_steps=50, num_generations=4),
+    """After a paused server's preemptions (pause keep + clear_cache) and retried 503s (pause
+    abort), later polls keep reporting them: rollout/vllm_*_total are totals since the process
+    started, not deltas."""
+    server = start_server(*h.SERVER_FLAGS)
+    config = h.config_for(server, max_completion_length=200, max_steps=50, num_generations=4)
+    worker = RolloutWorker(config,
                            toy.make_dataset(8), [h.rank_reward], tokenizer, loop_cls=h.FastPollLoop)
-    client, polls = VLLMClient(server.url, timeout=10), []
+    client = VLLMClient(server.url, timeout=10)
+    polls = []
 
     def collect(seconds):
         deadline = time.monotonic() + seconds
@@ -333,20 +360,23 @@ def test_retry_and_preemption_totals_are_running_totals(start_server, tokenizer)
         assert values == sorted(values) and values[-1] > 0, (name, values)
 
 
-def test_rollouts_name_the_adapter_of_the_version_they_started_under(start_server, toy_dir, tokenizer, tmp_path):
-    server = start_server(*h.SERVER_FLAGS, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "3")
+def test_rollouts_name_the_adapter_of_the_version_they_started_under(start_server, toy_dir,
+                                                                     tokenizer, tmp_path):
+    server = start_server(*h.SERVER_FLAGS, "--enable-lora", "--max-lora-rank", "8",
+                          "--max-loras", "3")
     base = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     make_adapter(toy_dir, str(tmp_path / "v2"))
-    config = h.config_for(server, max_concurrent_rollouts=2, max_completion_length=6, per_device_train_batch_size=64)
-    worker = RolloutWorker(config, toy.make_dataset(3), [h.rank_reward], tokenizer, loop_cls=h.SpanningLoop,
-                           lora_name="policy")
+    config = h.config_for(server, max_concurrent_rollouts=2, max_completion_length=6,
+                          per_device_train_batch_size=64)
+    worker = RolloutWorker(config, toy.make_dataset(3), [h.rank_reward], tokenizer,
+                           loop_cls=h.SpanningLoop, lora_name="policy")
     samples = []
     try:
-        worker.start()                                          # version 0: no adapter exists yet
+        worker.start()                                   # version 0: no adapter exists yet
         with pytest.raises(queue.Empty):
-            worker.get(timeout=1.0)                             # group 0 waits between its turns for version 2
-        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "policy-v2",
-                                                                   "lora_path": str(tmp_path / "v2")})
+            worker.get(timeout=1.0)                      # group 0 waits between turns for version 2
+        adapter = {"lora_name": "policy-v2", "lora_path": str(tmp_path / "v2")}
+        r = httpx.post(server.url + "/v1/load_lora_adapter", json=adapter)
         assert r.status_code == 200
         worker.set_model_version(2)
         while (sample := worker.get(timeout=60)) is not None:
@@ -354,6 +384,6 @@ def test_rollouts_name_the_adapter_of_the_version_they_started_under(start_serve
     finally:
         worker.stop()
     models = {s.group_id: {model for _, model in h.served(s)} for s in samples}
-    assert models[0] == {base}                                  # both turns under version 0, across the sync
+    assert models[0] == {base}                           # both turns under version 0, across a sync
     assert {g: m for g, m in models.items() if g > 0} == {1: {"policy-v2"}, 2: {"policy-v2"}}
     assert all(len(h.served(s)) == 2 for s in samples)

@@ -1,5 +1,5 @@
-"""rollout_prompts.py: the prompt stream (epochs, resume, streaming), filter_prompt's epoch rule, and
-the resume index."""
+"""rollout_prompts.py: the prompt stream (epochs, resume, streaming), filter_prompt's epoch rule,
+and the resume index."""
 import pytest
 from datasets import IterableDataset
 
@@ -17,7 +17,7 @@ def test_prompt_stream_epochs_resume_and_streaming():
     stream = IterableDataset.from_generator(lambda: ({"prompt": str(i)} for i in range(3)))
     assert [(i, e, r) for i, e, r, _ in prompt_stream(stream, 2, 2, -1)] == [
         (0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 1, 0), (4, 1, 1), (5, 1, 2)]
-    with pytest.raises(ValueError, match="empty"):  # not an endless busy loop that starves the heartbeat
+    with pytest.raises(ValueError, match="empty"):  # not a busy loop that starves the heartbeat
         next(prompt_stream(EmptyStream(), 0, 1, max_steps=10))
 
 

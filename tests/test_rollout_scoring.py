@@ -54,8 +54,10 @@ def test_reward_sources_sharing_a_name_are_all_summed(tokenizer):
 
 
 def test_tool_calls_are_counted_by_kind_and_totals_run(tokenizer):
-    calls = [ToolCall("add", 0.1, False, False, 0), ToolCall("add", 0.1, True, False, 0),  # ran; raised
-             ToolCall("nope", 0.0, False, True, 0), ToolCall(None, 0.0, True, False, 1)]   # unknown; malformed
+    calls = [ToolCall("add", 0.1, False, False, 0),   # ran
+             ToolCall("add", 0.1, True, False, 0),    # ran and raised
+             ToolCall("nope", 0.0, False, True, 0),   # unknown
+             ToolCall(None, 0.0, True, False, 1)]     # malformed
     totals = {}
     per_group = []
     for _ in range(2):
@@ -65,6 +67,6 @@ def test_tool_calls_are_counted_by_kind_and_totals_run(tokenizer):
         per_group.append(metrics)
     first, second = per_group
     assert not any("None" in name for name in first)
-    assert first["tools/failure_frequency"] == 0.5   # the raise and the malformed call, not the unknown
+    assert first["tools/failure_frequency"] == 0.5   # the raise and the malformed, not the unknown
     names = ["tools/unknown_name_total", "tools/add/call_total", "tools/add/failure_total"]
     assert [first[n] for n in names] == [1, 2, 1] and [second[n] for n in names] == [2, 4, 2]

@@ -68,7 +68,7 @@ def test_pick_prefers_the_least_loaded_then_takes_turns():
 
 
 def test_server_flags_are_checked_at_start(start_server, tokenizer):
-    server = start_server("--max-model-len", "128", "--max-logprobs", "4")  # raw log-probs, 4 at most
+    server = start_server("--max-model-len", "128", "--max-logprobs", "4")  # raw, 4 at most
     worker = RolloutWorker(h.config_for(server), toy.make_dataset(2), [h.rank_reward], tokenizer)
     with pytest.raises(RuntimeError, match="--logprobs-mode processed_logprobs --max-logprobs 8"):
         worker.start()
@@ -79,13 +79,14 @@ def test_concurrency_cap_falls_when_kv_usage_is_high(start_server, tokenizer):
     # its own server: the requests still running when the worker stops must not load the next test's
     server = start_server("--max-model-len", "256", "--kv-cache-tokens", "1024", "--logprobs-mode",
                           "processed_logprobs")
-    long_prompts = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+1=" + "x" * 190}]}
-                                      for i in range(40)])
+    long_prompts = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"{i}+1=" + "x" * 190}]} for i in range(40)])
     config = h.config_for(server, max_completion_length=40, max_concurrent_rollouts=8,
                           num_sampler_logprobs=1)
-    worker = RolloutWorker(config, long_prompts, [h.rank_reward], tokenizer, loop_cls=h.FastPollLoop)
+    worker = RolloutWorker(config, long_prompts, [h.rank_reward], tokenizer,
+                           loop_cls=h.FastPollLoop)
     polls = h.poll_until(worker, lambda p: p["rollout/concurrency_cap"] < 4)
-    assert max(p["rollout/concurrency_cap"] for p in polls) <= 4  # 1024 KV tokens / max_model_len 256
+    assert max(p["rollout/concurrency_cap"] for p in polls) <= 4  # 1024 KV tokens / 256 per request
     assert max(p["rollout/kv_cache_usage"] for p in polls) > 0.8
     assert polls[-1]["rollout/concurrency_cap"] == 2  # int(4 × 0.7)
 
@@ -101,34 +102,36 @@ def test_concurrency_cap_rises_while_the_server_is_idle(small_kv_server, tokeniz
     assert all(p["rollout/kv_cache_usage"] < 0.6 for p in polls)
 
 
-def test_groups_stay_on_one_replica_and_both_replicas_serve(start_server, tokenizer):
+def two_replicas(start_server, tokenizer, loop_cls, prompts, separator=",", **config):
+    """Two servers a and b, and a worker whose vllm_server_base_url lists both."""
     a = start_server(*FLAGS)
     b = start_server(*FLAGS)
-    config = h.config_for(a, vllm_server_base_url=f"{a.url}, {b.url}", num_generations=3,
-                          max_concurrent_rollouts=6)
-    worker = RolloutWorker(config, toy.make_dataset(6), [h.rank_reward], tokenizer,
-                           loop_cls=h.ModelRecordingLoop)
+    config = h.config_for(a, vllm_server_base_url=f"{a.url}{separator}{b.url}", **config)
+    worker = RolloutWorker(config, toy.make_dataset(prompts), [h.rank_reward], tokenizer,
+                           loop_cls=loop_cls)
+    return a, b, worker
+
+
+def test_groups_stay_on_one_replica_and_both_replicas_serve(start_server, tokenizer):
+    a, b, worker = two_replicas(start_server, tokenizer, h.ModelRecordingLoop, prompts=6,
+                                separator=", ", num_generations=3, max_concurrent_rollouts=6)
     samples, metrics = h.run_worker(worker)
     by_group = defaultdict(set)
     for s in samples:
         by_group[s.group_id] |= {url for url, _ in h.served(s)}
     assert len(by_group) >= 4 and all(len(urls) == 1 for urls in by_group.values())  # prefix cache
-    assert set().union(*by_group.values()) == {a.url, b.url}                          # spread by load
+    assert set().union(*by_group.values()) == {a.url, b.url}                         # spread by load
     caps = [m["rollout/concurrency_cap"] for m in metrics if "rollout/concurrency_cap" in m]
-    assert caps and max(caps) <= 6                                                    # split over both
+    assert caps and max(caps) <= 6                                                   # split in two
 
 
 def test_a_killed_replica_stops_the_run_naming_it(start_server, tokenizer):
-    a = start_server(*FLAGS)
-    b = start_server(*FLAGS)
-    config = h.config_for(a, vllm_server_base_url=f"{a.url},{b.url}", max_steps=100,
-                          max_completion_length=32)
-    worker = RolloutWorker(config, toy.make_dataset(8), [h.rank_reward], tokenizer,
-                           loop_cls=h.FailFastLoop)
+    a, b, worker = two_replicas(start_server, tokenizer, h.FailFastLoop, prompts=8, max_steps=100,
+                                max_completion_length=32)
     try:
         worker.start()
         seen = set()
-        for _ in range(40):                                     # both replicas serve before the kill
+        for _ in range(40):                               # both replicas serve before the kill
             seen |= {url for url, _ in h.served(worker.get(timeout=60))}
             if seen == {a.url, b.url}:
                 break
@@ -149,7 +152,7 @@ def test_a_killed_replica_stops_the_run_naming_it(start_server, tokenizer):
 
 def test_a_wrong_api_key_fails_at_once_with_a_clear_401(start_server, tokenizer, monkeypatch):
     server = start_server(*FLAGS, "--api-key", "right-key")
-    monkeypatch.setenv("VLLM_API_KEY", "wrong-key")             # the spawned rollout process inherits it
+    monkeypatch.setenv("VLLM_API_KEY", "wrong-key")       # the spawned rollout process inherits it
     worker = RolloutWorker(h.config_for(server), toy.make_dataset(2), [h.rank_reward], tokenizer)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="HTTP 401") as failure:

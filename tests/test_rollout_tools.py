@@ -49,8 +49,8 @@ def test_run_tool_calls_in_order_with_errors_as_messages():
         messages, records = asyncio.run(run_tool_calls(requested, tools, pool, turn_index=0))
     assert [m["content"] for m in messages[:2]] == ["3", "8"]
     assert "unknown tool 'nope'" in messages[2]["content"] and "KeyError" in messages[3]["content"]
-    assert [(r.failed, r.unknown) for r in records] == [(False, False), (False, False), (False, True),
-                                                        (True, False), (True, False)]
+    assert [(r.failed, r.unknown) for r in records] == [(False, False), (False, False),
+                                                        (False, True), (True, False), (True, False)]
 
 
 def test_environment_factory_dict_picks_by_row_and_exposes_its_tools():

@@ -26,7 +26,7 @@ def test_the_window_is_max_staleness_plus_one_versions_of_samples():
 
 def test_a_window_smaller_than_a_group_still_admits_when_the_trainer_waits():
     numbers = dict(num_generations=8, max_staleness=0, rate=4)
-    assert admits_now(**numbers)                            # 8 > 4, but nothing is pending or queued
+    assert admits_now(**numbers)                            # 8 > 4, but nothing pending or queued
     assert not admits_now(**numbers, pending=8)             # something is still coming
     assert not admits_now(**numbers, queued=8, scored=8, consumed=4)  # 4 queued samples unread
     assert not admits_now(**numbers, queued=8, scored=8, consumed=8)  # this version has its R = 4
