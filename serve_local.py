@@ -205,19 +205,20 @@ def models(eng, body, query):
 
 @route("GET", "/server_info")
 def server_info(eng, body, query):
-    a = eng.args
-    model_config = {"model": a.model, "dtype": str(eng.model.dtype),
-                    "max_model_len": a.max_model_len, "logprobs_mode": a.logprobs_mode,
-                    "max_logprobs": a.max_logprobs, "return_sampling_mask": a.return_sampling_mask}
-    lora = {"max_lora_rank": a.max_lora_rank, "max_loras": a.max_loras} if a.enable_lora else None
+    args = eng.args
+    model_config = {"model": args.model, "dtype": str(eng.model.dtype),
+                    "max_model_len": args.max_model_len, "logprobs_mode": args.logprobs_mode,
+                    "max_logprobs": args.max_logprobs,
+                    "return_sampling_mask": args.return_sampling_mask}
+    lora = {"max_lora_rank": args.max_lora_rank, "max_loras": args.max_loras}
     return {"vllm_config": {
         "model_config": model_config,
         "cache_config": cache_config(eng),
         "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1,
                             "pipeline_parallel_size": 1},
-        "lora_config": lora,
-        "weight_transfer_config": a.weight_transfer_config,
-        "enable_scale_out": a.enable_scale_out,
+        "lora_config": lora if args.enable_lora else None,
+        "weight_transfer_config": args.weight_transfer_config,
+        "enable_scale_out": args.enable_scale_out,
     }, "vllm_env": {}, "system_env": {}}
 
 
@@ -242,8 +243,7 @@ def metrics(eng, body, query):
                 ("gauge", "vllm:kv_cache_usage_perc", labels, usage_perc),
                 ("counter", "vllm:num_preemptions_total", labels, eng.preemptions),
                 ("gauge", "vllm:cache_config_info", f"{info},{labels}", 1),
-                # ours: batching is visible (steps, and the most sequences in one step)
-                ("counter", "serve_local:engine_steps_total", labels, eng.steps),
+                ("counter", "serve_local:engine_steps_total", labels, eng.steps),   # ours: batching
                 ("gauge", "serve_local:max_batch_size", labels, eng.max_batch)]
     return "".join(f"# TYPE {name} {kind}\n{name}{{{lab}}} {float(v)}\n"
                    for kind, name, lab, v in rows)
@@ -270,11 +270,11 @@ def completions(eng, body, query, alive):
             text = eng.tokenizer.decode(s.token_ids[:-1] if stopped else s.token_ids,
                                         skip_special_tokens=True)
             logprobs = None if p.logprobs is None else completion_logprobs(s, as_ids, eng.tokenizer)
-            c = {"index": len(choices), "text": text, "logprobs": logprobs,
+            choice = {"index": len(choices), "text": text, "logprobs": logprobs,
                  "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
             if with_ids:
-                c |= {"token_ids": s.token_ids, "prompt_token_ids": r.prompt}
-            choices.append(c)
+                choice |= {"token_ids": s.token_ids, "prompt_token_ids": r.prompt}
+            choices.append(choice)
     return {"id": f"cmpl-{secrets.token_hex(16)}", "object": "text_completion",
             "created": int(time.time()), "model": body.get("model") or eng.name,
             "choices": choices, "usage": usage(reqs)}
@@ -314,11 +314,11 @@ def generate(eng, body, query, alive):
                        "PermissionDeniedError")
     check_fields(body, GENERATE_FIELDS, "/inference/v1/generate")
     refuse_streaming(body)
-    sp = typed(body, "sampling_params", dict, {})
-    check_fields(sp, SAMPLING_FIELDS | {"output_kind"}, "sampling_params")
-    typed(sp, "output_kind", int, 2, lambda v: v == 2,
+    sampling = typed(body, "sampling_params", dict, {})
+    check_fields(sampling, SAMPLING_FIELDS | {"output_kind"}, "sampling_params")
+    typed(sampling, "output_kind", int, 2, lambda v: v == 2,
           "== 2 (FINAL_ONLY: replies come whole, never streamed)")
-    p = parse_sampling(sp, eng)
+    p = parse_sampling(sampling, eng)
     if eng.args.return_sampling_mask and not (p.temperature > 0 and p.top_k > 0):
         raise APIError(400, "With --return-sampling-mask every request needs temperature > 0 and "
                        "top_k > 0", param="sampling_params")
@@ -546,15 +546,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                     help="require `Authorization: Bearer <key>` on every route but /health and "
                          "/metrics (default: $VLLM_API_KEY, as vLLM)")
-    if any(a.split("=")[0] == "--api-server-count" for a in argv):
+    if any(arg.split("=")[0] == "--api-server-count" for arg in argv):
         sys.exit("serve_local.py: error: --api-server-count sets vLLM's API-server processes; "
                  "serve_local.py is one process, so drop the flag here (keep it for `vllm serve`)")
     args = ap.parse_args(argv)
-    wt = args.weight_transfer_config
-    if wt is not None and (set(wt) != {"backend"} or wt["backend"] not in ("gloo", "nccl")):
+    transfer = args.weight_transfer_config
+    if transfer is not None and (set(transfer) != {"backend"}
+                                 or transfer["backend"] not in ("gloo", "nccl")):
         sys.exit("serve_local.py: error: --weight-transfer-config must be "
-                 f"{{\"backend\": \"gloo\"|\"nccl\"}}, got {wt}")
-    if wt and wt["backend"] == "nccl" and not torch.cuda.is_available():
+                 f"{{\"backend\": \"gloo\"|\"nccl\"}}, got {transfer}")
+    if transfer and transfer["backend"] == "nccl" and not torch.cuda.is_available():
         sys.exit("serve_local.py: error: the nccl weight-transfer backend needs CUDA; "
                  "use {\"backend\": \"gloo\"}")
     return args
@@ -587,7 +588,6 @@ def main() -> None:
     torch.manual_seed(args.seed)
     if model.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)                   # see the docstring: the trainer shares the cores
-
     engine = Engine(model, tokenizer, args)
     httpd = Server((args.host, args.port), ROUTES, WATCHING, engine, args.api_key)
     print(f"serve_local: {args.model} ({model.dtype}, {model.device.type}) on "

@@ -290,7 +290,8 @@ class TreeRow:
                      for c in range(num_chains)]
         children_in_dfs_order = {c: [k for _, k in sorted(kids, key=lambda pos_kid: -pos_kid[0])]
                                  for c, kids in self._children.items()}
-        order, stack = [], [c for c in range(num_chains) if self._chain_parent[c] is None][::-1]
+        order = []
+        stack = [c for c in range(num_chains) if self._chain_parent[c] is None][::-1]
         while stack:                         # pre-order over chains: deepest attach point first
             c = stack.pop()
             order.append(c)
@@ -299,9 +300,11 @@ class TreeRow:
         for c in reversed(order):
             if self._chain_parent[c] is not None:
                 subtree_size[self._chain_parent[c][0]] += subtree_size[c]
-        chain_offset, o = [0] * num_chains, 0
+        chain_offset = [0] * num_chains     # first packed index of each chain
+        offset = 0
         for c in order:
-            chain_offset[c], o = o, o + chain_len[c]
+            chain_offset[c] = offset
+            offset += chain_len[c]
 
         id_parts, position_parts, subtree_end_parts = [], [], []
         segment_len, kv_parts = [], []
@@ -441,7 +444,8 @@ class Planner:
             log.warning("dropping a sample of %d tokens (%d trained): over token_budget=%d",
                         len(sample.input_ids), _trained(sample), self.token_budget)
             return None
-        placed, closed = self._place(sample), None
+        placed = self._place(sample)
+        closed = None
         if placed is None:
             closed, self.rows = self.rows, [TreeRow() for _ in range(self.world_size)]
             placed = self.rows[0], None

@@ -171,7 +171,8 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
 
     # 3. reconcile: rollout 0's turn → one training sequence → a RolloutSample (rollout_samples.py)
     section("reconcile")
-    turn, s = group.rollouts[0].turns[0], samples[0]
+    turn = group.rollouts[0].turns[0]
+    s = samples[0]
     sequences, drifts = reconcile(group.rollouts[0].turns)
     say(f"rollout 0: 1 turn (prompt {len(turn.prompt_ids)} tokens, output {turn.output_ids}) → "
         f"{len(sequences)} sequence, drifts {drifts}")
@@ -283,7 +284,8 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
 
 def blocks(text: str) -> dict[str, str]:
     """The output split by '=== name' headers."""
-    out, name = {}, None
+    out = {}
+    name = None
     for line in text.splitlines():
         if line.startswith("=== "):
             name = line[4:]

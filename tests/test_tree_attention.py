@@ -34,6 +34,8 @@ def windowed(family: str, seed=0, attn_implementation=None, window=WINDOW):
     softcapping)."""
     import transformers as tf
     small = {k: v for k, v in SMALL.items() if k != "tie_word_embeddings"}
+    if attn_implementation:
+        small["attn_implementation"] = attn_implementation
     two_types = ["sliding_attention", "full_attention"]
     if family == "mistral":
         cfg = tf.MistralConfig(**small, sliding_window=window)
@@ -49,8 +51,6 @@ def windowed(family: str, seed=0, attn_implementation=None, window=WINDOW):
     cls = {"mistral": tf.MistralForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
            "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM}[family]
     torch.manual_seed(seed)
-    if attn_implementation:
-        cfg._attn_implementation = attn_implementation
     return cls(cfg).float()
 
 

@@ -32,9 +32,9 @@ class Scripted(ThreadingHTTPServer):
         self.released = threading.Event()
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self.timeout = 0.05
-        threading.Thread(target=self._serve, daemon=True).start()
+        threading.Thread(target=self.serve_requests, daemon=True).start()
 
-    def _serve(self):
+    def serve_requests(self):
         deadline = time.monotonic() + 20
         while (len(self.requests) < self.max_requests and not self.released.is_set()
                and time.monotonic() < deadline):
