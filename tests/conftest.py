@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import toy  # noqa: E402
-from serve_local import LocalServer  # noqa: E402  (the demo's server, shared)
+from serve_http import LocalServer  # noqa: E402  (the demo's server, shared)
 from weight_sync import free_port  # noqa: E402,F401
 
 
