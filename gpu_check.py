@@ -125,7 +125,7 @@ def train_row(limit: float) -> tuple[str, str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description="Everything a lent GPU should confirm, in one table.")
     ap.add_argument("--cpu-smoke", action="store_true", help="run the CPU-safe parts only (CI)")
     args = ap.parse_args(argv)
     import torch

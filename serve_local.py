@@ -519,7 +519,7 @@ def weight_checker(eng, body, query):
 # ── the CLI ───────────────────────────────────────────────────────────────────────────────
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="A small vLLM-compatible server on transformers.")
     ap.add_argument("--model", required=True,
                     help="a Hugging Face causal LM id or directory; 'toy' = toy.py's")
     ap.add_argument("--host", default="127.0.0.1")

@@ -323,7 +323,7 @@ def stale(path: str, text: str) -> list[str]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="One prompt of the toy task through the whole system.")
     ap.add_argument("--write", metavar="DOC", help="refresh the output blocks of this document")
     ap.add_argument("--check", metavar="DOC", help="exit 1 if this document shows other values")
     args = ap.parse_args(argv)
