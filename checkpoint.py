@@ -1,22 +1,22 @@
-"""Checkpoints and resume (spec: チェックポイントと再開 (checkpoints and resume)).
+"""チェックポイントと再開 (Checkpoints and resuming): save every save_steps; resume_from_checkpoint.
 
-    <output_dir>/checkpoint-20/          written as .checkpoint-20.tmp/, renamed when complete: a crash
-      model.safetensors, config.json,    leaves the last complete checkpoint as it was
-      tokenizer files                    the servable model in the training dtype (bf16 under bf16
-                                         mixed precision, not the fp32 master size) → from_pretrained
-      (LoRA: adapter_model.safetensors + adapter_config.json instead → PeftModel.from_pretrained)
-      fsdp/                              torch.distributed.checkpoint: the sharded master weights and
-                                         optimizer state, what a resume loads
+    <output_dir>/checkpoint-20/       written as .checkpoint-20.tmp/, renamed when complete: a crash
+      model.safetensors,              leaves the last complete checkpoint as it was
+      config.json, tokenizer files    the servable model in the training dtype (bf16 under bf16
+                                      mixed precision, not the fp32 master size) → from_pretrained
+      (LoRA: adapter_model.safetensors + adapter_config.json → PeftModel.from_pretrained)
+      fsdp/                           torch.distributed.checkpoint: the sharded master weights and
+                                      optimizer state, what a resume loads
       scheduler.pt, rng_state_<rank>.pth
-      trainer_state.json                 {"global_step": 20, "model_version": 20, "num_tokens": ..., ...}
-      rollout_state.json                 {"prompt_index": 157}: the first prompt index not yet trained
+      trainer_state.json              {"global_step": 20, "model_version": 20, "num_tokens": ...}
+      rollout_state.json              {"prompt_index": 157}: the first prompt index not yet trained
 
-Resume (`resume_from_checkpoint=True`: the newest checkpoint in output_dir; or a path) restores all of
-it; the rollout process starts at prompt_index, the trainer syncs the saved weights to the servers
-before generation starts, and running totals (num_tokens, *_total) continue.
+Resume (`resume_from_checkpoint=True`: the newest checkpoint in output_dir; or a path) restores
+all of it; the rollout process starts at prompt_index, the trainer syncs the saved weights to the
+servers before generation starts, and running totals (num_tokens, *_total) continue.
 
-Departures: the spec's resume files are pytorch_model_fsdp.bin / optimizer.bin (accelerate); ours are
-one torch.distributed.checkpoint directory, which reshards when the world size changes.
+Departures from the spec, one line each:
+- One torch.distributed.checkpoint folder, not pytorch_model_fsdp.bin + optimizer.bin: it reshards.
 """
 import json
 import os
@@ -31,15 +31,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from weight_sync import full_tensor
+
 
 @dataclass
 class TrainState:
     """What a resume needs besides the tensors (trainer_state.json, rollout_state.json)."""
-    global_step: int = 0
+    global_step: int = 0               # optimizer steps so far
     model_version: int = 0             # weight syncs so far
     num_tokens: int = 0                # forwarded tokens since the start (num_tokens metric)
-    dropped_stale_total: int = 0
-    dropped_oversize_total: int = 0
+    dropped_stale_total: int = 0       # sample/dropped_stale_total
+    dropped_oversize_total: int = 0    # batch/dropped_oversize_total
     prompt_index: int = 0              # first prompt not yet trained (rollout_state.json)
 
 
@@ -50,10 +52,12 @@ def find(output_dir: str, resume) -> str | None:
     if resume in (True, "true", "True"):
         found = sorted(checkpoints(output_dir), key=lambda p: p[0])
         if not found:
-            raise ValueError(f"resume_from_checkpoint=True but {output_dir!r} holds no checkpoint-N directory")
+            raise ValueError(f"resume_from_checkpoint=True but {output_dir!r} holds no "
+                             "checkpoint-N directory")
         return found[-1][1]
     if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
-        raise ValueError(f"resume_from_checkpoint={resume!r} is not a complete checkpoint (no trainer_state.json)")
+        raise ValueError(f"resume_from_checkpoint={resume!r} is not a complete checkpoint "
+                         "(no trainer_state.json)")
     return resume
 
 
@@ -66,13 +70,17 @@ def checkpoints(output_dir: str) -> list[tuple[int, str]]:
 
 
 def export_dtype(policy, config) -> torch.dtype:
-    master = next(p for p in policy.parameters()).dtype
-    bf16 = config.bf16 if config.bf16 is not None else next(policy.parameters()).device.type == "cuda"
-    return torch.bfloat16 if bf16 and master == torch.float32 else master
+    """The dtype a saved model has: bf16 under bf16 mixed precision over fp32 master weights (the
+    spec: the checkpoint is the served model's size, not twice it), else the master dtype."""
+    master = next(policy.parameters())
+    bf16 = config.bf16_on(master.device)
+    return torch.bfloat16 if bf16 and master.dtype == torch.float32 else master.dtype
 
 
-def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, tokenizer, config) -> str:
-    """Write checkpoint-<global_step> (every rank calls it); prune to save_total_limit. Returns its path."""
+def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, tokenizer,
+         config) -> str:
+    """Write checkpoint-<global_step> (every rank calls it); prune to save_total_limit. Returns its
+    path."""
     rank = dist.get_rank()
     final = os.path.join(output_dir, f"checkpoint-{state.global_step}")
     tmp = os.path.join(output_dir, f".checkpoint-{state.global_step}.tmp")
@@ -80,21 +88,24 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    model, dtype = policy.model, export_dtype(policy, config)
+    model = policy.model
+    dtype = export_dtype(policy, config)
     peft = hasattr(model, "peft_config")
     exported = {}
-    for name, value in model.state_dict().items():     # one gathered tensor at a time; rank 0 keeps them
+    for name, value in model.state_dict().items():      # gathered one at a time; rank 0 keeps them
         if peft and "lora_" not in name:
             continue
-        tensor = value.full_tensor() if hasattr(value, "full_tensor") else value
+        tensor = full_tensor(value)
         if rank == 0:
-            exported[name] = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
+            exported[name] = tensor.to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
     if rank == 0:
         model.save_pretrained(tmp, state_dict=exported)
         tokenizer.save_pretrained(tmp)
     model_state, optim_state = get_state_dict(policy, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "fsdp"))
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    rng = {"python": random.getstate(),
+           "numpy": np.random.get_state(),
+           "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     torch.save(rng, os.path.join(tmp, f"rng_state_{rank}.pth"))
     if rank == 0:
@@ -107,7 +118,7 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
     dist.barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)                          # atomic: the checkpoint appears complete or not at all
+        os.rename(tmp, final)        # atomic: the checkpoint appears complete or not at all
         prune(output_dir, config.save_total_limit)
     dist.barrier()
     return final
@@ -122,14 +133,16 @@ def prune(output_dir: str, limit: int | None) -> None:
 
 
 def load(path: str, policy, optimizer, scheduler) -> TrainState:
-    """Restore a checkpoint written by save() into the sharded model, optimizer, scheduler and RNGs."""
+    """Restore a checkpoint written by save() into the sharded model, optimizer, scheduler and
+    RNGs."""
     model_state, optim_state = get_state_dict(policy, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=os.path.join(path, "fsdp"))
-    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(policy, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
     scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
     rng_file = os.path.join(path, f"rng_state_{dist.get_rank()}.pth")
-    if os.path.exists(rng_file):                       # a resume on more ranks than saved starts fresh RNGs
+    if os.path.exists(rng_file):          # a resume on more ranks than saved starts fresh RNGs
         rng = torch.load(rng_file, weights_only=False)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])

@@ -1,27 +1,24 @@
-"""The trainer's metrics (spec: 記録されたメトリクス (logged metrics): サンプル, 報酬とオフポリシー性, バッチ,
-パフォーマンス, and the rollout metrics it drains from the rollout process).
+"""記録されたメトリクス (Logged metrics): the trainer's side of them, and the rollout metrics it
+drains from the rollout process. Per optimizer step rank 0 gathers, and every logging_steps steps
+writes one line of <output_dir>/metrics.jsonl:
 
-Per optimizer step rank 0 gathers four kinds, then every logging_steps steps writes one JSONL line:
-
-    sample/*  the samples the step took from the queue   forwarded/trained tokens, queue size and wait,
-                                                          staleness, dropped_stale_total; reward_group_std,
-                                                          rewards/<func>/mean and /group_std
-    batch/*   the planned rows                            the planner's row metrics + *_per_step sums
-    perf/*    timings (train.py, weight_sync.py)          + tokens/s and MFU on both time bases
-    loss.py   loss, sampling/*, clip_ratio/*, entropy     reduced over micro-batches and ranks
+    sample/*  the samples the step took from the queue  forwarded/trained tokens, queue size and
+                                                         wait, staleness, dropped_stale_total;
+                                                         reward_group_std, rewards/<func>/...
+    batch/*   the planned rows                           the planner's row metrics + *_per_step sums
+    perf/*    timings (Timer, weight_sync.py)            + tokens/s and MFU on both time bases
+    loss.py   loss, sampling/*, clip_ratio/*, entropy    reduced over micro-batches and ranks
     rollout   rollout/*, completions/*, tools/*, env/*, reward, reward_kept, frac_reward_zero_std
 
-A window of several steps (or several rollout emissions) reduces by name: `*_total` are running totals
-(the last value), `*max*` the max, `*min*` the min, rollout/backpressure_s and rollout/score_block_s
-(time amounts) the sum, everything else the mean. Example: two steps with sample/staleness_max 1 and 3
-and sample/dropped_stale_total 4 and 6 log 3 and 6.
+A window of several steps (or rollout emissions) reduces by name (reduce_window). Worked: two steps
+with sample/staleness_max 1 and 3, sample/dropped_stale_total 4 and 6, and perf/step_s 2.0 and 3.0
+log sample/staleness_max 3 (a max), sample/dropped_stale_total 6 (a running total: the last) and
+perf/step_s 2.5 (the mean).
 
-MFU counts model FLOPs of the packed rows (a row's attention work is its trie's score pairs, not the
-raw samples'), ×3 for forward + backward, over the peak of the local device at the compute precision;
-it is absent where the peak is unknown (CPU, unlisted GPUs), as the spec says.
-
-Departures: the spec prints completions with rich; we print plain text.
+Departures from the spec, one line each:
+- Completions print as plain text, not with rich: one dependency less.
 """
+import contextlib
 import json
 import math
 import os
@@ -31,17 +28,21 @@ import numpy as np
 import torch
 
 # dense peak FLOP/s per device (bf16 tensor cores; fp32 without TF32), from the vendors' datasheets
-PEAK_FLOPS = {"bf16": {"B200": 2.25e15, "H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12,
-                       "L40S": 362e12, "MI300X": 1307e12, "MI325X": 1307e12},
-              "fp32": {"B200": 80e12, "H200": 67e12, "H100": 67e12, "A100": 19.5e12, "L40S": 91.6e12}}
-SUMMED = ("rollout/backpressure_s", "rollout/score_block_s")
+PEAK_FLOPS = {"bf16": {"B200": 2.25e15, "H200": 989e12, "H100": 989e12, "H800": 989e12,
+                       "A100": 312e12, "L40S": 362e12, "MI300X": 1307e12, "MI325X": 1307e12},
+              "fp32": {"B200": 80e12, "H200": 67e12, "H100": 67e12, "A100": 19.5e12,
+                       "L40S": 91.6e12}}
+SUMMED = ("rollout/backpressure_s", "rollout/score_block_s")     # time amounts: a window sums them
 
 
 def reduce_window(records: list[dict]) -> dict[str, float]:
-    """Many metric dicts → one, by name (module docstring)."""
+    """Many metric dicts → one, by name: `*_total` are running totals (the last value), a name whose
+    last part holds "max" the max, "min" the min, SUMMED the sum, everything else the mean. None
+    and NaN values are skipped (module docstring: a worked example)."""
     out: dict[str, float] = {}
     for name in dict.fromkeys(k for r in records for k in r):
-        values = [r[name] for r in records if name in r and r[name] is not None and not _nan(r[name])]
+        values = [r[name] for r in records
+                  if name in r and r[name] is not None and not _nan(r[name])]
         if not values:
             continue
         if name.endswith("_total"):
@@ -68,29 +69,63 @@ def sample_metrics(feed) -> dict[str, float]:
            "sample/dropped_stale_total": float(feed.dropped_stale_total)}
     if s:
         lengths = [len(x.input_ids) for x in s]
-        out |= {"sample/forwarded_tokens_mean": float(np.mean(lengths)), "sample/forwarded_tokens_max": max(lengths),
-                "sample/trained_tokens_mean": float(np.mean([int(x.completion_mask.sum()) for x in s])),
+        trained = [int(x.completion_mask.sum()) for x in s]
+        out |= {"sample/forwarded_tokens_mean": float(np.mean(lengths)),
+                "sample/forwarded_tokens_max": max(lengths),
+                "sample/trained_tokens_mean": float(np.mean(trained)),
                 "sample/time_in_queue_s": float(np.mean(feed.queue_s)),
-                "sample/staleness_mean": float(np.mean(feed.stale_seen)), "sample/staleness_max": max(feed.stale_seen)}
-        out |= reduce_window([x.metrics for x in s])        # reward_group_std, rewards/<func>/mean, /group_std
+                "sample/staleness_mean": float(np.mean(feed.stale_seen)),
+                "sample/staleness_max": max(feed.stale_seen)}
+        out |= reduce_window([x.metrics for x in s])   # reward_group_std, rewards/<func>/...
     return out
 
 
 def batch_metrics(planner, step: list, packed: list) -> dict[str, float]:
-    """batch/*: the planner's row metrics per micro-batch (reduced over the step) and the step's sums."""
+    """batch/*: the planner's row metrics per micro-batch (reduced over the step) and the step's
+    sums."""
     rows = [p for micro in packed for p in micro]
     out = reduce_window([planner.metrics(micro) for micro in packed])
     out |= {"batch/forwarded_tokens_per_step": sum(p.unique_tokens for p in rows),
             "batch/trained_tokens_per_step": sum(p.trained_tokens for p in rows),
             "batch/samples_per_step": sum(p.num_samples for p in rows),
-            "batch/groups_per_step": len(set().union(*(r.group_ids for micro in step for r in micro))),
+            "batch/groups_per_step": len(set().union(*(r.group_ids for m in step for r in m))),
             "batch/microbatches_per_step": len(packed)}
     return out
 
 
+class Timer:
+    """perf/fwd_s, perf/fwd_bwd_s, perf/optimizer_s: seconds per phase, summed over a step's rows;
+    synchronised with the device so asynchronous kernels are counted.
+
+        timer = Timer(device)
+        with timer("fwd_s"): ...        # also "bwd_s", "optimizer_s"
+        timer.metrics()                 # {"perf/fwd_s": ..., "perf/fwd_bwd_s": ..., ...}
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.total = {"fwd_s": 0.0, "bwd_s": 0.0, "optimizer_s": 0.0}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.total[name] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {"perf/fwd_s": self.total["fwd_s"],
+                "perf/fwd_bwd_s": self.total["fwd_s"] + self.total["bwd_s"],
+                "perf/optimizer_s": self.total["optimizer_s"]}
+
+
 class FlopCounter:
-    """Model FLOPs of packed rows: 2·P·N (matmuls) + 4·L·Hq·D·pairs (attention) + 2·V·H·M (LM head at the
-    loss terms); ×3 for forward + backward. P: decoder-layer parameters, N: forwarded tokens."""
+    """Model FLOPs of packed rows, for MFU: 2·P·N (matmuls) + 4·L·Hq·D·pairs (attention) + 2·V·H·M
+    (the LM head at the loss terms), ×3 for forward + backward. P: decoder-layer parameters, N:
+    forwarded tokens, pairs: the row's attention_cost (its trie's score pairs, not the raw
+    samples'), M: trained tokens. MFU divides by the local device's dense peak (PEAK_FLOPS) at the
+    compute precision, times the world size."""
 
     def __init__(self, model):
         import tree_attention
@@ -101,8 +136,8 @@ class FlopCounter:
         self.head = 2 * text.vocab_size * text.hidden_size
 
     def __call__(self, rows) -> float:
-        return 3.0 * sum(2 * self.p * r.unique_tokens + self.attn * r.attention_cost + self.head * r.trained_tokens
-                         for r in rows)
+        return 3.0 * sum(2 * self.p * r.unique_tokens + self.attn * r.attention_cost
+                         + self.head * r.trained_tokens for r in rows)
 
 
 def peak_flops(device: torch.device, bf16: bool) -> float | None:
@@ -120,22 +155,27 @@ class MetricsLog:
     def __init__(self, config, output_dir: str, state, model, device, tokenizer):
         from tqdm import tqdm
         os.makedirs(output_dir, exist_ok=True)
-        self.config, self.tokenizer, self.window, self.last = config, tokenizer, [], {}
+        self.config = config
+        self.tokenizer = tokenizer
+        self.window: list[dict] = []         # this logging window's per-step records
+        self.last: dict = {}                 # the last line written
         self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
         self.flops = FlopCounter(model)
-        bf16 = config.bf16 if config.bf16 is not None else device.type == "cuda"
-        self.peak = peak_flops(device, bf16)
+        self.peak = peak_flops(device, config.bf16_on(device))
         self.world = torch.distributed.get_world_size()
         self.every = config.every("logging_steps")
         self.completions: list = []
-        self.bar = tqdm(total=config.max_steps if config.max_steps > 0 else None, initial=state.global_step,
-                        unit="step", disable=config.disable_tqdm, dynamic_ncols=True)   # None: on a tty only
+        self.bar = tqdm(total=config.max_steps if config.max_steps > 0 else None,
+                        initial=state.global_step, unit="step", dynamic_ncols=True,
+                        disable=config.disable_tqdm)           # None: on a tty only
 
     def step(self, state, metrics: dict, feed, step: list, packed: list) -> None:
         record = dict(metrics) | sample_metrics(feed) | batch_metrics(feed.planner, step, packed)
         rows = [p for micro in packed for p in micro]
-        forwarded, trained = record["batch/forwarded_tokens_per_step"], record["batch/trained_tokens_per_step"]
-        record |= {"num_tokens": float(state.num_tokens), "perf/rollout_wait_s": feed.waited_s,
+        forwarded = record["batch/forwarded_tokens_per_step"]
+        trained = record["batch/trained_tokens_per_step"]
+        record |= {"num_tokens": float(state.num_tokens),
+                   "perf/rollout_wait_s": feed.waited_s,
                    "perf/forwarded_tok_s_fwd_bwd": forwarded / max(record["perf/fwd_bwd_s"], 1e-9),
                    "perf/forwarded_tok_s_wall_clock": forwarded / record["perf/step_s"],
                    "perf/trained_tok_s_wall_clock": trained / record["perf/step_s"]}
@@ -154,7 +194,8 @@ class MetricsLog:
         line = {"step": step, "time": time.time()} | rollout | reduce_window(self.window)
         self.file.write(json.dumps(line) + "\n")
         self.file.flush()
-        self.last, self.window = line, []
+        self.last = line
+        self.window = []
         shown = {k: f"{line[k]:.3g}" for k in ("reward", "loss", "perf/step_s") if k in line}
         self.bar.set_postfix(shown, refresh=False)
         if self.config.log_completions:
@@ -183,7 +224,8 @@ def plot(run_dir: str) -> str:
         lines = [json.loads(line) for line in f if line.strip()]
     panels = [("reward", ["reward", "reward_kept"]), ("loss", ["loss"]),
               ("staleness (versions)", ["sample/staleness_mean", "sample/staleness_max"]),
-              ("throughput (tokens/s)", ["perf/forwarded_tok_s_wall_clock", "perf/trained_tok_s_wall_clock"])]
+              ("throughput (tokens/s)",
+               ["perf/forwarded_tok_s_wall_clock", "perf/trained_tok_s_wall_clock"])]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for ax, (title, names) in zip(axes.flat, panels):
         for name in names:

@@ -1,7 +1,8 @@
-"""Full-weight sync: the trainer's weights into every vLLM server (spec: 概要, "weight_sync_steps 回の
-学習ステップごとに、更新された重みが NCCL を介して vLLM サーバーに転送され"; 記録されたメトリクス: perf/weight_sync_*).
+"""概要 (Overview: weight_sync_steps): the trainer's full weights into every vLLM server.
 
-One sync, as vllm_api.md §6 orders it (every rank runs `push`; rank 0 talks to the servers):
+Spec: "weight_sync_steps 回の学習ステップごとに、更新された重みが NCCL を介して vLLM サーバーに転送され"
+(every weight_sync_steps steps the updated weights go to the servers over NCCL); 記録されたメトリクス
+(Logged metrics): perf/weight_sync_*. One sync, in the order of reference/vllm_api.md §6:
 
     rank 0                          servers (HTTP)                    every rank
     ──────                          ──────────────                    ──────────
@@ -10,26 +11,19 @@ One sync, as vllm_api.md §6 orders it (every rank runs `push`; rank 0 talks to 
     POST /start_weight_update ────► ready to receive
     POST /update_weights (thread) ► blocks inside the collective      ┐
     for each parameter, in order:                                      │ perf/weight_sync_transfer_s
-        full_tensor() (all-gather of the FSDP2 shards) ◄────────────── │ (every rank: the all-gather)
+        full_tensor(p): all-gather the FSDP2 shards ◄───────────────── │ (every rank gathers)
         cast to the server dtype, append to the bucket                 │
         bucket > packed_buffer_size_bytes → broadcast(bucket) ───────► │ receive, load by HF name
     join the thread ◄──────────────── "Weights updated"                ┘
     POST /finish_weight_update {"weight_version": "N"}
     POST /resume  (on every path, also after a failure)
 
-Only one bucket (~packed_buffer_size_bytes) is ever held at once, never the whole model. A worked
-bucket layout (buffer 100 bytes; fp32 tensors of 40, 40, 80 and 16 bytes): the first bucket flushes
-after the running total first exceeds the buffer, [40 40 80] = 160 bytes, then [16]: vLLM's consumer
-recomputes the same boundaries from the declared names, dtypes and shapes.
+FullSync sends language_parameters(model); lora_sync.MergedSync, a FullSync, sends W + s·B·A.
+Only one bucket (buckets()) is held at a time, never the whole model.
 
-The collective: the trainer is rank 0 of a group with every server's workers (rank_offset 1, then
-each replica's GET /get_world_size after the previous one's). With real vLLM (`"backend": "nccl"` and
-vllm importable) the trainer joins through vLLM's own helpers (`nccl_common.trainer_init`, the packed
-producer); with serve_local.py both ends make a torch.distributed group from the same init_info over a
-TCPStore that rank 0 owns (gloo on CPU, NCCL where `vllm` is not installed).
-
-Departures: none from the HTTP sequence. A stalled transfer is bounded by `vllm_server_timeout`: the
-torch group is created with that timeout, and the HTTP thread is joined with it.
+Departures from the spec, one line each:
+- With serve_local.py both ends form a torch.distributed group (gloo on CPU): vLLM cannot run here.
+- A vision-language model syncs only its language model: the vision tower is frozen (train.py).
 """
 import importlib.util
 import math
@@ -52,16 +46,65 @@ PACKED_BUFFER_BYTES = 1 << 30     # vLLM's default packed_buffer_size_bytes
 @dataclass
 class SyncStats:
     """perf/weight_sync_* of one sync (seconds; bytes sent by rank 0)."""
-    total_s: float = 0.0
-    pause_s: float = 0.0
-    barrier_s: float = 0.0
-    transfer_s: float = 0.0
-    bytes: int = 0
+    total_s: float = 0.0          # perf/weight_sync_s: the whole sync
+    pause_s: float = 0.0          # pausing every server
+    barrier_s: float = 0.0        # waiting for every rank
+    transfer_s: float = 0.0       # gathering and sending the tensors (or the adapter's load)
+    bytes: int = 0                # what rank 0 sent: the tensors' bytes, or the adapter file's
 
     def metrics(self) -> dict[str, float]:
-        return {"perf/weight_sync_s": self.total_s, "perf/weight_sync_pause_s": self.pause_s,
+        return {"perf/weight_sync_s": self.total_s,
+                "perf/weight_sync_pause_s": self.pause_s,
                 "perf/weight_sync_barrier_s": self.barrier_s,
-                "perf/weight_sync_transfer_s": self.transfer_s, "perf/weight_sync_bytes": float(self.bytes)}
+                "perf/weight_sync_transfer_s": self.transfer_s,
+                "perf/weight_sync_bytes": float(self.bytes)}
+
+
+# ── what a sync sends ───────────────────────────────────────────────────────────────────────
+
+
+def language_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """(HF name, parameter) of the text decoder and LM head, in model order: what a sync sends (a
+    vision tower stays as the server loaded it). Tied weights appear once."""
+    modules = (model.get_decoder(), model.get_output_embeddings())
+    ids = {id(p) for m in modules for p in m.parameters()}
+    return [(n, p) for n, p in model.named_parameters() if id(p) in ids]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard, detached; a plain tensor as it is. For a shard this is an
+    all-gather: every rank must call it, in the same order."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class FullSync:
+    """The sync of a model without LoRA: every sync sends the language model's full weights.
+
+        sync = FullSync(policy, clients, config)   # every rank
+        sync.connect()                             # rank 0 joins the servers
+        metrics = sync.push(version)               # every rank, each sync: perf/weight_sync_*
+    """
+
+    def __init__(self, policy, clients: list[VLLMClient], config):
+        self.policy = policy
+        self.weights = WeightSync(clients, config.vllm_server_timeout)
+
+    def connect(self) -> None:
+        self.weights.connect()
+
+    def worker_kwargs(self) -> dict:
+        """RolloutWorker arguments this sync needs: none (rollouts request the base model card)."""
+        return {}
+
+    def push(self, version: int) -> dict[str, float]:
+        params = language_parameters(self.policy.model)
+        specs = [(name, p.shape) for name, p in params]
+        stats = self.weights.push(specs, lambda: (full_tensor(p) for _, p in params), version)
+        return stats.metrics()
+
+
+# ── the transfer ────────────────────────────────────────────────────────────────────────────
 
 
 def free_port() -> int:
@@ -82,17 +125,23 @@ def host_ip(server_url: str) -> str:
 
 
 def buckets(sizes: list[int], buffer_bytes: int) -> list[range]:
-    """vLLM's packed chunking: a bucket closes right after its running total first exceeds the buffer.
+    """vLLM's packed chunking: a bucket closes right after its running total first exceeds the
+    buffer, so it may overshoot by its last tensor. vLLM's consumer recomputes the same boundaries
+    from the declared names, dtypes and shapes. Worked: a 100-byte buffer and tensors of 40, 40, 80
+    and 16 bytes: running totals 40, 80, then 160 > 100 closes [40 40 80]; [16] is the last bucket.
 
     >>> buckets([40, 40, 80, 16], 100)
     [range(0, 3), range(3, 4)]
     """
-    out, start, total = [], 0, 0
+    out = []
+    start = 0
+    total = 0
     for i, n in enumerate(sizes):
         total += n
         if total > buffer_bytes:
             out.append(range(start, i + 1))
-            start, total = i + 1, 0
+            start = i + 1
+            total = 0
     if start < len(sizes):
         out.append(range(start, len(sizes)))
     return out
@@ -106,8 +155,11 @@ class WeightSync:
         stats = sync.push(names_and_shapes, tensors, version)             # every rank, each sync
     """
 
-    def __init__(self, clients: list[VLLMClient], timeout: float, buffer_bytes: int = PACKED_BUFFER_BYTES):
-        self.clients, self.timeout, self.buffer_bytes = clients, timeout, buffer_bytes
+    def __init__(self, clients: list[VLLMClient], timeout: float,
+                 buffer_bytes: int = PACKED_BUFFER_BYTES):
+        self.clients = clients
+        self.timeout = timeout                       # vllm_server_timeout: every call and the group
+        self.buffer_bytes = buffer_bytes             # packed_buffer_size_bytes
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.group = None           # rank 0: the group with the servers' workers
         self.vllm_group = False     # joined through vLLM's helpers (real vLLM, NCCL)
@@ -115,17 +167,22 @@ class WeightSync:
         self.dtype = torch.float32  # the servers' dtype: what is sent
 
     def connect(self) -> None:
-        """Rank 0: read every server's config, then join one group with all their workers."""
+        """Rank 0: read every server's config, then join one group with all their workers. The
+        trainer is rank 0 of that group; replica i's workers start at rank_offset 1 + the sizes
+        (GET /get_world_size) of the replicas before it."""
         if self.rank != 0:
             return
         infos = [c.server_info() for c in self.clients]
         backends = {(i.get("weight_transfer_config") or {}).get("backend") for i in infos}
         if None in backends:
-            bad = [c.base_url for c, i in zip(self.clients, infos) if not i.get("weight_transfer_config")]
+            bad = [c.base_url for c, i in zip(self.clients, infos)
+                   if not i.get("weight_transfer_config")]
             raise ValueError(f"the vLLM server(s) {bad} have no weight transfer: restart them with "
-                             "`--weight-transfer-config '{\"backend\":\"nccl\"}'` and VLLM_SERVER_DEV_MODE=1")
+                             "`--weight-transfer-config '{\"backend\":\"nccl\"}'` "
+                             "and VLLM_SERVER_DEV_MODE=1")
         if len(backends) > 1:
-            raise ValueError(f"the servers use different weight-transfer backends {sorted(backends)}")
+            raise ValueError(f"the servers use different weight-transfer backends "
+                             f"{sorted(backends)}")
         backend = backends.pop()
         dtypes = {i["model_config"]["dtype"].removeprefix("torch.") for i in infos}
         if len(dtypes) > 1:
@@ -133,39 +190,44 @@ class WeightSync:
         self.dtype = getattr(torch, dtypes.pop())
         sizes = [c.world_size(include_dp=True) for c in self.clients]
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        world = 1 + sum(sizes)
         info = {"master_address": host_ip(self.clients[0].base_url), "master_port": free_port(),
-                "world_size": world, "packed": True, "packed_buffer_size_bytes": self.buffer_bytes,
-                "packed_num_buffers": 2}
+                "world_size": 1 + sum(sizes), "packed": True,
+                "packed_buffer_size_bytes": self.buffer_bytes, "packed_num_buffers": 2}
         self.vllm_group = backend == "nccl" and importlib.util.find_spec("vllm") is not None
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else self.device
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
         with ThreadPoolExecutor(len(self.clients)) as pool:
-            joins = [pool.submit(c.init_weight_transfer_engine, info | {"rank_offset": off})
-                     for c, off in zip(self.clients, offsets)]
+            joins = [pool.submit(c.init_weight_transfer_engine, info | {"rank_offset": offset})
+                     for c, offset in zip(self.clients, offsets)]
             self.group = self._join(info, backend)
             for c, j in zip(self.clients, joins):
                 _result(j, self.timeout, f"joining the weight-transfer group of {c.base_url}")
 
     def _join(self, info: dict, backend: str):
+        """Rank 0's side of the rendezvous. Real vLLM (NCCL, vllm importable): vLLM's own
+        nccl_common.trainer_init and packed producer. serve_local.py: both ends make a
+        torch.distributed group from the same init_info over a TCPStore that rank 0 owns (gloo on
+        CPU, NCCL where vllm is not installed), created with the vllm_server_timeout."""
         if self.vllm_group:
             from vllm.distributed.weight_transfer.nccl_common import trainer_init
             return trainer_init(info | {"rank_offset": 0})
-        store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"],
-                              is_master=True, timeout=timedelta(seconds=self.timeout))
-        store = dist.PrefixStore("weight_transfer", store)
         timeout = timedelta(seconds=self.timeout)
+        store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"],
+                              is_master=True, timeout=timeout)
+        store = dist.PrefixStore("weight_transfer", store)
         if backend == "gloo":
             return dist.ProcessGroupGloo(store, 0, info["world_size"], timeout)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, 0, info["world_size"], options)
 
-    def push(self, specs: list[tuple[str, torch.Size]], tensors: Callable[[], Iterator[torch.Tensor]],
-             version: int) -> SyncStats:
+    def push(self, specs: list[tuple[str, torch.Size]],
+             tensors: Callable[[], Iterator[torch.Tensor]], version: int) -> SyncStats:
         """Send the tensors (every rank iterates `tensors()`: FSDP2 gathers are collectives) as
-        `specs` names and shapes, in that order; publish `version`. Raises on any failure, after every
-        rank has left the gathers and the servers are resumed."""
-        stats, start = SyncStats(), time.perf_counter()
+        `specs` names and shapes, in that order; publish `version`. Raises on any failure, after
+        every rank has left the gathers and the servers are resumed."""
+        stats = SyncStats()
+        start = time.perf_counter()
         error = None
         if self.rank == 0:
             error, resume = self._pause()
@@ -187,11 +249,13 @@ class WeightSync:
         return stats
 
     def _transfer(self, specs, tensors, error: BaseException | None) -> int:
-        """Gather every tensor on every rank; rank 0 broadcasts the buckets while the servers receive.
-        A failure on rank 0 stops the sending, not the gathering, so no rank is left in a collective."""
+        """Gather every tensor on every rank; rank 0 broadcasts the buckets while the servers
+        receive. A failure on rank 0 stops the sending, not the gathering, so no rank is left in a
+        collective."""
         sizes = [math.prod(shape) * self.dtype.itemsize for _, shape in specs]
         plan = buckets(sizes, self.buffer_bytes)
-        update, pool = None, None
+        update = None
+        pool = None
         if self.rank == 0 and error is None:
             error = _attempt(lambda: self._each(lambda c: c.start_weight_update()))
         if self.rank == 0 and error is None:
@@ -200,25 +264,30 @@ class WeightSync:
                     "shapes": [list(s) for _, s in specs]}
             pool = ThreadPoolExecutor(len(self.clients))
             update = [pool.submit(c.update_weights, info) for c in self.clients]
-        sent, it = 0, iter(tensors())
+        sent = 0
+        it = iter(tensors())
         for chunk in plan:
-            parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]   # all ranks gather
+            # every rank gathers; only rank 0 sends
+            parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]
             if self.rank != 0 or error is not None:
                 continue
-            flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])               # [Σ bytes] uint8
+            flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])   # [Σ bytes] uint8
             error = _attempt(lambda: self._broadcast(flat, update))
             sent += flat.numel()
         if self.rank == 0:
             for c, u in zip(self.clients, update or []):
-                error = _attempt(lambda: _result(u, self.timeout, f"POST {c.base_url}/update_weights")) or error
+                what = f"POST {c.base_url}/update_weights"
+                failure = _attempt(lambda: _result(u, self.timeout, what))
+                error = failure or error
             if pool is not None:
                 pool.shutdown(wait=False)
         _raise_everywhere(error)
         return sent
 
     def _broadcast(self, flat: torch.Tensor, update: list) -> None:
-        """Send one bucket and wait for it, polling: a server that refused the update (its POST already
-        failed) or stopped receiving ends the wait with that reason, or after vllm_server_timeout."""
+        """Send one bucket and wait for it, polling: a server that refused the update (its POST
+        already failed) or stopped receiving ends the wait with that reason, or after
+        vllm_server_timeout."""
         if self.vllm_group:                # vLLM's PyNcclCommunicator, on the current stream
             self.group.broadcast(flat, src=0, stream=torch.cuda.current_stream())
             done = torch.cuda.Event()
@@ -232,9 +301,10 @@ class WeightSync:
         deadline = time.monotonic() + self.timeout
         while not finished():
             if any(u.done() and u.exception() is not None for u in update):
-                raise RuntimeError("a server stopped receiving")       # its own error is reported first
+                raise RuntimeError("a server stopped receiving")   # its own error is reported first
             if time.monotonic() > deadline:
-                raise TimeoutError(f"a weight bucket was not received within vllm_server_timeout={self.timeout:g}s")
+                raise TimeoutError(f"a weight bucket was not received within "
+                                   f"vllm_server_timeout={self.timeout:g}s")
             time.sleep(0.001)
         if not self.vllm_group:
             work.wait()                    # raises the transport's error, if any
@@ -242,18 +312,22 @@ class WeightSync:
     def _pause(self) -> tuple[BaseException | None, list[VLLMClient]]:
         """Pause every server; (the first failure, the servers to resume). A server that refused the
         connection (down) was never paused: resuming it would only retry for a minute."""
-        error, resume = None, []
+        error = None
+        resume = []
         with ThreadPoolExecutor(len(self.clients)) as pool:
             futures = [pool.submit(c.pause, mode="keep") for c in self.clients]
             for c, f in zip(self.clients, futures):
-                failure = _attempt(lambda: _result(f, self.timeout, f"weight sync with {c.base_url}"))
+                what = f"weight sync with {c.base_url}"
+                failure = _attempt(lambda: _result(f, self.timeout, what))
                 error = error or failure
                 if not _refused(failure):
                     resume.append(c)
         return error, resume
 
-    def _each(self, call: Callable[[VLLMClient], object], clients: list[VLLMClient] | None = None) -> None:
-        """Call every server (or `clients`) in parallel; the first failure is raised, naming the server."""
+    def _each(self, call: Callable[[VLLMClient], object],
+              clients: list[VLLMClient] | None = None) -> None:
+        """Call every server (or `clients`) in parallel; the first failure is raised, naming the
+        server."""
         clients = self.clients if clients is None else clients
         if not clients:
             return
@@ -284,7 +358,7 @@ def _refused(error: BaseException | None) -> bool:
 def _attempt(fn: Callable[[], object]) -> BaseException | None:
     try:
         fn()
-    except Exception as e:                 # noqa: BLE001 (reported to every rank by _raise_everywhere)
+    except Exception as e:     # noqa: BLE001 (reported to every rank by _raise_everywhere)
         return e
     return None
 

@@ -1,35 +1,57 @@
-"""AsyncGRPOConfig: the spec's defaults, and bad values refused with the field and the fix."""
+"""AsyncGRPOConfig: the spec's defaults, the derived values of the module docstring's worked
+example, and bad values refused with the field and the fix."""
 import dataclasses
 
 import pytest
+import torch
 
-from train import AsyncGRPOConfig
+from config import AsyncGRPOConfig
 
 
 def test_spec_defaults():
     c = AsyncGRPOConfig()
-    assert (c.num_generations, c.max_completion_length, c.temperature, c.top_p, c.top_k) == (8, 2048, 1.0, 1.0, 0)
-    assert (c.epsilon, c.epsilon_high, c.score_centering, c.num_sampler_logprobs) == (0.2, None, True, 8)
+    assert (c.num_generations, c.max_completion_length, c.temperature) == (8, 2048, 1.0)
+    assert (c.top_p, c.top_k) == (1.0, 0)
+    assert (c.epsilon, c.epsilon_high, c.score_centering) == (0.2, None, True)
+    assert c.num_sampler_logprobs == 8
     assert (c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max) == (0.5, 5.0)
-    assert (c.max_staleness, c.queue_maxsize, c.weight_sync_steps, c.rollout_worker_timeout) == (4, 1024, 1, 300.0)
-    assert (c.vllm_server_base_url, c.vllm_server_timeout, c.token_budget) == ("http://localhost:8000", 1800.0, None)
+    assert (c.max_staleness, c.queue_maxsize, c.weight_sync_steps) == (4, 1024, 1)
+    assert c.rollout_worker_timeout == 300.0
+    assert (c.vllm_server_base_url, c.vllm_server_timeout) == ("http://localhost:8000", 1800.0)
+    assert c.token_budget is None
 
 
 def test_default_max_concurrent_rollouts_is_the_spec_formula():
-    c = AsyncGRPOConfig(max_staleness=3, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    c = AsyncGRPOConfig(max_staleness=3, per_device_train_batch_size=4,
+                        gradient_accumulation_steps=2)
     assert c.default_max_concurrent_rollouts(num_processes=2) == 3 * 4 * 2 * 2
-    assert AsyncGRPOConfig(max_staleness=0).default_max_concurrent_rollouts(1) == 8      # max(max_staleness, 1)
+    assert AsyncGRPOConfig(max_staleness=0).default_max_concurrent_rollouts(1) == 8   # max(.., 1)
     assert AsyncGRPOConfig(max_concurrent_rollouts=5).default_max_concurrent_rollouts(8) == 5
 
 
+def test_the_docstrings_worked_example():
+    c = AsyncGRPOConfig(max_steps=200, save_steps=0.25, warmup_steps=0.1)
+    assert (c.every("save_steps"), c.every("warmup_steps")) == (50, 20)
+    assert c.default_max_concurrent_rollouts(num_processes=4) == 128
+    assert AsyncGRPOConfig(save_steps=20).every("save_steps") == 20
+
+
+def test_bf16_none_means_on_cuda_only():
+    assert AsyncGRPOConfig().bf16_on(torch.device("cuda")) is True
+    assert AsyncGRPOConfig().bf16_on(torch.device("cpu")) is False
+    assert AsyncGRPOConfig(bf16=True).bf16_on(torch.device("cpu")) is True
+    assert AsyncGRPOConfig(bf16=False).bf16_on(torch.device("cuda")) is False
+
+
 @pytest.mark.parametrize("field, kwargs", [
-    ("top_k", {"top_p": 0.9}),                       # top-p needs a top-k bound on the candidate set
+    ("top_k", {"top_p": 0.9}),                # top-p needs a top-k bound on the candidate set
     ("top_k", {"min_p": 0.1}),
     ("top_p", {"top_p": 0.0}),
     ("num_generations", {"num_generations": 1}),
     ("temperature", {"temperature": 0.0}),
     ("vllm_importance_sampling_clip_min/max", {"vllm_importance_sampling_clip_min": 1.5}),
     ("weight_sync_steps", {"weight_sync_steps": 0}),
+    ("warmup_steps", {"warmup_steps": 0.5}),  # a fraction of max_steps, which is not set
 ])
 def test_bad_values_name_the_field(field, kwargs):
     with pytest.raises(ValueError, match=f"AsyncGRPOConfig.{field}"):

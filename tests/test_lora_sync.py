@@ -1,7 +1,9 @@
-"""LoRA training and its sync (lora_sync.py), and every sync reaching every replica, against serve_local.py.
+"""LoRA training and its sync (lora_sync.py), and every sync reaching every replica, against
+serve_local.py.
 
-Log-probs, not checksums, judge adapters and merges: the server applies an adapter by hooks (or holds
-W + s·B·A computed on our side), so its log-probs must equal those of the trained PeftModel forward.
+Log-probs, not checksums, judge adapters and merges: the server applies an adapter by hooks (or
+holds W + s·B·A computed on our side), so its log-probs must equal those of the trained PeftModel
+forward.
 """
 import json
 import os
@@ -15,17 +17,14 @@ from transformers import AutoModelForCausalLM
 
 import toy
 import train
-from lora_sync import adapter_refusal
+from lora_sync import adapter_refusal, max_lora_rank
 from test_serve_local import PROMPT, reference_logprobs
 from train import AsyncGRPOConfig
+from train_helpers import SERVER_ARGS, SMALL
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-BASE_ARGS = ("--max-model-len", "128", "--weight-transfer-config", '{"backend":"gloo"}', "--logprobs-mode",
-             "processed_logprobs", "--max-logprobs", "-1")
-LORA_ARGS = BASE_ARGS + ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "3")
-SMALL = dict(num_generations=4, max_completion_length=6, per_device_train_batch_size=4, token_budget=96,
-             gradient_checkpointing=False, learning_rate=1e-2, vllm_server_timeout=60.0, disable_tqdm=True,
-             max_staleness=1)
+LORA_ARGS = SERVER_ARGS + ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "3")
+LORA_SMALL = SMALL | {"learning_rate": 1e-2, "max_staleness": 1}   # max_loras 3 = max_staleness + 2
 
 
 @pytest.fixture
@@ -35,9 +34,11 @@ def servers(start_server):
 
 
 def run(servers, toy_dir, out, peft_config, steps=3):
-    config = AsyncGRPOConfig(output_dir=str(out), vllm_server_base_url=",".join(s.url for s in servers),
-                             max_steps=steps, save_steps=steps, **SMALL)
-    return train.train(config, toy.make_dataset(64), [toy.sum_reward], model=toy_dir, peft_config=peft_config)
+    urls = ",".join(s.url for s in servers)
+    config = AsyncGRPOConfig(output_dir=str(out), vllm_server_base_url=urls, max_steps=steps,
+                             save_steps=steps, **LORA_SMALL)
+    return train.train(config, toy.make_dataset(64), [toy.sum_reward], model=toy_dir,
+                       peft_config=peft_config)
 
 
 def served_logprobs(server, model: str | None = None) -> tuple[list[int], list[float]]:
@@ -54,18 +55,22 @@ def assert_serves(server, reference_model, model: str | None = None, tol: float 
 
 
 def trained(toy_dir, checkpoint: str) -> PeftModel:
-    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(toy_dir), checkpoint).eval()
+    base = AutoModelForCausalLM.from_pretrained(toy_dir)
+    return PeftModel.from_pretrained(base, checkpoint).eval()
 
 
-def test_adapter_sync_reaches_both_replicas_and_keeps_the_staleness_window(servers, toy_dir, tmp_path):
-    """3 steps, max_staleness 1: every replica serves policy-v3 with exactly the trained adapter (checkpoint
-    3), differently from the base model, and exactly max_staleness + 1 versions stay loaded and on disk."""
+def test_adapter_sync_reaches_both_replicas_and_keeps_the_staleness_window(servers, toy_dir,
+                                                                           tmp_path):
+    """3 steps, max_staleness 1: every replica serves policy-v3 with exactly the trained adapter
+    (checkpoint 3), differently from the base model, and exactly max_staleness + 1 versions stay
+    loaded and on disk."""
     replicas = servers(2, *LORA_ARGS)
     last = run(replicas, toy_dir, tmp_path, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
     model = trained(toy_dir, str(tmp_path / "checkpoint-3"))
     assert sorted(os.listdir(tmp_path / ".vllm_lora")) == ["policy-v2", "policy-v3"]
-    full_bytes = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(toy_dir).parameters())
-    assert 0 < last["perf/weight_sync_bytes"] < full_bytes / 4             # the adapter, not the model
+    base = AutoModelForCausalLM.from_pretrained(toy_dir)
+    full_bytes = sum(p.numel() * 4 for p in base.parameters())
+    assert 0 < last["perf/weight_sync_bytes"] < full_bytes / 4        # the adapter, not the model
     for server in replicas:
         cards = [c["id"] for c in httpx.get(server.url + "/v1/models").json()["data"][1:]]
         assert sorted(cards) == ["policy-v2", "policy-v3"]
@@ -78,8 +83,9 @@ def test_adapter_sync_reaches_both_replicas_and_keeps_the_staleness_window(serve
 
 
 def test_full_sync_reaches_every_replica(servers, toy_dir, tmp_path):
-    """One collective group with both replicas' ranks: after the run both hold the checkpoint's weights."""
-    replicas = servers(2, *BASE_ARGS)
+    """One collective group with both replicas' ranks: after the run both hold the checkpoint's
+    weights."""
+    replicas = servers(2, *SERVER_ARGS)
     run(replicas, toy_dir, tmp_path, None, steps=2)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-2").eval()
     for server in replicas:
@@ -90,13 +96,16 @@ def test_full_sync_reaches_every_replica(servers, toy_dir, tmp_path):
 @pytest.mark.parametrize("case", ["dora", "rank above the server's"])
 def test_merged_fallback_sends_the_merged_weights_with_a_warning(servers, toy_dir, tmp_path, case):
     (server,) = servers(1, *LORA_ARGS)
-    peft_config = (LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, use_dora=True) if case == "dora" else
-                   LoraConfig(r=16, lora_alpha=8, target_modules=TARGETS))
+    if case == "dora":
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, use_dora=True)
+    else:
+        peft_config = LoraConfig(r=16, lora_alpha=8, target_modules=TARGETS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         last = run([server], toy_dir, tmp_path, peft_config, steps=2)
     said = " ".join(str(w.message) for w in caught if "LoRA sync" in str(w.message))
-    assert "merged weights" in said and ("DoRA" in said if case == "dora" else "--max-lora-rank 16" in said)
+    assert "merged weights" in said
+    assert ("DoRA" in said) if case == "dora" else ("--max-lora-rank 16" in said)
     assert last["perf/weight_sync_bytes"] > 1e6                           # the whole model
     assert_serves(server, trained(toy_dir, str(tmp_path / "checkpoint-2")), tol=2e-5)
     assert [c["id"] for c in httpx.get(server.url + "/v1/models").json()["data"]][1:] == []
@@ -106,16 +115,23 @@ def test_adapter_refusals_name_the_problem_and_the_flags():
     lora = {"lora_config": {"max_lora_rank": 32, "max_loras": 6}}
     plain = LoraConfig(r=32)
     assert adapter_refusal([lora], ["u"], plain, max_staleness=4) is None
-    assert "--max-loras 6" in adapter_refusal([lora, {"lora_config": {"max_lora_rank": 32, "max_loras": 5}}],
-                                              ["u", "v"], plain, 4)
-    assert "v serves no LoRA" in adapter_refusal([lora, {"lora_config": None}], ["u", "v"], plain, 4)
+    short = {"lora_config": {"max_lora_rank": 32, "max_loras": 5}}
+    assert "--max-loras 6" in adapter_refusal([lora, short], ["u", "v"], plain, 4)
+    none = {"lora_config": None}
+    assert "v serves no LoRA" in adapter_refusal([lora, none], ["u", "v"], plain, 4)
     assert "--max-lora-rank 64" in adapter_refusal([lora], ["u"], LoraConfig(r=48), 4)
     assert "DoRA" in adapter_refusal([lora], ["u"], LoraConfig(r=8, use_dora=True), 4)
-    assert "modules_to_save" in adapter_refusal([lora], ["u"], LoraConfig(r=8, modules_to_save=["lm_head"]), 4)
+    whole = LoraConfig(r=8, modules_to_save=["lm_head"])
+    assert "modules_to_save" in adapter_refusal([lora], ["u"], whole, 4)
+
+
+def test_max_lora_rank_is_the_smallest_rank_vllm_accepts():
+    assert [max_lora_rank(r) for r in (1, 4, 8, 9, 32, 300, 512)] == [1, 8, 8, 16, 32, 320, 512]
 
 
 def test_meta_device_byte_ratio_matches_the_spec_figure():
-    """r=32 on Qwen2.5-7B's shapes: ~160 MB of adapter against ~15 GB of weights (spec: LoRA), about 1%."""
+    """r=32 on Qwen2.5-7B's shapes: ~160 MB of adapter against ~15 GB of weights (spec: LoRA),
+    about 1%."""
     from bench import lora_byte_ratio
     full, adapter = lora_byte_ratio("qwen2.5-7b", r=32)
     assert 14e9 < full < 16e9 and 150e6 < adapter < 170e6

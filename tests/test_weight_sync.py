@@ -1,6 +1,7 @@
-"""weight_sync.py against serve_local.py: vLLM's bucket layout, and failures that end in a clear error
-with the server resumed, never a hang. (A full sync that lands exactly is in test_train.py and
-test_lora_sync.py.)"""
+"""weight_sync.py against serve_local.py: vLLM's bucket layout, a full sync that lands exactly (the
+session's shared run, train_fixtures.train_run), and failures that end in a clear error with the
+server resumed, never a hang. (Syncs to several replicas: test_lora_sync.py.)"""
+import hashlib
 import os
 import signal
 import time
@@ -12,6 +13,8 @@ import torch
 import toy
 from vllm_client import VLLMClient
 from weight_sync import WeightSync, buckets
+
+pytest_plugins = ["train_fixtures"]
 
 ARGS = ("--max-model-len", "64", "--weight-transfer-config", '{"backend":"gloo"}')
 
@@ -30,10 +33,26 @@ def weights(toy_dir):
 
 
 def push(server, weights, specs=None, timeout=30.0, buffer_bytes=1 << 30):
-    sync = WeightSync([VLLMClient(server.url, timeout=timeout, max_retries=0)], timeout, buffer_bytes)
+    client = VLLMClient(server.url, timeout=timeout, max_retries=0)
+    sync = WeightSync([client], timeout, buffer_bytes)
     sync.connect()
     specs = specs or [(n, t.shape) for n, t in weights]
     return sync.push(specs, lambda: (t for _, t in weights), version=7)
+
+
+def test_after_a_sync_the_server_holds_the_trainers_weights(train_run, train_server):
+    """The last sync of the shared run (FullSync, after step 4) sent exactly the weights of
+    checkpoint-4: the server's checksums of every tensor match the checkpoint's (fp32 on CPU: bit
+    for bit)."""
+    from safetensors.torch import load_file
+    weights = load_file(os.path.join(train_run[0], "checkpoint-4", "model.safetensors"))
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])          # tied
+    expected = {n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+                for n, t in weights.items()}
+    body = {"action": "compare", "baseline": expected}
+    reply = httpx.post(train_server.url + "/weight_checker", json=body).json()
+    assert reply == {"match": True, "mismatches": []}
+    assert httpx.get(train_server.url + "/weight_info").json()["weight_version"] == "4"
 
 
 def test_a_sync_in_small_buckets_lands_and_reports_its_bytes(start_server, weights):
@@ -60,9 +79,10 @@ def test_a_stalled_server_fails_within_the_timeout_not_a_hang(start_server, weig
         sync.connect()
         os.kill(server.proc.pid, signal.SIGSTOP)                # the server stops answering mid-run
         start = time.monotonic()
+        specs = [(n, t.shape) for n, t in weights]
         with pytest.raises(RuntimeError, match="vllm_server_timeout=3s"):
-            sync.push([(n, t.shape) for n, t in weights], lambda: (t for _, t in weights), version=1)
-        assert time.monotonic() - start < 15                    # pause and resume each wait 3 s at most
+            sync.push(specs, lambda: (t for _, t in weights), version=1)
+        assert time.monotonic() - start < 15               # pause and resume each wait 3 s at most
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
 
@@ -74,8 +94,8 @@ def test_a_server_without_weight_transfer_is_refused_with_the_flag(start_server)
 
 
 def test_only_rank_zero_talks_to_the_servers(monkeypatch):
-    """Other ranks gather (the collectives) but never call a server: a WeightSync on rank 1 connects to
-    nothing and sends nothing."""
+    """Other ranks gather (the collectives) but never call a server: a WeightSync on rank 1 connects
+    to nothing and sends nothing."""
     import torch.distributed as dist
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
@@ -84,5 +104,6 @@ def test_only_rank_zero_talks_to_the_servers(monkeypatch):
     sync = WeightSync([VLLMClient("http://127.0.0.1:9", timeout=1, max_retries=0)], 1.0)
     sync.connect()
     gathered = []
-    stats = sync.push([("w", torch.Size([2]))], lambda: iter(gathered.append(1) or [torch.ones(2)]), version=1)
+    stats = sync.push([("w", torch.Size([2]))], lambda: iter(gathered.append(1) or [torch.ones(2)]),
+                      version=1)
     assert gathered == [1] and stats.bytes == 0
