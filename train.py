@@ -97,8 +97,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             sync.push(state.model_version)
         if rank == 0:
             budget = config.token_budget
-            if budget is None:
-                budget = clients[0].max_model_len()
+            budget = clients[0].max_model_len() if budget is None else budget
             planner = Planner(world, budget, config.per_device_train_batch_size)
             planner.dropped_oversize_total = state.dropped_oversize_total
             worker = RolloutWorker(config, dataset, reward_funcs, tokenizer, tools=tools,
@@ -161,9 +160,10 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
 def setup_distributed(config) -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: nccl on CUDA, gloo on CPU; alone: a group of one,
     so FSDP2 and torch.distributed.checkpoint run the same code."""
+    cuda = torch.cuda.is_available()
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+        backend = "nccl" if cuda else "gloo"
+        if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         # rank 0 may wait this long for samples while the other ranks wait in a collective
         wait_s = max(1800.0, config.vllm_server_timeout + config.rollout_worker_timeout)
@@ -173,10 +173,7 @@ def setup_distributed(config) -> tuple[int, int, torch.device]:
         else:                                   # alone: nothing written to os.environ
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                     world_size=1, timeout=timeout)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -214,8 +211,7 @@ def load_model(model, config, processing_class=None, peft_config=None):
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
-    """Every EOS id the model's generation config declares, and the tokenizer's: a turn ends on
-    any."""
+    """Every EOS id the generation config declares, and the tokenizer's: a turn ends on any."""
     declared = getattr(model.generation_config, "eos_token_id", None)
     ids = declared if isinstance(declared, list) else [declared]
     return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
@@ -253,8 +249,7 @@ def shard(policy: Policy, config, device: torch.device) -> Policy:
 
 
 def build_optimizer(policy: Policy, config):
-    """AdamW over the trainable parameters, and the config's schedule (transformers'
-    get_scheduler)."""
+    """AdamW over the trainable parameters, and the config's schedule (get_scheduler)."""
     from transformers import get_scheduler
     params = [p for p in policy.parameters() if p.requires_grad]
     fused = config.optim == "adamw_torch_fused" and params[0].device.type == "cuda"
