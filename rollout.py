@@ -65,19 +65,21 @@ WAKE_S = 0.05                      # the generate loop re-checks shared values a
 
 @dataclass
 class Channels:
-    """Everything the parent and the child share (all from one spawn context)."""
-    rollout_buffer: Any     # Queue: RolloutSample child → parent; None once the prompts run out
-    metrics: Any            # Queue: metric dicts child → parent (dropped when full); None ends
-    progress: Any           # Queue: (prompt_index, samples queued) for every finished prompt
-    exception_info: Any     # Queue: (type name, message, traceback) of the child's failure
-    model_version: Any      # Value('q'), written by the parent after each weight sync
-    version_start: Any      # Value('q'), samples consumed when the current version began (C_v)
-    rate: Any               # Value('d'), samples the trainer consumes per version (R)
-    consumed: Any           # Value('q'), samples the parent has handed to the trainer
-    heartbeat: Any          # Value('d'), time.time() of the child's last beat
-    stop: Any               # Event parent → child
-    ready: Any              # Event child → parent: connected and set up
-    failed: Any             # Event child → parent: exception_info holds the reason
+    """Everything the parent and the child share (all from one spawn context). The spec's loop
+    takes six of them as arguments (marked spec, with its name where it differs); the rest are
+    ours: resume progress, the staleness window (staleness.py), stop and ready."""
+    rollout_buffer: Any     # spec. Queue: RolloutSample child → parent; None once prompts run out
+    metrics: Any            # spec metrics_queue. Queue: metric dicts child → parent; None ends
+    progress: Any           # ours. Queue: (prompt_index, samples queued) per finished prompt
+    exception_info: Any     # spec exception_info_queue. Queue: (type, message, traceback)
+    model_version: Any      # spec model_version_value. Value('q'), set after each weight sync
+    version_start: Any      # ours. Value('q'): C_v, samples consumed when the version began
+    rate: Any               # ours. Value('d'): R, samples the trainer consumes per version
+    consumed: Any           # ours. Value('q'): samples the parent has handed to the trainer
+    heartbeat: Any          # spec heartbeat_value. Value('d'): time.time() of the child's beat
+    stop: Any               # ours. Event parent → child
+    ready: Any              # ours. Event child → parent: connected and set up
+    failed: Any             # spec failed_event. Event child → parent: see exception_info
 
 
 @dataclass

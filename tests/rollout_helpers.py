@@ -220,19 +220,19 @@ class ModelRecordingLoop(FastPollLoop):
     it off samples."""
 
     async def setup(self):
-        self.served = {}
+        self.answered = {}
         for replica in self.replicas:
-            replica.client.acompletions = self._recording(replica.client.acompletions, replica.url)
+            replica.client.acompletions = self.recording(replica.client.acompletions, replica.url)
 
-    def _recording(self, call, url):
+    def recording(self, call, url):
         async def completions(body):
             reply = await call(body)
-            self.served.setdefault(asyncio.current_task(), []).append(f"{url}|{reply['model']}")
+            self.answered.setdefault(asyncio.current_task(), []).append(f"{url}|{reply['model']}")
             return reply
         return completions
 
     def tag(self, rollout: Rollout) -> Rollout:
-        rollout.rollout_id = ",".join(self.served.pop(asyncio.current_task(), []))
+        rollout.rollout_id = ",".join(self.answered.pop(asyncio.current_task(), []))
         return rollout
 
     async def generate_one(self, prompt, tools, group_id=0):
