@@ -337,8 +337,8 @@ class AsyncRolloutLoop:
         group_id = 0
         stream = prompt_stream(self.dataset, self.dataset_start_index, config.num_train_epochs,
                                config.max_steps)
-        for prompt_index, _, row_index, row, accepted in filtered_stream(stream,
-                                                                         self.filter_prompt):
+        prompts = filtered_stream(stream, self.filter_prompt)   # an epoch rejected whole raises
+        for prompt_index, _, row_index, row, accepted in prompts:
             if not accepted:
                 self.channels.progress.put((prompt_index, 0))
                 continue
