@@ -303,7 +303,7 @@ class AsyncRolloutLoop:
         beat = asyncio.create_task(self._heartbeat())
         workers: list[asyncio.Task] = []
         try:
-            await self._connect()
+            await self.connect()
             await self.setup()
             self.channels.ready.set()
             loops = (self._generate_loop(), self._score_loop(), self._metrics_loop())
@@ -380,7 +380,7 @@ class AsyncRolloutLoop:
 
     # ── the machinery ──
 
-    async def _connect(self) -> None:
+    async def connect(self) -> None:
         """Check every replica at start (rollout_servers.connect_all) and start their caps."""
         served, self.max_model_len = await connect_all(self.replicas, self.config, self.num_top,
                                                        self.eos_token_ids[0])

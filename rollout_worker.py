@@ -110,8 +110,9 @@ class RolloutWorker:
         self.initial_version = model_version
         self.window = Window(prior_rate(config, num_processes), anchor_version=model_version)
         self.consumed = 0                 # samples handed to the trainer
-        has_len = hasattr(dataset, "__len__")  # without one (streaming, no dataset): from prompt 0
-        self.resume = ResumeIndex(dataset_start_index if has_len else 0)
+        # a streaming dataset restarts at prompt 0; a list, or none (an environment's prompts), resumes
+        positioned = dataset is None or hasattr(dataset, "__len__")
+        self.resume = ResumeIndex(dataset_start_index if positioned else 0)
         self.finished = False
         self.received: list[dict[str, float]] = []  # metrics read while waiting for the end marker
         self.process = None

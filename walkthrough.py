@@ -83,7 +83,7 @@ async def rollouts(config, tokenizer, dataset, url):
     eos = [tokenizer.eos_token_id]
     loop = AsyncRolloutLoop(config, None, dataset, [toy.sum_reward], tokenizer, eos,
                             channels=None, max_concurrent_rollouts=config.num_generations)
-    await loop._connect()                                  # every replica checked, as at start
+    await loop.connect()                                  # every replica checked, as at start
     row = dataset[PROMPT_ROW]
     done = []
     for _ in range(config.num_generations):                # in turn: the server's seeds in order

@@ -324,6 +324,21 @@ def test_an_environment_supplies_prompts_and_rewards_without_a_dataset(long_serv
     assert len({s.prompt_index for s in samples}) >= 2
 
 
+def test_environment_prompts_resume_from_the_saved_index(long_server, tokenizer):
+    """Without a dataset, prompts are numbered from dataset_start_index, and so is resume_index()."""
+    config = h.config_for(long_server, max_steps=3, max_completion_length=6)
+    worker = RolloutWorker(config, None, None, tokenizer, environment_factory=h.PromptEnv,
+                           dataset_start_index=5)
+    try:
+        worker.start()
+        samples = [worker.get(timeout=60) for _ in range(6)]
+        index = worker.resume_index()
+    finally:
+        worker.stop()
+    assert min(s.prompt_index for s in samples) == 5
+    assert 5 <= index <= max(s.prompt_index for s in samples) + 1
+
+
 def test_retry_and_preemption_totals_are_running_totals(start_server, tokenizer):
     """After a paused server's preemptions (pause keep + clear_cache) and retried 503s (pause
     abort), later polls keep reporting them: rollout/vllm_*_total are totals since the process
