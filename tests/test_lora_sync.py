@@ -30,7 +30,9 @@ LORA_SMALL = SMALL | {"learning_rate": 1e-2, "max_staleness": 1}   # max_loras 3
 @pytest.fixture
 def servers(start_server):
     """servers(n, *args): n replicas of the toy model (conftest's start_server stops them)."""
-    return lambda n, *args: [start_server(*args) for _ in range(n)]
+    def start(n: int, *args: str) -> list:
+        return [start_server(*args) for _ in range(n)]
+    return start
 
 
 def run(servers, toy_dir, out, peft_config, steps=3):
