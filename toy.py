@@ -1,45 +1,23 @@
-"""The built-in task: an offline tiny model, its tokenizer, a prompt dataset and a reward.
+"""クイックスタート (Quick start), offline: the tiny model, tokenizer, prompts and rewards that
+stand in for the spec's hub model and dataset, so the demo and every test run with HF_HUB_OFFLINE=1.
 
-Nothing here touches a model hub, so the demo and every test run on a laptop with HF_HUB_OFFLINE=1.
-The model and tokenizer are saved with `save_pretrained` and load from a directory exactly like a
-hub model (`AutoModelForCausalLM.from_pretrained(dir)`), so the rest of the project never knows it
-is talking to a toy:
+    python toy.py --save /tmp/toy       # config.json, model.safetensors, tokenizer.json, template
+    python serve_local.py --model toy   # builds the warmed-up model in ~/.cache/async_grpo
 
-    python toy.py --save /tmp/toy          # config.json, model.safetensors, tokenizer.json, chat_template.jinja
-    python serve_local.py --model /tmp/toy # or --model toy, which builds it in a cache directory
+The task, one prompt of it:
 
-The task ("add two small numbers")
-----------------------------------
-    prompt      [{"role": "user", "content": "3+4="}]          answer "7"   (a, b in 0..4, so one digit)
-    rendered    <|im_start|>user\\n3+4=<|im_end|>\\n<|im_start|>assistant\\n
-    completion  "7<|im_end|>"                                            reward 1.0
+    prompt      [{"role": "user", "content": "3+4="}]     answer "7"  (a, b in 0..4: one digit)
+    rendered    <|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n
+    completion  "7<|im_end|>" 1.0 · "6<|im_end|>" 0.35 · "2<|im_end|>" 0.0   (digit_reward)
 
-`sum_reward` is shaped so that a random-init policy already sees a signal, and only for the right digit:
+The model is a ~0.3M-parameter Qwen3 shape over a character-level tokenizer (printable ASCII plus
+Qwen's special and tool tokens), saved with save_pretrained so everything loads it like a hub model.
+RL starts from a pretrained model, so the demo's model (ensure_saved) first gets a supervised
+warm-up on the answer format only: one random digit, then the end of turn; RL learns the arithmetic.
+TRAIN_DEFAULTS are what `python train.py` changes from AsyncGRPOConfig; bench.py learn runs it.
 
-    completion text             reward   chance under a uniform random policy (vocab 105, 8 tokens)
-    exactly the answer            1.0    ~1e-4 per rollout (right digit, then end of turn)
-    starts with the answer        0.5    ~1e-2
-    contains the answer           0.2    ~0.07  -> ~44% of groups of 8 have unequal rewards, so GRPO
-    anything else                 0.0            has a gradient from the first step
-
-Why a random-init model learns it: the tokenizer is character level over printable ASCII, so the
-answer is one token out of 105 and a random completion contains it often enough to score. Emitting the
-right digit needs attention from the answer position to the two operands (fixed offsets in a short
-prompt), which a 2-layer model represents easily; moving it to the front and ending the turn are one
-token each. No credit is given for "some digit": that shaping made the policy collapse onto one fixed
-digit within a hundred steps (every group then scores equally and is dropped). With this shaping, an
-in-process GRPO loop (8 rollouts of 4 prompts per step, lr 1e-3, our trie packing and loss) raises the
-mean reward from 0.04 to 0.21 in 240 steps, about 15 s of CPU (tests/test_toy.py checks it), and to
-about 0.3 by step 1000, with groups still informative.
-
-The demo (`python train.py`): RL starts from a pretrained model, so `ensure_saved()` gives the model a
-short supervised warm-up on the answer format only (a random digit, then end of turn) and RL has to learn
-the arithmetic. Its reward is `digit_reward` (exact 1.0, a near digit partial credit), with
-TRAIN_DEFAULTS below; bench.py learn measures it.
-
-Departures: the spec trains hub models; this file exists because our machines have no hub. The chat
-template follows Qwen's layout (`<|im_start|>role ... <|im_end|>`, `<tools>` in the system turn,
-`<tool_call>{json}</tool_call>` in assistant turns, tool results as `<tool_response>` in a user turn).
+Departures: the spec trains hub models (our machines have none); the chat template follows Qwen's
+layout (`<tools>` in the system turn, `<tool_call>{json}</tool_call>`, `<tool_response>` as user).
 """
 import argparse
 import os
@@ -58,7 +36,8 @@ CHAT_TEMPLATE = (
     "{% if tools %}"
     "<|im_start|>system\n"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
+    "# Tools\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
     'Call a tool with <tool_call>{"name": <name>, "arguments": <json>}</tool_call><|im_end|>\n'
     "{% elif messages[0].role == 'system' %}"
     "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
@@ -99,27 +78,29 @@ def build_model(vocab_size: int, seed: int = 0) -> Qwen3ForCausalLM:
     cfg = Qwen3Config(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=SPECIAL.index("<|im_end|>"),
-        pad_token_id=0,
+        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=SPECIAL.index("<|im_end|>"), pad_token_id=0,
     )
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(cfg)
 
 
 def warm_up(model, tokenizer, steps: int = 100, batch: int = 64, seed: int = 0) -> float:
-    """Supervised warm-up on the answer format only: each prompt is followed by a random digit and the
-    end of turn, so the model learns to answer with one digit and stop, but not which digit (RL learns
-    the arithmetic). Returns the last loss (ln 10 + ~0 is the floor: the digit is a coin of 10 faces)."""
+    """Supervised warm-up on the answer format only: each prompt is followed by a random digit and
+    the end of turn, so the model learns to answer with one digit and stop, but not which digit (RL
+    learns the arithmetic). Returns the last loss (floor ln 10: the digit is a coin of 10 faces)."""
     rng = random.Random(seed)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{a}+{b}="}], add_generation_prompt=True,
-                                             return_dict=False) for a in range(5) for b in range(5)]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{a}+{b}="}],
+                                             add_generation_prompt=True, return_dict=False)
+               for a in range(5) for b in range(5)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        ids = torch.tensor([rng.choice(prompts) + [rng.choice(digits), end] for _ in range(batch)])  # [B, L]
-        logits = model(input_ids=ids[:, :-1]).logits[:, -2:]                   # [B, 2, V] digit, end
+        rows = [rng.choice(prompts) + [rng.choice(digits), end] for _ in range(batch)]
+        ids = torch.tensor(rows)                                                 # [B, L]
+        logits = model(input_ids=ids[:, :-1]).logits[:, -2:]                     # [B, 2, V]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, -2:].flatten())
         loss.backward()
         optimizer.step()
@@ -129,7 +110,7 @@ def warm_up(model, tokenizer, steps: int = 100, batch: int = 64, seed: int = 0) 
 
 
 def save(path: str, seed: int = 0, warm: bool = False) -> str:
-    """Write the toy model and tokenizer to `path` (random init, or `warm`: after warm_up); returns it."""
+    """Write the toy model and tokenizer to `path` (random init, or `warm`: after warm_up)."""
     tokenizer = build_tokenizer()
     model = build_model(len(tokenizer), seed)
     if warm:
@@ -141,7 +122,7 @@ def save(path: str, seed: int = 0, warm: bool = False) -> str:
 
 
 def ensure_saved(path: str | None = None) -> str:
-    """The warmed-up toy model directory, built on first use (default: ~/.cache/async_grpo/toy-warm-v1)."""
+    """The warmed-up toy model's directory, built on first use (~/.cache/async_grpo/toy-warm-v1)."""
     cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
     path = path or os.path.join(cache, "async_grpo", "toy-warm-v1")
     if not os.path.exists(os.path.join(path, "config.json")):
@@ -191,11 +172,21 @@ def _text(completion) -> str:
 
 
 def sum_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 for exactly the answer, 0.5 if the reply starts with it, 0.2 if it contains it, else 0."""
+    """1.0 for exactly the answer, 0.5 if the reply starts with it, 0.2 if it contains it, else 0.
+    Shaped so that a random-init policy (tests/test_toy.py) sees a signal, only for the right digit:
+
+        completion text        reward   chance per rollout, uniform policy (105 tokens, 8 long)
+        exactly the answer       1.0    ~1e-4
+        starts with it           0.5    ~1e-2
+        contains it              0.2    ~0.07: ~44% of groups of 8 have unequal rewards
+    """
     out = []
     for completion, ans in zip(completions, answer):
         text = _text(completion).strip()
-        out.append(1.0 if text == ans else 0.5 if text.startswith(ans) else 0.2 if ans in text else 0.0)
+        if text == ans:
+            out.append(1.0)
+        else:
+            out.append(0.5 if text.startswith(ans) else 0.2 if ans in text else 0.0)
     return out
 
 
@@ -227,7 +218,8 @@ def add(a: int, b: int) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--save", metavar="DIR", required=True, help="directory to write the model and tokenizer to")
+    parser.add_argument("--save", metavar="DIR", required=True,
+                        help="directory to write the model and tokenizer to")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print(save(args.save, args.seed))
