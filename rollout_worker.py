@@ -110,7 +110,8 @@ class RolloutWorker:
         self.initial_version = model_version
         self.window = Window(prior_rate(config, num_processes), anchor_version=model_version)
         self.consumed = 0                 # samples handed to the trainer
-        # a streaming dataset restarts at prompt 0; a list, or none (an environment's prompts), resumes
+        # a streaming dataset restarts at prompt 0; a list or no dataset (an environment's prompts)
+        # resumes at dataset_start_index
         positioned = dataset is None or hasattr(dataset, "__len__")
         self.resume = ResumeIndex(dataset_start_index if positioned else 0)
         self.finished = False

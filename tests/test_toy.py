@@ -1,4 +1,5 @@
-"""toy.py: the offline model loads like a hub model, the chat template handles tools, the reward is as documented."""
+"""toy.py: the offline model loads like a hub model, the chat template handles tools, the rewards
+are as documented, and GRPO learns the task."""
 import pickle
 import subprocess
 import sys
@@ -23,30 +24,34 @@ def test_saved_directory_loads_with_auto_classes(toy_dir):
 
 
 def test_cli_saves_a_model_directory(tmp_path):
-    out = subprocess.run([sys.executable, "toy.py", "--save", str(tmp_path / "m")], capture_output=True, text=True,
-                         cwd=toy.__file__.rsplit("/", 1)[0], check=True)
+    out = subprocess.run([sys.executable, "toy.py", "--save", str(tmp_path / "m")],
+                         capture_output=True, text=True, cwd=toy.__file__.rsplit("/", 1)[0],
+                         check=True)
     assert out.stdout.strip() == str(tmp_path / "m")
     assert (tmp_path / "m" / "config.json").exists() and (tmp_path / "m" / "tokenizer.json").exists()
 
 
 def test_chat_template_round_trips_with_tools_and_tool_messages():
     tokenizer = toy.build_tokenizer()
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
     messages = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "1+2="},
-                {"role": "assistant", "content": "",
-                 "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "name": "add", "content": "3"}]
-    text = tokenizer.apply_chat_template(messages, tools=[toy.add], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=[toy.add], add_generation_prompt=True,
+                                         tokenize=False)
     assert text.startswith("<|im_start|>system\nUse tools.\n\n# Tools\n<tools>\n")
-    assert '"name": "add"' in text and "The first integer." in text       # the schema from the docstring
+    assert '"name": "add"' in text and "The first integer." in text   # the schema from the docstring
     assert '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><|im_end|>\n' in text
     assert "<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
-    ids = tokenizer.apply_chat_template(messages, tools=[toy.add], add_generation_prompt=True, return_dict=False)
-    assert tokenizer.decode(ids) == text                                  # character level: exact round trip
+    ids = tokenizer.apply_chat_template(messages, tools=[toy.add], add_generation_prompt=True,
+                                        return_dict=False)
+    assert tokenizer.decode(ids) == text                     # character level: exact round trip
     for tag in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"):
         assert len(tokenizer.encode(tag, add_special_tokens=False)) == 1
     # a prompt without tools renders a plain conversation, and a prefix stays a prefix
-    plain = tokenizer.apply_chat_template(messages[1:2], add_generation_prompt=True, tokenize=False)
+    plain = tokenizer.apply_chat_template(messages[1:2], add_generation_prompt=True,
+                                          tokenize=False)
     assert plain == "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -55,24 +60,27 @@ def test_dataset_and_reward():
     assert ds.column_names == ["prompt", "answer"] and len(ds) == 32
     for row in ds:
         a, b = row["prompt"][0]["content"].rstrip("=").split("+")
-        assert row["prompt"][0]["role"] == "user" and int(a) + int(b) == int(row["answer"]) and len(row["answer"]) == 1
-    completions = [[{"role": "assistant", "content": c}] for c in ("7", " 7 ", "71", "x7y", "8", "")]
+        assert row["prompt"][0]["role"] == "user"
+        assert int(a) + int(b) == int(row["answer"]) and len(row["answer"]) == 1
+    texts = ("7", " 7 ", "71", "x7y", "8", "")
+    completions = [[{"role": "assistant", "content": c}] for c in texts]
     assert toy.sum_reward(None, completions, ["7"] * 6) == [1.0, 1.0, 0.5, 0.2, 0.0, 0.0]
-    assert toy.sum_reward(None, ["7"], ["7"]) == [1.0]                    # standard (string) completions too
-    assert pickle.loads(pickle.dumps(toy.sum_reward)) is toy.sum_reward   # crosses to the rollout process
+    assert toy.sum_reward(None, ["7"], ["7"]) == [1.0]                # standard (string) completions
+    assert pickle.loads(pickle.dumps(toy.sum_reward)) is toy.sum_reward   # to the rollout process
 
 
 def test_grpo_learns_the_toy_task_on_cpu():
-    """The toy task's claim: GRPO with our packing and loss raises the reward of the random-init model within
-    a few hundred steps on a CPU. An on-policy loop in one process (transformers' sampler, no server): each
-    step samples 8 completions for each of 4 prompts, keeps groups with unequal rewards and takes one step."""
+    """The toy task's claim: GRPO with our packing and loss raises the reward of the random-init
+    model within a few hundred steps on a CPU. An on-policy loop in one process (transformers'
+    sampler, no server): each step samples 8 completions for each of 4 prompts, keeps groups with
+    unequal rewards and takes one step."""
     import numpy as np
 
     import tree_attention
     from loss import compute_loss
     from rollout_samples import RolloutSample
-    from train import AsyncGRPOConfig
-    from trie_pack import TreeRow
+    from config import AsyncGRPOConfig
+    from trie_pack import build_row
 
     torch.manual_seed(0)
     tokenizer = toy.build_tokenizer()
@@ -85,41 +93,46 @@ def test_grpo_learns_the_toy_task_on_cpu():
         samples, rewards = [], []
         for group_id in range(4):
             row = prompts[(4 * step + group_id) % len(prompts)]
-            prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)
+            prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                                   return_dict=False)
             model.set_attn_implementation("sdpa")
             with torch.no_grad():
-                out = model.generate(torch.tensor([prompt] * 8), do_sample=True, top_k=0, max_new_tokens=6,
-                                     output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                out = model.generate(torch.tensor([prompt] * 8), do_sample=True, top_k=0,
+                                     max_new_tokens=6, output_logits=True,
+                                     return_dict_in_generate=True, pad_token_id=0,
                                      eos_token_id=tokenizer.eos_token_id)
-            logprobs = torch.stack(out.logits, 1).log_softmax(-1)                 # [8, T, V] the sampler's q
+            logprobs = torch.stack(out.logits, 1).log_softmax(-1)    # [8, T, V] the sampler's q
             completions = []
             for ids, lp in zip(out.sequences[:, len(prompt):].tolist(), logprobs):
                 n = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
                 completions.append((ids[:n], lp[:n]))
-            r = np.array(toy.sum_reward(None, [tokenizer.decode(c, skip_special_tokens=True) for c, _ in completions],
-                                        [row["answer"]] * 8))
+            texts = [tokenizer.decode(c, skip_special_tokens=True) for c, _ in completions]
+            r = np.array(toy.sum_reward(None, texts, [row["answer"]] * 8))
             rewards.extend(r)
             if r.std() == 0:
-                continue                                                       # a flat group teaches nothing
+                continue                                          # a flat group teaches nothing
             for (ids, lp), advantage in zip(completions, (r - r.mean()) / r.std()):
-                L, P = len(prompt) + len(ids), len(prompt)
-                sampler, top = np.zeros(L, np.float32), lp.topk(8, -1)
+                L = len(prompt) + len(ids)
+                P = len(prompt)
+                sampler = np.zeros(L, np.float32)                           # [L]
                 sampler[P:] = lp.gather(1, torch.tensor(ids)[:, None])[:, 0].numpy()
-                top_ids, top_lps = np.full((L, 8), -1), np.full((L, 8), -np.inf, np.float32)
-                top_ids[P:], top_lps[P:] = top.indices.numpy(), top.values.numpy()
-                samples.append(RolloutSample(np.array(prompt + ids), np.r_[np.zeros(P), np.ones(len(ids))].astype(np.int8),
-                                             sampler, float(advantage), group_id, 0, top_ids=top_ids, top_logprobs=top_lps))
+                top = lp.topk(8, -1)
+                top_ids = np.full((L, 8), -1)                               # [L, 8]
+                top_ids[P:] = top.indices.numpy()
+                top_lps = np.full((L, 8), -np.inf, np.float32)              # [L, 8]
+                top_lps[P:] = top.values.numpy()
+                mask = np.r_[np.zeros(P), np.ones(len(ids))].astype(np.int8)
+                samples.append(RolloutSample(np.array(prompt + ids), mask, sampler, float(advantage),
+                                             group_id, 0, top_ids=top_ids, top_logprobs=top_lps))
         mean_rewards.append(np.mean(rewards))
         if not samples:
             continue
-        packed_row = TreeRow()
-        for sample in samples:
-            packed_row.add(sample)
-        packed = packed_row.pack()
+        packed = build_row(samples).pack()
         tree_attention.install(model, "sdpa")
-        hidden = model.model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False,
-                             **tree_attention.row_kwargs(model, packed)).last_hidden_state[0]
-        loss, _ = compute_loss(hidden, model.lm_head.weight, None, packed, config, num_tokens=len(packed.token_index))
+        out = tree_attention.forward_row(model, packed, model.model)
+        hidden = out.last_hidden_state[0]                                   # [N, H]
+        loss, _ = compute_loss(hidden, model.lm_head.weight, None, packed, config,
+                               num_tokens=len(packed.token_index))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
