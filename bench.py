@@ -125,8 +125,8 @@ def planner(argv):
 
 
 def packing(argv):
-    """Tree packing vs padding-free packing, fwd+bwd of a random-weight Qwen3-0.6B shape in bf16
-    (CUDA).
+    """Tree packing vs padding-free packing (CUDA): fwd+bwd of a random-weight Qwen3-0.6B shape,
+    bf16.
 
     padding-free  samples end to end, position_ids restarting per sample, transformers' own
                   attention (flex_attention on CUDA, sdpa on CPU) with the document-causal mask it
@@ -197,7 +197,7 @@ def packing(argv):
     P = args.prompt                                  # prompt length
     C = args.completion                              # completion length
 
-    def group(g, shared_prompt):
+    def group(group_id, shared_prompt):
         prompt = rng.integers(0, vocab, P)
         out = []
         for _ in range(args.rollouts):
@@ -205,7 +205,8 @@ def packing(argv):
             ids = np.concatenate([own_prompt, rng.integers(0, vocab, C)])        # [P + C]
             mask = np.r_[np.zeros(P, np.int8), np.ones(C, np.int8)]
             advantage = float(rng.normal())
-            out.append(RolloutSample(ids, mask, np.zeros(P + C, np.float32), advantage, g, 0))
+            sampler_logprobs = np.zeros(P + C, np.float32)
+            out.append(RolloutSample(ids, mask, sampler_logprobs, advantage, group_id, 0))
         return out
 
     def tree_step(samples):
