@@ -141,14 +141,14 @@ NUM_PROMPTS = 256
 # `python train.py` (the toy run): what differs from AsyncGRPOConfig's defaults, and why
 TRAIN_DEFAULTS = dict(
     output_dir="runs/toy",
-    learning_rate=1e-3,               # a 0.3M-parameter model from a format-only warm-up, not a 4B one
-    epsilon_high=0.28,                # DAPO's clip-higher: slows the entropy collapse of a model this small
-    num_generations=16,               # more rollouts per prompt: the policy keeps exploring longer
-    max_steps=200,
-    max_completion_length=3,          # one digit and the end of turn, and a token of slack
+    learning_rate=1e-3,           # a 0.3M-parameter model after a format-only warm-up, not a 4B one
+    epsilon_high=0.28,            # DAPO's clip-higher: slows the entropy collapse of a tiny model
+    num_generations=16,           # more rollouts per prompt: the policy keeps exploring longer
+    max_steps=170,                # the plateau (~0.85): later, most groups tie and steps slow down
+    max_completion_length=3,      # one digit and the end of turn, and a token of slack
     max_staleness=1,
-    token_budget=512,                 # rows of ~30 groups (shared prompts): max_model_len (1024) is 2x that
-    gradient_checkpointing=False,     # nothing to save on a model this small
+    token_budget=512,             # rows of ~16 groups of 16 (prompts shared); max_model_len 1024
+    gradient_checkpointing=False, # nothing to save on a model this small
     save_steps=100,
     save_total_limit=2,
 )
