@@ -319,7 +319,7 @@ def test_an_environment_supplies_prompts_and_rewards_without_a_dataset(long_serv
     finally:
         worker.stop()
     assert [m["content"] for m in samples[0].prompt] == ["2+3="]
-    assert {s.prompt_index for s in samples} <= {0, 1, 2, 3}
+    assert all(s.prompt_index >= 0 for s in samples)      # groups finish in any order
     assert all(0 <= s.reward < 1 for s in samples)
     assert len({s.prompt_index for s in samples}) >= 2
 
@@ -335,8 +335,8 @@ def test_environment_prompts_resume_from_the_saved_index(long_server, tokenizer)
         index = worker.resume_index()
     finally:
         worker.stop()
-    assert min(s.prompt_index for s in samples) == 5
-    assert 5 <= index <= max(s.prompt_index for s in samples) + 1
+    assert min(s.prompt_index for s in samples) >= 5     # a group whose rewards tie is dropped
+    assert 5 <= index <= max(s.prompt_index for s in samples) + 1   # 0 before the fix
 
 
 def test_retry_and_preemption_totals_are_running_totals(start_server, tokenizer):
