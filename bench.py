@@ -504,9 +504,9 @@ def sync(argv):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     import lora_sync
-    import serve_local
     import toy
     import train
+    from serve_http import LocalServer
     from vllm_client import VLLMClient
 
     tokenizer = toy.build_tokenizer()
@@ -519,7 +519,7 @@ def sync(argv):
     config = train.AsyncGRPOConfig(output_dir=os.path.join(path, "out"),
                                    gradient_checkpointing=False, max_staleness=1)
     peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
-    server = serve_local.LocalServer(path, *train.local_server_args(config, peft_config))
+    server = LocalServer(path, *train.local_server_args(config, peft_config))
     try:
         rank, world, device = train.setup_distributed(config)
         model, _ = train.load_model(path, config, peft_config=peft_config)

@@ -37,6 +37,13 @@ def check_prompt_source(dataset, environment_factory, max_steps: int) -> None:
                          "max_steps > 0 to define the length of the run")
 
 
+def first_prompt_index(dataset, start_index: int) -> int:
+    """Where prompt_stream starts: start_index, except for a streaming dataset (no len), which
+    cannot be repositioned and restarts at prompt 0. The resume index counts from the same place."""
+    streaming = dataset is not None and not hasattr(dataset, "__len__")
+    return 0 if streaming else start_index
+
+
 def prompt_stream(dataset, start_index: int, num_train_epochs: float,
                   max_steps: int) -> Iterator[tuple[int, int, int, dict]]:
     """Yield (prompt_index, epoch, row_index, row): the prompts of the run in order, from
@@ -56,10 +63,10 @@ def prompt_stream(dataset, start_index: int, num_train_epochs: float,
             yield index, 0, index, {}
             index += 1
     if not hasattr(dataset, "__len__"):
-        if start_index:
+        index = first_prompt_index(dataset, start_index)
+        if index != start_index:
             log.warning("a streaming dataset cannot be repositioned: the rollout restarts at "
                         "prompt 0, not %d", start_index)
-        index = 0
         epoch = 0
         while endless or epoch < math.ceil(num_train_epochs):
             start = index

@@ -31,7 +31,7 @@ import traceback
 from typing import Callable
 
 from rollout import AsyncRolloutLoop, Channels
-from rollout_prompts import ResumeIndex
+from rollout_prompts import ResumeIndex, first_prompt_index
 from rollout_samples import RolloutSample
 from rollout_tools import check_tools
 from staleness import Window, prior_rate
@@ -110,10 +110,7 @@ class RolloutWorker:
         self.initial_version = model_version
         self.window = Window(prior_rate(config, num_processes), anchor_version=model_version)
         self.consumed = 0                 # samples handed to the trainer
-        # a streaming dataset restarts at prompt 0; a list or no dataset (an environment's prompts)
-        # resumes at dataset_start_index
-        positioned = dataset is None or hasattr(dataset, "__len__")
-        self.resume = ResumeIndex(dataset_start_index if positioned else 0)
+        self.resume = ResumeIndex(first_prompt_index(dataset, dataset_start_index))
         self.finished = False
         self.received: list[dict[str, float]] = []  # metrics read while waiting for the end marker
         self.process = None

@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from serve_http import LocalServer, Server  # noqa: F401  LocalServer: the demo's and tests' import
+from serve_http import Server
 from serve_local_engine import APIError, Engine, Request, SamplingParams, Sequence, load_model
 
 # ── request parsing ───────────────────────────────────────────────────────────────────────

@@ -53,7 +53,7 @@ from loss import (MOE_EXPERT_FIELDS, compute_loss, finalize_metrics, reduce_metr
                   router_aux_loss_coef)
 from rollout import AsyncRolloutLoop
 from rollout_worker import RolloutWorker
-from serve_local import LocalServer
+from serve_http import LocalServer
 from trie_pack import Planner
 from vllm_client import VLLMClient, server_urls
 from weight_sync import FullSync, free_port, full_tensor, language_parameters

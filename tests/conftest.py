@@ -12,7 +12,6 @@ sys.path.insert(0, ROOT)
 
 import toy  # noqa: E402
 from serve_http import LocalServer  # noqa: E402  (the demo's server, shared)
-from weight_sync import free_port  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

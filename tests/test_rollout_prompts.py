@@ -4,7 +4,7 @@ import pytest
 from datasets import IterableDataset
 
 import toy
-from rollout_prompts import ResumeIndex, filtered_stream, prompt_stream
+from rollout_prompts import ResumeIndex, filtered_stream, first_prompt_index, prompt_stream
 
 
 def test_prompt_stream_epochs_resume_and_streaming():
@@ -70,3 +70,11 @@ def test_a_sample_handed_out_before_its_prompt_is_announced_counts():
     assert resume.value() == 0
     resume.announce(0, 1)
     assert resume.value() == 1
+
+
+def test_the_first_prompt_index_is_the_start_unless_the_dataset_streams():
+    streaming = (row for row in [{"prompt": "a"}])                  # no len: cannot be repositioned
+    assert first_prompt_index([{"prompt": "a"}] * 8, 5) == 5
+    assert first_prompt_index(None, 5) == 5                         # an environment's prompts
+    assert first_prompt_index(streaming, 5) == 0
+    assert next(prompt_stream(streaming, 5, 1, 0))[0] == 0          # where the stream starts too

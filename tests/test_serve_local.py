@@ -21,7 +21,9 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import toy
-from conftest import ROOT, LocalServer, free_port
+from conftest import ROOT
+from serve_http import LocalServer
+from weight_sync import free_port
 
 PROMPT = [5, 17, 33, 8, 40, 41, 60]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
