@@ -4,11 +4,12 @@ stand in for the spec's hub model and dataset, so the demo and every test run wi
     python toy.py --save /tmp/toy       # config.json, model.safetensors, tokenizer.json, template
     python serve_local.py --model toy   # builds the warmed-up model in ~/.cache/async_grpo
 
-The task, one prompt of it:
+The task, one prompt of it (the demo's: standard format, sums drawn evenly, exact_reward):
 
-    prompt      [{"role": "user", "content": "3+4="}]     answer "7"  (a, b in 0..4: one digit)
-    rendered    <|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n
-    completion  "7<|im_end|>" 1.0 · "6<|im_end|>" 0.35 · "2<|im_end|>" 0.0   (digit_reward)
+    prompt      "3+4="                      answer "7"   (a, b in 0..4: one digit)
+    completion  "7<|im_end|>" 1.0 · "6<|im_end|>" 0.0 · "2<|im_end|>" 0.0
+    conversational (make_dataset's default, the tests'): [{"role": "user", "content": "3+4="}]
+                rendered <|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n
 
 The model is a ~0.3M-parameter Qwen3 shape over a character-level tokenizer (printable ASCII plus
 Qwen's special and tool tokens), saved with save_pretrained so everything loads it like a hub model.
@@ -17,7 +18,9 @@ warm-up on the answer format only: one random digit, then the end of turn; RL le
 TRAIN_DEFAULTS are what `python train.py` changes from AsyncGRPOConfig; bench.py learn runs it.
 
 Departures: the spec trains hub models (our machines have none); the chat template follows Qwen's
-layout (`<tools>` in the system turn, `<tool_call>{json}</tool_call>`, `<tool_response>` as user).
+layout (`<tools>` in the system turn, `<tool_call>{json}</tool_call>`, `<tool_response>` as user);
+the demo's prompts are plain text: as chat turns the same model plateaus lower (~0.75 against ~0.9,
+in-process runs of 4 seeds: the operands sit 9 tokens further from the answer).
 """
 import argparse
 import os
@@ -85,16 +88,22 @@ def build_model(vocab_size: int, seed: int = 0) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(cfg)
 
 
-def warm_up(model, tokenizer, steps: int = 100, batch: int = 64, seed: int = 0) -> float:
+def warm_up(model, tokenizer, steps: int = 100, batch: int = 64, seed: int = 0,
+            standard: bool = False) -> float:
     """Supervised warm-up on the answer format only: each prompt is followed by a random digit and
     the end of turn, so the model learns to answer with one digit and stop, but not which digit (RL
-    learns the arithmetic). Returns the last loss (floor ln 10: the digit is a coin of 10 faces)."""
+    learns the arithmetic). Prompts are chat turns, or `standard`: the plain text "3+4=" the demo
+    trains on. Returns the last loss (floor ln 10: the digit is a coin of 10 faces)."""
     rng = random.Random(seed)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{a}+{b}="}],
-                                             add_generation_prompt=True, return_dict=False)
-               for a in range(5) for b in range(5)]
+    pairs = [f"{a}+{b}=" for a in range(5) for b in range(5)]
+    if standard:
+        prompts = [tokenizer.encode(p, add_special_tokens=False) for p in pairs]
+    else:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                 add_generation_prompt=True, return_dict=False)
+                   for p in pairs]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
@@ -114,7 +123,7 @@ def save(path: str, seed: int = 0, warm: bool = False) -> str:
     tokenizer = build_tokenizer()
     model = build_model(len(tokenizer), seed)
     if warm:
-        warm_up(model, tokenizer, seed=seed)
+        warm_up(model, tokenizer, steps=200, seed=seed, standard=True)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -122,9 +131,9 @@ def save(path: str, seed: int = 0, warm: bool = False) -> str:
 
 
 def ensure_saved(path: str | None = None) -> str:
-    """The warmed-up toy model's directory, built on first use (~/.cache/async_grpo/toy-warm-v1)."""
+    """The warmed-up toy model's directory, built on first use (~/.cache/async_grpo/toy-warm-v2)."""
     cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-    path = path or os.path.join(cache, "async_grpo", "toy-warm-v1")
+    path = path or os.path.join(cache, "async_grpo", "toy-warm-v2")
     if not os.path.exists(os.path.join(path, "config.json")):
         tmp = f"{path}.tmp{os.getpid()}"
         save(tmp, warm=True)
@@ -144,23 +153,35 @@ TRAIN_DEFAULTS = dict(
     learning_rate=1e-3,           # a 0.3M-parameter model after a format-only warm-up, not a 4B one
     epsilon_high=0.28,            # DAPO's clip-higher: slows the entropy collapse of a tiny model
     num_generations=16,           # more rollouts per prompt: the policy keeps exploring longer
-    max_steps=170,                # the plateau (~0.85): later, most groups tie and steps slow down
+    max_steps=210,                # ~0.9 by then (~5 min); later most groups tie, steps slow to ~15 s
     max_completion_length=3,      # one digit and the end of turn, and a token of slack
     max_staleness=1,
-    token_budget=512,             # rows of ~16 groups of 16 (prompts shared); max_model_len 1024
+    max_concurrent_rollouts=64,   # the spec's formula gives 8 (1 × per_device_train_batch_size 8);
+                                  # a step here takes ~250 samples: 8 in flight starve the server
+    token_budget=512,             # rows of ~14 groups of 16 (prompts shared); max_model_len 1024
     gradient_checkpointing=False, # nothing to save on a model this small
     save_steps=100,
     save_total_limit=2,
 )
 
 
-def make_dataset(n: int = 64, seed: int = 0) -> Dataset:
-    """`n` addition prompts (a, b in 0..4) in conversational form, with an `answer` column."""
+def make_dataset(n: int = 64, seed: int = 0, standard: bool = False,
+                 balanced: bool = False) -> Dataset:
+    """`n` addition prompts (a, b in 0..4) with an `answer` column: conversational (one user turn)
+    or, `standard`, the plain text "a+b=". `balanced` draws the sum first (each of 0..8 equally
+    often), then a: uniform (a, b) makes 0+0 and 4+4 1/25 of the prompts, 2+2's sum 5/25."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        a, b = rng.randint(0, 4), rng.randint(0, 4)
-        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)})
+        if balanced:
+            total = rng.randint(0, 8)
+            a = rng.randint(max(0, total - 4), min(4, total))
+            b = total - a
+        else:
+            a, b = rng.randint(0, 4), rng.randint(0, 4)
+        text = f"{a}+{b}="
+        prompt = text if standard else [{"role": "user", "content": text}]
+        rows.append({"prompt": prompt, "answer": str(a + b)})
     return Dataset.from_list(rows)
 
 
@@ -190,17 +211,11 @@ def sum_reward(prompts, completions, answer, **kwargs) -> list[float]:
     return out
 
 
-def digit_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """The demo's reward: 1.0 for exactly the answer; a reply of one other digit d gets
-    max(0, 0.5 - 0.15·|d - answer|) (0.35 when off by one); anything else 0. After the format warm-up
-    every reply is one digit, so a group's rewards almost never tie, and a mean of 0.9 needs most
-    answers exactly right."""
-    out = []
-    for completion, ans in zip(completions, answer):
-        text = _text(completion).strip()
-        near = 0.5 - 0.15 * abs(int(text) - int(ans)) if len(text) == 1 and text.isdigit() else 0.0
-        out.append(1.0 if text == ans else max(0.0, near))
-    return out
+def exact_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """The demo's reward: 1.0 for exactly the answer, else 0. (Partial credit for a near digit makes
+    the middle of a range a safe bet that a tiny policy settles on for good: 0+0 → "2", 4+4 → "6".)
+    """
+    return [float(_text(completion).strip() == ans) for completion, ans in zip(completions, answer)]
 
 
 def add(a: int, b: int) -> int:

@@ -481,7 +481,7 @@ class ScriptArguments:
     dataset: str = "toy"                 # a `datasets` name, a .json/.jsonl/.csv/.parquet file with
                                          # a `prompt` column, or "toy"
     dataset_split: str = "train"         # the split of a `datasets` name
-    reward: str | None = None            # module:function[,...]; "toy" → toy:digit_reward
+    reward: str | None = None            # module:function[,...]; "toy" → toy:exact_reward
     serve_local: bool | None = None      # start serve_local.py; None: for toy without a server URL
     lora_r: int = 0                      # > 0: train a LoRA adapter of this rank (peft)
     lora_alpha: int = 32                 # the adapter's scale is lora_alpha / lora_r
@@ -500,7 +500,7 @@ def load_prompts(script: ScriptArguments):
     """The prompt dataset of --dataset: the toy prompts, a local file, or a `datasets` name."""
     if script.dataset == "toy":
         import toy
-        return toy.make_dataset(toy.NUM_PROMPTS)
+        return toy.make_dataset(toy.NUM_PROMPTS, standard=True, balanced=True)
     import datasets
     kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
     kind = kinds.get(os.path.splitext(script.dataset)[1])
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
     if reward is None:
         raise SystemExit("train.py: error: --reward module:function is required for a dataset "
                          "other than toy")
-    rewards = [import_callable("toy:digit_reward" if r == "toy" else r) for r in reward.split(",")]
+    rewards = [import_callable("toy:exact_reward" if r == "toy" else r) for r in reward.split(",")]
     output_dir = config.output_dir or "trainer_output"
     serve = script.serve_local
     if serve is None:

@@ -69,6 +69,38 @@ def test_dataset_and_reward():
     assert pickle.loads(pickle.dumps(toy.sum_reward)) is toy.sum_reward   # to the rollout process
 
 
+def test_demo_prompts_are_plain_text_with_every_sum_equally_often():
+    ds = toy.make_dataset(900, seed=1, standard=True, balanced=True)
+    counts = {str(s): 0 for s in range(9)}
+    for row in ds:
+        a, b = row["prompt"].removesuffix("=").split("+")
+        assert 0 <= int(a) <= 4 and 0 <= int(b) <= 4 and str(int(a) + int(b)) == row["answer"]
+        counts[row["answer"]] += 1
+    # ~100 each (4 standard deviations: 60..140); uniform pairs would give "0" 36 and "4" 180
+    assert all(60 <= n <= 140 for n in counts.values()), counts
+
+
+def test_exact_reward_is_one_only_for_exactly_the_answer():
+    texts = ("7", " 7 ", "71", "6", "x7", "")
+    assert toy.exact_reward(None, list(texts), ["7"] * 6) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    chat = [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
+    assert toy.exact_reward(None, chat, ["4", "4"]) == [1.0, 0.0]
+
+
+def test_the_warm_up_teaches_the_format_and_not_the_answer():
+    """After the warm-up a plain "a+b=" prompt is answered with one digit, spread over the digits
+    (the answer is RL's to learn), and then the end of turn."""
+    tokenizer = toy.build_tokenizer()
+    model = toy.build_model(len(tokenizer))
+    toy.warm_up(model, tokenizer, steps=100, batch=32, standard=True)
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    prompt = tokenizer.encode("3+4=", add_special_tokens=False)
+    with torch.no_grad():
+        p = model(torch.tensor([prompt + [digits[7]]])).logits[0, -2:].softmax(-1)   # [2, V]
+    assert p[0, digits].sum() > 0.9 and p[0, digits].max() < 0.3, p[0, digits]
+    assert p[1, tokenizer.eos_token_id] > 0.9
+
+
 def test_grpo_learns_the_toy_task_on_cpu():
     """The toy task's claim: GRPO with our packing and loss raises the reward of the random-init
     model within a few hundred steps on a CPU. An on-policy loop in one process (transformers'
