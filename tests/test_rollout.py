@@ -319,7 +319,11 @@ def test_an_environment_supplies_prompts_and_rewards_without_a_dataset(long_serv
     finally:
         worker.stop()
     assert [m["content"] for m in samples[0].prompt] == ["2+3="]
-    assert all(s.prompt_index >= 0 for s in samples)      # groups finish in any order
+    group_of = {}                       # groups finish in any order: one group per prompt index
+    for s in samples:
+        group_of.setdefault(s.prompt_index, set()).add(s.group_id)
+    assert all(len(ids) == 1 for ids in group_of.values()), group_of
+    assert len(set().union(*group_of.values())) == len(group_of)
     assert all(0 <= s.reward < 1 for s in samples)
     assert len({s.prompt_index for s in samples}) >= 2
 
