@@ -169,7 +169,7 @@ class VLLMClient:
 
     # ---- the retry policy, shared by the sync and async paths ----
 
-    def _next_delay(self, method: str, url: str, kind: str, attempt: int,
+    def _next_delay(self, method: str, url: str, kind: str, attempt: int, retries: int,
                     response: httpx.Response | None,
                     error: httpx.TransportError | None) -> float | None:
         """None if `response` is the answer; else the seconds to sleep before retrying; else raise.
@@ -187,8 +187,8 @@ class VLLMClient:
             timeout (`timeout` s)              retry           TimeoutError now  TimeoutError now
 
         Retry k (k = 0, 1, ...) sleeps min(max_backoff, backoff * 2**k) * U(0.9, 1.1); after
-        max_retries retries the last error is raised as VLLMError naming the URL, the attempts and
-        the cause. A collective call (init_weight_transfer_engine, update_weights) blocks inside
+        `retries` retries (max_retries unless the call sets its own) the last error is raised as
+        VLLMError naming the URL, the attempts and the cause. A collective call (init_weight_transfer_engine, update_weights) blocks inside
         NCCL on the server, paired with the trainer's own send: once it may have reached the
         server, a retry would wait for a send that already happened. A 401 names the fix.
         """
@@ -215,24 +215,26 @@ class VLLMClient:
             last = f"{type(error).__name__}: {error}"
         else:
             raise VLLMError(f"{method} failed: {type(error).__name__}: {error}", url) from error
-        if attempt >= self.max_retries:
+        if attempt >= retries:
             message = f"{method} gave up after {attempt + 1} attempts; last error: {last}"
             raise VLLMError(message, url, status) from error
         self.retry_total += 1
         delay = min(self.max_backoff, self.backoff * 2 ** attempt) * random.uniform(0.9, 1.1)
         log.warning("%s %s failed (%s); retry %d/%d in %.2fs", method, url, last, attempt + 1,
-                    self.max_retries, delay)
+                    retries, delay)
         return delay
 
-    def _request(self, method: str, path: str, kind: str = "control", **kwargs) -> httpx.Response:
+    def _request(self, method: str, path: str, kind: str = "control", retries: int | None = None,
+                 **kwargs) -> httpx.Response:
         url = self.base_url + path
+        retries = self.max_retries if retries is None else retries
         attempt = 0
         while True:
             try:
                 response, error = self._client.request(method, url, **kwargs), None
             except httpx.TransportError as e:
                 response, error = None, e
-            delay = self._next_delay(method, url, kind, attempt, response, error)
+            delay = self._next_delay(method, url, kind, attempt, retries, response, error)
             if delay is None:
                 return response
             time.sleep(delay)
@@ -250,7 +252,7 @@ class VLLMClient:
                 response, error = await self._async.request(method, url, **kwargs), None
             except httpx.TransportError as e:
                 response, error = None, e
-            delay = self._next_delay(method, url, kind, attempt, response, error)
+            delay = self._next_delay(method, url, kind, attempt, self.max_retries, response, error)
             if delay is None:
                 return response
             await asyncio.sleep(delay)
@@ -328,8 +330,8 @@ class VLLMClient:
         keep."""
         self._request("POST", f"/pause?mode={mode}&clear_cache={str(clear_cache).lower()}")
 
-    def resume(self) -> None:
-        self._request("POST", "/resume")
+    def resume(self, retries: int | None = None) -> None:
+        self._request("POST", "/resume", retries=retries)
 
     def is_paused(self) -> bool:
         return bool(_field(self._request("GET", "/is_paused"), "is_paused"))

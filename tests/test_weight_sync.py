@@ -87,6 +87,25 @@ def test_a_stalled_server_fails_within_the_timeout_not_a_hang(start_server, weig
         os.kill(server.proc.pid, signal.SIGCONT)
 
 
+def test_a_server_that_dies_mid_sync_is_resumed_once_not_retried(start_server, weights):
+    """Paused, then gone: start_weight_update spends its retries, the sync raises naming the
+    server, and the closing /resume is tried once (the run is over; retrying would only wait)."""
+    server = start_server(*ARGS)
+
+    class DiesAfterPause(VLLMClient):
+        def start_weight_update(self):
+            server.stop()
+            super().start_weight_update()
+
+    client = DiesAfterPause(server.url, timeout=10.0, max_retries=2)
+    sync = WeightSync([client], 10.0)
+    sync.connect()
+    specs = [(n, t.shape) for n, t in weights]
+    with pytest.raises(RuntimeError, match=f"weight sync with {server.url}.*gave up after 3"):
+        sync.push(specs, lambda: (t for _, t in weights), version=1)
+    assert client.retry_total == 2                     # start's two retries; resume's one attempt
+
+
 def test_a_server_without_weight_transfer_is_refused_with_the_flag(start_server):
     server = start_server("--max-model-len", "64")
     with pytest.raises(ValueError, match="--weight-transfer-config"):
