@@ -16,7 +16,7 @@ Spec: "weight_sync_steps 回の学習ステップごとに、更新された重�
         bucket > packed_buffer_size_bytes → broadcast(bucket) ───────► │ receive, load by HF name
     join the thread ◄──────────────── "Weights updated"                ┘
     POST /finish_weight_update {"weight_version": "N"}
-    POST /resume  (on every path, also after a failure)
+    POST /resume  (on every path; after a failure once, without retries: the run is ending)
 
 FullSync sends language_parameters(model); lora_sync.MergedSync, a FullSync, sends W + s·B·A.
 Only one bucket (buckets()) is held at a time, never the whole model.
