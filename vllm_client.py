@@ -188,9 +188,10 @@ class VLLMClient:
 
         Retry k (k = 0, 1, ...) sleeps min(max_backoff, backoff * 2**k) * U(0.9, 1.1); after
         `retries` retries (max_retries unless the call sets its own) the last error is raised as
-        VLLMError naming the URL, the attempts and the cause. A collective call (init_weight_transfer_engine, update_weights) blocks inside
-        NCCL on the server, paired with the trainer's own send: once it may have reached the
-        server, a retry would wait for a send that already happened. A 401 names the fix.
+        VLLMError naming the URL, the attempts and the cause. A collective call
+        (init_weight_transfer_engine, update_weights) blocks inside NCCL on the server, paired with
+        the trainer's own send: once it may have reached the server, a retry would wait for a send
+        that already happened. A 401 names the fix.
         """
         if response is not None:
             if response.status_code < 400:

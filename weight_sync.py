@@ -237,16 +237,16 @@ class WeightSync:
             dist.barrier()
         stats.barrier_s = time.perf_counter() - t
         t = time.perf_counter()
-        retries = 0              # after a failure the run ends: resume once, do not wait a minute
+        resume_retries = 0       # after a failure the run ends: resume once, do not wait a minute
         try:
             stats.bytes = self._transfer(specs, tensors, error)
             stats.transfer_s = time.perf_counter() - t
             if self.rank == 0:
                 self._each(lambda c: c.finish_weight_update(str(version)))
-            retries = None
+            resume_retries = None    # the client's own
         finally:
             if self.rank == 0:
-                _attempt(lambda: self._each(lambda c: c.resume(retries), resume))
+                _attempt(lambda: self._each(lambda c: c.resume(resume_retries), resume))
         stats.total_s = time.perf_counter() - start
         return stats
 
