@@ -165,7 +165,7 @@ def test_the_toy_demo_learns(tmp_path):
     out = str(tmp_path / "toy")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--output_dir", out,
-                    "--max_steps", "90", "--save_strategy", "no", "--disable_tqdm", "true"],
+                    "--max_steps", "300", "--save_strategy", "no", "--disable_tqdm", "true"],
                    check=True, env=env, timeout=900, capture_output=True)
     rewards = [r["reward"] for r in lines(out) if "reward" in r]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
