@@ -512,24 +512,25 @@ class AsyncRolloutLoop:
                 start = time.monotonic()
 
     async def _metrics_loop(self) -> None:
-        """Every metrics_interval_s: poll the servers (rollout_servers.poll_all, which moves their
-        caps) and emit the periodic metrics. Kinds: *_total are running totals since the process
-        started (report the latest); rollout/backpressure_s and rollout/score_block_s are the
-        seconds since the last emission (sum them over a logging window); the rest are samples."""
+        """At start and every metrics_interval_s: poll the servers (rollout_servers.poll_all, which
+        moves their caps) and emit the periodic metrics, so a run shorter than the interval has
+        them too. Kinds: *_total are running totals since the process started (report the latest);
+        rollout/backpressure_s and rollout/score_block_s are the seconds since the last emission
+        (sum them over a logging window); the rest are samples."""
         last_time = time.monotonic()
         while True:
-            await asyncio.sleep(self.metrics_interval_s)
             metrics = await poll_all(self.replicas)
             now = time.monotonic()
             tokens = self.since_emit["generated_tokens"]
             metrics |= {"rollout/score_queue_size": self.score_queue.qsize(),
-                        "rollout/generated_tok_s": tokens / (now - last_time),
+                        "rollout/generated_tok_s": tokens / max(now - last_time, 1e-9),
                         "rollout/backpressure_s": self.since_emit["rollout/backpressure_s"],
                         "rollout/score_block_s": self.since_emit["rollout/score_block_s"]}
             last_time = now
             self.since_emit = dict.fromkeys(self.since_emit, 0)
             self._emit(metrics)
             self.wake.set()
+            await asyncio.sleep(self.metrics_interval_s)
 
     def _emit(self, metrics: dict[str, float]) -> None:
         try:
