@@ -153,11 +153,12 @@ TRAIN_DEFAULTS = dict(
     learning_rate=2.5e-4,         # a 0.3M-parameter model after a format-only warm-up, not a 4B one
     epsilon_high=0.28,            # DAPO's clip-higher: slows the entropy collapse of a tiny model
     num_generations=16,           # more rollouts per prompt: the policy keeps exploring longer
-    num_train_epochs=26,          # ~8.5 min; each prompt 26 times (6,656 groups, most tie late)
+    num_train_epochs=26,          # 6-7 min; each prompt 26 times (6,656 groups, most tie late)
     max_completion_length=3,      # one digit and the end of turn, and a token of slack
     max_staleness=1,
     max_concurrent_rollouts=64,   # the spec's formula gives 8 (1 × per_device_train_batch_size 8):
-                                  # too few to keep the server busy (32 and 64 alike, 128 slower)
+                                  # too few to keep the server busy (at 512 tokens a step:
+                                  # 32 and 64 alike, 128 slower)
     token_budget=144,             # one row of 4 groups of 16 (prompts shared) per step: many small
                                   # steps at a low rate settle fewer prompts on a wrong digit
     gradient_checkpointing=False, # nothing to save on a model this small
