@@ -69,14 +69,6 @@ def checkpoints(output_dir: str) -> list[tuple[int, str]]:
             if (m := re.fullmatch(r"checkpoint-(\d+)", name))]
 
 
-def export_dtype(policy, config) -> torch.dtype:
-    """The dtype a saved model has: bf16 under bf16 mixed precision over fp32 master weights (the
-    spec: the checkpoint is the served model's size, not twice it), else the master dtype."""
-    master = next(policy.parameters())
-    bf16 = config.bf16_on(master.device)
-    return torch.bfloat16 if bf16 and master.dtype == torch.float32 else master.dtype
-
-
 def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, tokenizer,
          config) -> str:
     """Write checkpoint-<global_step> (every rank calls it); prune to save_total_limit. Returns its
@@ -89,7 +81,7 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
         os.makedirs(tmp)
     dist.barrier()
     model = policy.model
-    dtype = export_dtype(policy, config)
+    dtype = config.export_dtype(next(policy.parameters()))
     peft = hasattr(model, "peft_config")
     exported = {}
     for name, value in model.state_dict().items():      # gathered one at a time; rank 0 keeps them

@@ -171,6 +171,14 @@ class AsyncGRPOConfig:
         """Whether forward and backward run in bf16 on `device` (bf16=None: on CUDA only)."""
         return self.bf16 if self.bf16 is not None else device.type == "cuda"
 
+    def export_dtype(self, master):
+        """The dtype a saved or synced model has, from one master parameter: bf16 under bf16 mixed
+        precision over fp32 master weights (the spec: a checkpoint is the served model's size, not
+        twice it), else the master dtype."""
+        import torch
+        bf16 = self.bf16_on(master.device) and master.dtype == torch.float32
+        return torch.bfloat16 if bf16 else master.dtype
+
     def every(self, name: str) -> int:
         """logging_steps / save_steps / warmup_steps in optimizer steps (a fraction < 1 is of
         max_steps)."""

@@ -103,12 +103,11 @@ class AdapterSync:
     """Adapter-only sync over disk and /v1/load_lora_adapter (state is real: the loaded window)."""
 
     def __init__(self, policy, clients, config, output_dir: str):
-        from checkpoint import export_dtype
         self.policy = policy
         self.clients = clients
         self.config = config
         self.root = os.path.join(os.path.abspath(output_dir), ".vllm_lora")
-        self.dtype = export_dtype(policy, config)      # the checkpoint's dtype (bf16 under bf16)
+        self.dtype = config.export_dtype(next(policy.parameters()))   # the checkpoint's dtype
         self.loaded: list[int] = []                    # versions loaded on every server, oldest 1st
 
     def connect(self) -> None:
@@ -168,10 +167,12 @@ class MergedSync(FullSync):
         super().__init__(policy, clients, config)
         self.plan = merge_plan(policy.model)
 
+    def specs(self) -> list[tuple[str, torch.Size]]:
+        return [(name, base.shape) for name, base, _ in self.plan]
+
     def push(self, version: int) -> dict[str, float]:
-        specs = [(name, base.shape) for name, base, _ in self.plan]
         stats = self.weights.push(
-            specs, lambda: (merged(base, lora) for _, base, lora in self.plan), version)
+            self.specs(), lambda: (merged(base, lora) for _, base, lora in self.plan), version)
         return stats.metrics()
 
 

@@ -6,8 +6,9 @@ it, feed it the policy version, take its samples and watch its health.
 
     RolloutWorker(config, dataset, reward_funcs, tokenizer, tools=..., loop_cls=...)
       .start()   pickle checks (the spec's TypeError names the object and the fix) → spawn
-                 _child_main (CUDA_VISIBLE_DEVICES="", torchrun's variables removed) → wait for
-                 `ready`, or raise the child's traceback
+                 _child_main (CUDA_VISIBLE_DEVICES="", torchrun's variables removed, the trainer's
+                 script not imported again: spawn()) → wait for `ready`, or raise the child's
+                 traceback
       .get()     the next RolloutSample; while waiting, a `failed` child raises RuntimeError chained
                  with its traceback, a silent heartbeat (rollout_worker_timeout) too; an empty
                  queue means a starved trainer (staleness.Window.starved)
@@ -26,8 +27,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
+import types
 from typing import Callable
 
 from rollout import AsyncRolloutLoop, Channels
@@ -44,16 +47,32 @@ class RolloutProcessError(Exception):
     """The rollout process's traceback text, chained under the RuntimeError the trainer sees."""
 
 
-def check_picklable(obj, what: str) -> None:
-    """The spec's TypeError for anything that cannot cross to the spawned process."""
+def check_picklable(obj, what: str) -> bytes:
+    """`obj` pickled, or the spec's TypeError for anything that cannot cross to the spawned
+    process."""
     try:
-        pickle.dumps(obj)
+        return pickle.dumps(obj)
     except Exception as e:
         name = getattr(obj, "__qualname__", None) or type(obj).__name__
         raise TypeError(f"{what} {name} cannot be pickled for the rollout process "
                         f"({type(e).__name__}: {e}); the rollout process is spawned, so use a "
                         "module-level function, a functools.partial of one, or a callable class "
                         "instance instead of a lambda or a closure") from e
+
+
+def spawn(process, pickled: bytes) -> None:
+    """Start `process`. Spawn runs the parent's main script again in the child (as __mp_main__) so
+    that what it defines unpickles there; under `python train.py`, or a script that imports train,
+    that is the whole trainer side (FSDP, checkpoint, the weight syncs) for a child that needs none
+    of it. So unless the pickled arguments name __main__ (a reward defined in the script), the
+    child starts from a blank main module instead (spawn prepares the child from sys.modules)."""
+    main = sys.modules["__main__"]
+    if b"__main__" not in pickled:      # a false match only costs the re-run
+        sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        process.start()
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _child_main(loop_cls: type, kwargs: dict, channels: Channels) -> None:
@@ -71,16 +90,8 @@ def _child_main(loop_cls: type, kwargs: dict, channels: Channels) -> None:
 
 
 class RolloutWorker:
-    """The trainer's handle on the rollout process (rank 0 only).
-
-        worker = RolloutWorker(config, dataset, [toy.sum_reward], tokenizer, tools=[toy.add])
-        worker.start()                      # TypeError before spawning if anything is unpicklable
-        sample = worker.get(timeout=5.0)    # RolloutSample; None once every prompt is done
-        worker.set_model_version(1)         # after each weight sync
-        worker.drain_metrics()              # [{metric: value}, ...] since the last drain
-        worker.resume_index()               # first prompt not yet handed out (rollout_state.json)
-        worker.stop()
-    """
+    """The trainer's handle on the rollout process (rank 0 only; its calls: the module
+    docstring)."""
 
     def __init__(self, config, dataset, reward_funcs: Callable | list[Callable] | None,
                  processing_class, *, tools: list[Callable] | None = None, environment_factory=None,
@@ -126,8 +137,8 @@ class RolloutWorker:
             factories = {"": factories} if factories else {}
         for f in factories.values():
             check_picklable(f, "environment_factory")
-        check_picklable(self.loop_cls, "loop_cls")
-        check_picklable(self.kwargs, "rollout argument")  # the dataset, the tokenizer, the config
+        pickled = check_picklable(self.loop_cls, "loop_cls")
+        pickled += check_picklable(self.kwargs, "rollout argument")  # dataset, tokenizer, config
         ctx = mp.get_context("spawn")
         self.channels = Channels(
             rollout_buffer=ctx.Queue(self.config.queue_maxsize),
@@ -142,7 +153,7 @@ class RolloutWorker:
             stop=ctx.Event(), ready=ctx.Event(), failed=ctx.Event())
         self.process = ctx.Process(target=_child_main, name="rollout", daemon=True,
                                    args=(self.loop_cls, self.kwargs, self.channels))
-        self.process.start()
+        spawn(self.process, pickled)
         deadline = time.monotonic() + ready_timeout
         try:
             while not self.channels.ready.wait(0.1):
@@ -259,10 +270,3 @@ class RolloutWorker:
             self.process.kill()
             self.process.join()
         self.process = None
-
-    def __enter__(self) -> "RolloutWorker":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

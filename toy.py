@@ -2,7 +2,7 @@
 stand in for the spec's hub model and dataset, so the demo and every test run with HF_HUB_OFFLINE=1.
 
     python toy.py --save /tmp/toy       # config.json, model.safetensors, tokenizer.json, template
-    python serve_local.py --model toy   # builds the warmed-up model in ~/.cache/async_grpo
+    python -m local_vllm.server --model toy   # builds the warmed-up model in ~/.cache/async_grpo
 
 The task, one prompt of it (the demo's: standard format, sums drawn evenly, exact_reward):
 
@@ -15,7 +15,8 @@ The model is a ~0.3M-parameter Qwen3 shape over a character-level tokenizer (pri
 Qwen's special and tool tokens), saved with save_pretrained so everything loads it like a hub model.
 RL starts from a pretrained model, so the demo's model (ensure_saved) first gets a supervised
 warm-up on the answer format only: one random digit, then the end of turn; RL learns the arithmetic.
-TRAIN_DEFAULTS are what `python train.py` changes from AsyncGRPOConfig; bench.py learn runs it.
+TRAIN_DEFAULTS are what `python train.py` changes from AsyncGRPOConfig; `python -m tools.bench learn`
+runs it.
 
 Departures: the spec trains hub models (our machines have none); the chat template follows Qwen's
 layout (`<tools>` in the system turn, `<tool_call>{json}</tool_call>`, `<tool_response>` as user);

@@ -31,13 +31,14 @@ Departures from the spec, one line each:
 - Stale samples are dropped here too (the spec's promise), though admission rarely lets one by.
 - Rollouts request the server's base model card by name: the id a trainer loads need not match it.
 """
+import argparse
 import importlib
 import math
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 
 import torch
@@ -53,7 +54,7 @@ from loss import (MOE_EXPERT_FIELDS, compute_loss, finalize_metrics, reduce_metr
                   router_aux_loss_coef)
 from rollout import AsyncRolloutLoop
 from rollout_worker import RolloutWorker
-from serve_http import LocalServer
+from local_vllm.launch import LocalServer
 from trie_pack import Planner
 from vllm_client import VLLMClient, server_urls
 from weight_sync import FullSync, free_port, full_tensor, language_parameters
@@ -463,7 +464,7 @@ class AsyncGRPOTrainer:
 
 
 def local_server_args(config, peft_config=None) -> list[str]:
-    """serve_local.py flags for a run of `config`: gloo weight transfer, processed log-probs, enough
+    """local_vllm flags for a run of `config`: gloo weight transfer, processed log-probs, enough
     top log-probs, candidate sets when top-k/top-p are on, LoRA slots for adapter sync."""
     args = ["--weight-transfer-config", '{"backend":"gloo"}',
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
@@ -482,7 +483,7 @@ class ScriptArguments:
                                          # a `prompt` column, or "toy"
     dataset_split: str = "train"         # the split of a `datasets` name
     reward: str | None = None            # module:function[,...]; "toy" → toy:exact_reward
-    serve_local: bool | None = None      # start serve_local.py; None: for toy without a server URL
+    serve_local: bool | None = None      # start local_vllm; None: for toy without a server URL
     lora_r: int = 0                      # > 0: train a LoRA adapter of this rank (peft)
     lora_alpha: int = 32                 # the adapter's scale is lora_alpha / lora_r
     lora_target_modules: str = "all-linear"   # comma-separated module names, or all-linear
@@ -519,20 +520,42 @@ def lora_config(script: ScriptArguments):
                       target_modules=targets if targets == "all-linear" else targets.split(","))
 
 
+def given_args(parser, argv: list[str]) -> dict:
+    """The fields `argv` sets, in any form (--name value, --name=value, --name-with-dashes):
+    argparse fills in a default only where the namespace lacks the name, so a namespace of
+    sentinels keeps the rest."""
+    unset = object()
+    names = [f.name for kind in (ScriptArguments, AsyncGRPOConfig) for f in fields(kind)]
+    namespace = argparse.Namespace(**dict.fromkeys(names, unset))
+    parser.parse_known_args(argv, namespace=namespace)
+    return {name: value for name, value in vars(namespace).items() if value is not unset}
+
+
+def parse_cli(argv: list[str]) -> tuple[ScriptArguments, AsyncGRPOConfig]:
+    """The CLI's arguments. The toy model (--model toy, the default) puts toy.TRAIN_DEFAULTS under
+    the fields argv leaves unset, and resolves serve_local=None to "no --vllm_server_base_url
+    given"; any other model gets AsyncGRPOConfig's defaults and no local server unless asked."""
+    from transformers import HfArgumentParser
+    parser = HfArgumentParser((ScriptArguments, AsyncGRPOConfig),
+                              description="Asynchronous GRPO trainer")
+    given = given_args(parser, argv)
+    toy_run = given.get("model", ScriptArguments.model) == "toy"
+    if toy_run:
+        import toy
+        parser.set_defaults(**toy.TRAIN_DEFAULTS)
+    script, config = parser.parse_args_into_dataclasses(argv)
+    if script.serve_local is None:
+        script.serve_local = toy_run and "vllm_server_base_url" not in given
+    return script, config
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # run the finally
     if argv[:1] == ["plot"]:
         print(train_metrics.plot(argv[1] if len(argv) > 1 else "runs/toy"))
         return
-    from transformers import HfArgumentParser
-    parser = HfArgumentParser((ScriptArguments, AsyncGRPOConfig),
-                              description="Asynchronous GRPO trainer")
-    toy_run = "--model" not in argv or argv[argv.index("--model") + 1] == "toy"
-    if toy_run:
-        import toy
-        parser.set_defaults(**toy.TRAIN_DEFAULTS)
-    script, config = parser.parse_args_into_dataclasses(argv)
+    script, config = parse_cli(argv)
     peft_config = lora_config(script)
     dataset = load_prompts(script)
     reward = script.reward or ("toy" if script.dataset == "toy" else None)
@@ -541,18 +564,15 @@ def main(argv: list[str] | None = None) -> None:
                          "other than toy")
     rewards = [import_callable("toy:exact_reward" if r == "toy" else r) for r in reward.split(",")]
     output_dir = config.output_dir or "trainer_output"
-    serve = script.serve_local
-    if serve is None:
-        serve = toy_run and "--vllm_server_base_url" not in argv
     server = None
-    if serve and int(os.environ.get("RANK", "0")) == 0:       # only rank 0 talks to the server
+    if script.serve_local and int(os.environ.get("RANK", "0")) == 0:   # rank 0 talks to servers
         import toy
         path = toy.ensure_saved() if script.model == "toy" else script.model
         os.makedirs(output_dir, exist_ok=True)
         log_path = os.path.join(output_dir, "serve_local.log")
         server = LocalServer(path, *local_server_args(config, peft_config), log_path=log_path)
         config.vllm_server_base_url = server.url
-        print(f"serve_local.py on {server.url} (log: {log_path})", flush=True)
+        print(f"local_vllm on {server.url} (log: {log_path})", flush=True)
         if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
             # the server (one thread) and the rollout process share these cores: 2 of 2 threads
             # here made each step 1.4x slower (forward+backward 4.5x) than 1 on a 2-core machine

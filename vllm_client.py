@@ -15,7 +15,7 @@ One `VLLMClient` talks to one server; `server_urls` splits `vllm_server_base_url
     generation       POST /v1/completions                  completions, acompletions
                      POST /inference/v1/generate           generate, agenerate  (--enable-scale-out)
     pause            POST /pause?mode=&clear_cache=        pause
-                     POST /resume,  GET /is_paused         resume, is_paused
+                     POST /resume,  GET /is_paused         resume, is_paused, resume_confirmed
                      POST /reset_prefix_cache?...          reset_prefix_cache
     weight transfer  POST /init_weight_transfer_engine     init_weight_transfer_engine (collective)
                      POST /start_weight_update             start_weight_update
@@ -174,24 +174,26 @@ class VLLMClient:
                     error: httpx.TransportError | None) -> float | None:
         """None if `response` is the answer; else the seconds to sleep before retrying; else raise.
 
-        kind: "generation" | "control" | "collective". The policy (spec: `vllm_server_timeout`
-        bounds waiting for the server, each generation request and each weight-sync call;
-        waiting and weight sync raise on timeout, generation retries):
+        kind: "generation" | "control" | "weights" | "collective". The policy (spec:
+        `vllm_server_timeout` bounds waiting for the server, each generation request and each
+        weight-sync call; waiting and weight sync raise on timeout, generation retries):
 
-            answer / error                     generation      control           collective
-            2xx                                return          return            return
-            4xx                                VLLMError now   VLLMError now     VLLMError now
-            5xx (503 = paused server)          retry           retry             VLLMError now
-            connection refused (never sent)    retry           retry             retry
-            connection dropped mid-request     retry           retry             VLLMError now
-            timeout (`timeout` s)              retry           TimeoutError now  TimeoutError now
+            answer / error                   generation     control        weights, collective
+            2xx                              return         return         return
+            4xx                              VLLMError now  VLLMError now  VLLMError now
+            5xx (503 = paused server)        retry          retry          VLLMError now
+            connection refused (never sent)  retry          retry          retry
+            connection dropped mid-request   retry          retry          weights: retry;
+                                                                           collective: VLLMError
+            timeout (`timeout` s)            retry          TimeoutError   TimeoutError now
 
         Retry k (k = 0, 1, ...) sleeps min(max_backoff, backoff * 2**k) * U(0.9, 1.1); after
         `retries` retries (max_retries unless the call sets its own) the last error is raised as
         VLLMError naming the URL, the attempts and the cause. A collective call
         (init_weight_transfer_engine, update_weights) blocks inside NCCL on the server, paired with
         the trainer's own send: once it may have reached the server, a retry would wait for a send
-        that already happened. A 401 names the fix.
+        that already happened. vLLM answers a refused weight-sync call with a 500 (its worker
+        raised): the same call would be refused again. A 401 names the fix.
         """
         if response is not None:
             if response.status_code < 400:
@@ -204,7 +206,7 @@ class VLLMClient:
                 else:
                     message += (": the server was started with --api-key; set VLLM_API_KEY to "
                                 "that key")
-            if status < 500 or kind == "collective":
+            if status < 500 or kind in ("weights", "collective"):
                 raise VLLMError(message, url, status)
             last = f"HTTP {status}: {message}"
         elif isinstance(error, httpx.TimeoutException) and kind != "generation":
@@ -334,6 +336,23 @@ class VLLMClient:
     def resume(self, retries: int | None = None) -> None:
         self._request("POST", "/resume", retries=retries)
 
+    def resume_confirmed(self, retries: int = 0) -> str | None:
+        """After a failure: resume over a fresh connection (uvicorn closes one after a 500, so a
+        pooled one may be dead), once by default (the run is ending; a dead server would only be
+        retried for a minute), and confirm with GET /is_paused. None if the server runs again,
+        else why it may still be paused, with the command that resumes it."""
+        self._client.close()
+        self._client = httpx.Client(timeout=self.timeout, limits=_POOL, headers=self._headers)
+        try:
+            self.resume(retries)
+            if not self.is_paused():
+                return None
+            why = "it still reports is_paused=true"
+        except (VLLMError, TimeoutError) as e:
+            why = str(e)
+        return (f"{self.base_url} may still be paused ({why}); resume it with "
+                f"`curl -X POST {self.base_url}/resume`")
+
     def is_paused(self) -> bool:
         return bool(_field(self._request("GET", "/is_paused"), "is_paused"))
 
@@ -350,7 +369,7 @@ class VLLMClient:
                       json={"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self._request("POST", "/start_weight_update")
+        self._request("POST", "/start_weight_update", "weights")
 
     def update_weights(self, update_info: dict | list[dict]) -> None:
         """Blocks until the workers received and loaded the tensors the trainer broadcasts
@@ -359,7 +378,7 @@ class VLLMClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = None if weight_version is None else {"weight_version": weight_version}
-        self._request("POST", "/finish_weight_update", json=body)
+        self._request("POST", "/finish_weight_update", "weights", json=body)
 
     def weight_info(self) -> str:
         return str(_field(self._request("GET", "/weight_info"), "weight_version"))

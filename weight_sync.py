@@ -6,6 +6,7 @@ Spec: "weight_sync_steps 回の学習ステップごとに、更新された重�
 
     rank 0                          servers (HTTP)                    every rank
     ──────                          ──────────────                    ──────────
+    (once, at connect: every name and shape checked against the checkpoint each server loaded)
     POST /pause?mode=keep ────────► freeze the scheduler               ┐ perf/weight_sync_pause_s
     barrier ◄───────────────────────────────────────────────────────── ┘ perf/weight_sync_barrier_s
     POST /start_weight_update ────► ready to receive
@@ -16,19 +17,26 @@ Spec: "weight_sync_steps 回の学習ステップごとに、更新された重�
         bucket > packed_buffer_size_bytes → broadcast(bucket) ───────► │ receive, load by HF name
     join the thread ◄──────────────── "Weights updated"                ┘
     POST /finish_weight_update {"weight_version": "N"}
-    POST /resume  (on every path; after a failure once, without retries: the run is ending)
+    POST /resume  (every path; after a failure over fresh connections, confirmed by /is_paused)
 
 FullSync sends language_parameters(model); lora_sync.MergedSync, a FullSync, sends W + s·B·A.
 Only one bucket (buckets()) is held at a time, never the whole model.
 
+Learned from real vLLM 0.32 (reference/vllm_cpu.md): a refused update leaves its model on the meta
+device and the next forward kills the engine, so nothing is sent that the server could refuse;
+uvicorn closes a connection after a 500, so the closing /resume never reuses a pooled one.
+
 Departures from the spec, one line each:
-- With serve_local.py both ends form a torch.distributed group (gloo on CPU): vLLM cannot run here.
+- On a CPU both ends form a torch.distributed gloo group (local_vllm, or vLLM with vllm_plugin/).
 - A vision-language model syncs only its language model: the vision tower is frozen (train.py).
 """
+import glob
 import importlib.util
 import math
+import os
 import socket
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -90,8 +98,12 @@ class FullSync:
         self.policy = policy
         self.weights = WeightSync(clients, config.vllm_server_timeout)
 
+    def specs(self) -> list[tuple[str, torch.Size]]:
+        """(name, shape) of what every sync sends, in order: the server's names."""
+        return [(name, p.shape) for name, p in language_parameters(self.policy.model)]
+
     def connect(self) -> None:
-        self.weights.connect()
+        self.weights.connect(self.specs())
 
     def worker_kwargs(self) -> dict:
         """RolloutWorker arguments this sync needs: none (rollouts request the base model card)."""
@@ -99,9 +111,60 @@ class FullSync:
 
     def push(self, version: int) -> dict[str, float]:
         params = language_parameters(self.policy.model)
-        specs = [(name, p.shape) for name, p in params]
-        stats = self.weights.push(specs, lambda: (full_tensor(p) for _, p in params), version)
+        stats = self.weights.push(self.specs(), lambda: (full_tensor(p) for _, p in params),
+                                  version)
         return stats.metrics()
+
+
+# ── what the servers accept ─────────────────────────────────────────────────────────────────
+
+
+def transfer_flags() -> str:
+    """The server flags full sync needs, with the backend this trainer's hardware can use."""
+    if torch.cuda.is_available():
+        backend = "nccl"
+    else:     # no vLLM backend runs without CUDA: ours (vllm_plugin/, tools/vllm_cpu_venv.sh)
+        backend = "gloo"
+    return (f"`--weight-transfer-config '{{\"backend\":\"{backend}\"}}'` and "
+            f"VLLM_SERVER_DEV_MODE=1" + ("" if backend == "nccl" else " (vLLM on a CPU: "
+            "`bash tools/vllm_cpu_venv.sh DIR` makes an environment with our gloo backend)"))
+
+
+def served_shapes(model: str) -> dict[str, list[int]] | None:
+    """{name: shape} of the checkpoint a server loaded (/server_info's model_config.model: a
+    directory, or a hub id in this machine's cache), read from its safetensors headers; None when
+    it cannot be read here."""
+    from safetensors import safe_open
+    if not os.path.isdir(model):
+        try:
+            from huggingface_hub import snapshot_download
+            model = snapshot_download(model, local_files_only=True,
+                                      allow_patterns=["*.safetensors"])
+        except Exception:  # noqa: BLE001 (not in the cache, or not a hub id)
+            return None
+    shapes = {}
+    for path in glob.glob(os.path.join(model, "*.safetensors")):
+        with safe_open(path, "pt") as f:
+            shapes |= {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    return shapes or None
+
+
+def check_served(specs: list[tuple[str, torch.Size]], model: str, url: str) -> None:
+    """Refuse, before anything is sent, a sync whose names or shapes the server's model lacks:
+    real vLLM answers such an update with a 500 and is left unable to generate. A checkpoint this
+    machine cannot read is only warned about (vLLM checks while loading)."""
+    served = served_shapes(model)
+    if served is None:
+        warnings.warn(f"{url} serves {model!r}, which this machine cannot read: a sync's names "
+                      f"and shapes are not checked before they are sent", stacklevel=3)
+        return
+    unknown = [n for n, _ in specs if n not in served]
+    wrong = [f"{n} {list(s)} (served {served[n]})" for n, s in specs
+             if n in served and list(s) != served[n]]
+    if unknown or wrong:
+        raise ValueError(f"{url} serves {model!r}, whose weights are not the trained model's: "
+                         f"unknown names {unknown[:5]}, other shapes {wrong[:5]}; nothing was "
+                         f"sent (vLLM cannot survive a refused update): serve the model you train")
 
 
 # ── the transfer ────────────────────────────────────────────────────────────────────────────
@@ -166,8 +229,9 @@ class WeightSync:
         self.device = torch.device("cpu")
         self.dtype = torch.float32  # the servers' dtype: what is sent
 
-    def connect(self) -> None:
-        """Rank 0: read every server's config, then join one group with all their workers. The
+    def connect(self, specs: list[tuple[str, torch.Size]] | None = None) -> None:
+        """Rank 0: read every server's config, check `specs` (the names and shapes every sync
+        will send) against what it serves, then join one group with all their workers. The
         trainer is rank 0 of that group; replica i's workers start at rank_offset 1 + the sizes
         (GET /get_world_size) of the replicas before it."""
         if self.rank != 0:
@@ -177,9 +241,11 @@ class WeightSync:
         if None in backends:
             bad = [c.base_url for c, i in zip(self.clients, infos)
                    if not i.get("weight_transfer_config")]
-            raise ValueError(f"the vLLM server(s) {bad} have no weight transfer: restart them with "
-                             "`--weight-transfer-config '{\"backend\":\"nccl\"}'` "
-                             "and VLLM_SERVER_DEV_MODE=1")
+            raise ValueError(f"the vLLM server(s) {bad} have no weight transfer: restart them "
+                             f"with {transfer_flags()}")
+        for c, info in zip(self.clients, infos):
+            if specs is not None:
+                check_served(specs, info["model_config"]["model"], c.base_url)
         if len(backends) > 1:
             raise ValueError(f"the servers use different weight-transfer backends "
                              f"{sorted(backends)}")
@@ -205,9 +271,9 @@ class WeightSync:
 
     def _join(self, info: dict, backend: str):
         """Rank 0's side of the rendezvous. Real vLLM (NCCL, vllm importable): vLLM's own
-        nccl_common.trainer_init and packed producer. serve_local.py: both ends make a
-        torch.distributed group from the same init_info over a TCPStore that rank 0 owns (gloo on
-        CPU, NCCL where vllm is not installed), created with the vllm_server_timeout."""
+        nccl_common.trainer_init and packed producer. local_vllm and our gloo plugin: both ends
+        make a torch.distributed group from the same init_info over a TCPStore that rank 0 owns
+        (gloo on CPU, NCCL where vllm is not installed), created with the vllm_server_timeout."""
         if self.vllm_group:
             from vllm.distributed.weight_transfer.nccl_common import trainer_init
             return trainer_init(info | {"rank_offset": 0})
@@ -237,16 +303,22 @@ class WeightSync:
             dist.barrier()
         stats.barrier_s = time.perf_counter() - t
         t = time.perf_counter()
-        resume_retries = 0       # after a failure the run ends: resume once, do not wait a minute
         try:
             stats.bytes = self._transfer(specs, tensors, error)
             stats.transfer_s = time.perf_counter() - t
             if self.rank == 0:
                 self._each(lambda c: c.finish_weight_update(str(version)))
-            resume_retries = None    # the client's own
-        finally:
+        except Exception as e:
             if self.rank == 0:
-                _attempt(lambda: self._each(lambda c: c.resume(resume_retries), resume))
+                still = [why for c in resume if (why := c.resume_confirmed()) is not None]
+                if still:
+                    raise RuntimeError(f"{e}; {'; '.join(still)}") from e
+            raise
+        if self.rank == 0 and _attempt(lambda: self._each(lambda c: c.resume(), resume)):
+            still = [why for c in resume if (why := c.resume_confirmed()) is not None]
+            if still:
+                raise RuntimeError(f"weight sync to version {version} landed, but "
+                                   f"{'; '.join(still)}")
         stats.total_s = time.perf_counter() - start
         return stats
 

@@ -1,5 +1,5 @@
 """Shared fixtures: the offline toy model directory, its tokenizer, and local vLLM-compatible
-servers (serve_local.py) in subprocesses."""
+servers (local_vllm) in subprocesses."""
 import os
 import sys
 
@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import toy  # noqa: E402
-from serve_http import LocalServer  # noqa: E402  (the demo's server, shared)
+from local_vllm.launch import LocalServer  # noqa: E402  (the demo's server, shared)
 
 
 @pytest.fixture(scope="session")

@@ -4,13 +4,13 @@ import os
 import subprocess
 import sys
 
-import gpu_check
+from tools import gpu_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_cpu_smoke_prints_one_table_and_passes():
-    p = subprocess.run([sys.executable, "gpu_check.py", "--cpu-smoke"], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--cpu-smoke"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     table = p.stdout[p.stdout.index("check"):].splitlines()

@@ -1,4 +1,4 @@
-"""The four pieces together on CPU: samples from the real rollout process against serve_local.py
+"""The four pieces together on CPU: samples from the real rollout process against local_vllm
 are planned into rows, packed as tries, forwarded with tree attention and scored by the loss.
 
 The server and the trainer hold the same weights in fp32, so every importance ratio must be 1 up to

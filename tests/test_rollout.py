@@ -1,5 +1,5 @@
 """rollout.py: the AsyncRolloutLoop's hooks called directly (a fake server reply), then the spawned
-rollout process against serve_local.py: tools, forks, environments, candidate sets, admission by
+rollout process against local_vllm: tools, forks, environments, candidate sets, admission by
 staleness, filtering, resume, failed rollouts, retries, and the adapter of each policy version."""
 import asyncio
 import logging
@@ -114,7 +114,7 @@ def test_no_dataset_is_refused_at_start_naming_the_fix(tokenizer, factory, max_s
                          channels=None, max_concurrent_rollouts=2, environment_factory=factory)
 
 
-# ── the process against serve_local.py ──────────────────────────────────────────────────────
+# ── the process against local_vllm ──────────────────────────────────────────────────────
 
 
 def test_default_loop_end_to_end_with_tools(long_server, tokenizer, monkeypatch):

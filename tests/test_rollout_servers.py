@@ -1,5 +1,5 @@
 """rollout_servers.py: the live concurrency cap, routing groups over replicas, the checks at start,
-and several replicas without a proxy against serve_local.py (groups stay on one replica, both
+and several replicas without a proxy against local_vllm (groups stay on one replica, both
 serve, a killed replica stops the run naming it, a wrong API key fails at once with a clear 401)."""
 import queue
 import time
@@ -64,7 +64,7 @@ def test_pick_prefers_the_least_loaded_then_takes_turns():
     assert pick([a, b, c]).url == "b"
 
 
-# ── against serve_local.py ──────────────────────────────────────────────────────────────────
+# ── against local_vllm ──────────────────────────────────────────────────────────────────
 
 
 def test_server_flags_are_checked_at_start(start_server, tokenizer):

@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_http import LocalServer
+from local_vllm.launch import LocalServer
 from test_serve_http import error_message, ok, raw, request
 from test_serve_local import PROMPT, TARGETS, assert_error, metrics, wait_for
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from serve_http import LocalServer
+from local_vllm.launch import LocalServer
 from test_serve_local import PROMPT, assert_error, metrics, wait_for
 
 

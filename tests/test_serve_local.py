@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 import toy
 from conftest import ROOT
-from serve_http import LocalServer
+from local_vllm.launch import LocalServer
 from weight_sync import free_port
 
 PROMPT = [5, 17, 33, 8, 40, 41, 60]
@@ -533,9 +533,8 @@ def test_features_off_by_default(plain_server):
 
 
 def test_missing_model_path_is_one_clear_line():
-    script = os.path.join(ROOT, "serve_local.py")
-    r = subprocess.run([sys.executable, script, "--model", "/nonexistent/model"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "local_vllm.server", "--model", "/nonexistent/model"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode != 0
     assert r.stderr.strip().count("\n") == 0
     assert "/nonexistent/model" in r.stderr and "does not exist" in r.stderr

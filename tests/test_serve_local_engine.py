@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from serve_local_engine import Engine, SamplingParams
+from local_vllm.engine import Engine, SamplingParams
 from test_serve_local import PROMPT, complete, metrics, post, wait_for
 
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serve_http import LocalServer
+from local_vllm.launch import LocalServer
 from test_serve_http import request
 from test_serve_local import metrics, wait_for
 

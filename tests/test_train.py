@@ -1,4 +1,4 @@
-"""train.py end to end on CPU, against serve_local.py: in this process, as a CLI, and on two ranks.
+"""train.py end to end on CPU, against local_vllm: in this process, as a CLI, and on two ranks.
 
 The stale-drop test reads the session's shared run (train_fixtures.train_run, also read by
 test_checkpoint.py, test_train_metrics.py and test_weight_sync.py); the other tests train against

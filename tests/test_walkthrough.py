@@ -8,7 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def walkthrough(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "walkthrough.py"), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "tools.walkthrough", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=180,
                           env=os.environ | {"HF_HUB_OFFLINE": "1"})
 

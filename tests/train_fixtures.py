@@ -9,7 +9,7 @@ import pytest
 
 import toy
 import train
-from serve_http import LocalServer
+from local_vllm.launch import LocalServer
 from train_helpers import SERVER_ARGS, SMALL
 
 

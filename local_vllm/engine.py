@@ -1,7 +1,7 @@
 """The vLLM HTTP contract (reference/vllm_api.md), the engine behind it: continuous batching on a
-transformers model for serve_local.py. `Engine` holds the model, the scheduler queues, the loaded
-LoRA adapters and the weight-transfer group. `APIError` lives here because the engine refuses some
-requests itself (an unknown adapter, a paused server, a bad adapter or weight update).
+transformers model for local_vllm/server.py. `Engine` holds the model, the scheduler queues, the
+loaded LoRA adapters and the weight-transfer group. `APIError` lives here because the engine refuses
+some requests itself (an unknown adapter, a paused server, a bad adapter or weight update).
 
     HTTP threads (ThreadingHTTPServer)         one engine thread, one step at a time
     ----------------------------------         -------------------------------------------------
@@ -16,7 +16,7 @@ in vLLM's order). KV figures are real token counts (Engine.schedule). No request
 (Engine.loop): a forward that raises fails its adapter group, a sampling that raises fails its own
 request, and a caller that goes away aborts its sequences between two steps (Engine.generate).
 
-    engine = Engine(model, tokenizer, args)     # args: serve_local.py's CLI; starts its thread
+    engine = Engine(model, tokenizer, args)     # args: server.py's CLI; starts its thread
     [request] = engine.generate([prompt_ids], SamplingParams(max_tokens=8), adapter=None)
 
 Departures from vLLM, one line each:
@@ -460,7 +460,7 @@ class Engine:
             self.adapters.move_to_end(name)
             while len(self.adapters) > self.args.max_loras:
                 evicted, _ = self.adapters.popitem(last=False)
-                print(f"serve_local: evicted LoRA adapter '{evicted}' (more than --max-loras "
+                print(f"local_vllm: evicted LoRA adapter '{evicted}' (more than --max-loras "
                       "loaded)", flush=True)
 
     def read_adapter(self, name: str, path: str, config_file: str) -> Adapter:
@@ -472,7 +472,7 @@ class Engine:
         if cfg.get("bias", "none") != "none":
             unsupported.append("bias")
         if unsupported:
-            raise APIError(400, f"LoRA adapter '{name}' uses {unsupported}; serve_local.py "
+            raise APIError(400, f"LoRA adapter '{name}' uses {unsupported}; local_vllm "
                            "supports plain LoRA only")
         r = cfg["r"]
         alpha = cfg["lora_alpha"]

@@ -1,11 +1,11 @@
 """概要 (Overview), followed step by step: one prompt of the toy task through the whole system,
 with the values it really takes (WALKTHROUGH.md shows this script's output).
 
-    python walkthrough.py                          # every step's values, in ~15 s on one CPU core
-    python walkthrough.py --write WALKTHROUGH.md   # refresh the document's output blocks
-    python walkthrough.py --check WALKTHROUGH.md   # exit 1 if a block differs from this run's
+    python -m tools.walkthrough                    # every step's values, in ~15 s on one CPU core
+    python -m tools.walkthrough --write WALKTHROUGH.md # refresh the document's output blocks
+    python -m tools.walkthrough --check WALKTHROUGH.md # exit 1 if a block differs from this run's
 
-    toy model ─► serve_local.py ─► AsyncRolloutLoop.generate_one ×8 ─► reconcile ─► score_group
+    toy model ─► local_vllm ─► AsyncRolloutLoop.generate_one ×8 ─► reconcile ─► score_group
       (step 0)     (a subprocess)     rollout.py (steps 1-2)          (3)          (2: rewards,
                                                                                     advantages)
     ─► build_row(samples).pack() ─► compute_loss, train_step ─► FullSync.push(1) ─► the server
@@ -336,7 +336,7 @@ def main(argv=None) -> None:
     print(f"({time.monotonic() - start:.1f} s)", file=sys.stderr)
     if args.check and (names := stale(args.check, out.getvalue())):
         sys.exit(f"{args.check}: the blocks {names} differ from this run's output; refresh them "
-                 f"with `python walkthrough.py --write {args.check}`")
+                 f"with `python -m tools.walkthrough --write {args.check}`")
 
 
 if __name__ == "__main__":

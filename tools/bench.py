@@ -7,7 +7,7 @@ Spec claims measured (the spec states them; these cases measure our code against
 - 概要 (Overview): generation and training overlap, and the toy demo learns (learn, overlap).
 - LoRA and the adapter-sync note: adapter-only sync moves a small share of the bytes (sync).
 
-    python bench.py CASE [args]      # CASE --help lists its options
+    python -m tools.bench CASE [args]      # CASE --help lists its options
 
     case      code measured          the summary line it prints (README and gpu_check.py grep it)
     planner   trie_pack.py           planner unique_tokens_per_s=... packing_ratio=...
@@ -22,7 +22,7 @@ Departures, one line each:
 - planner: random tokens, CPU time on one core: the figure is the planner's, not the machine's.
 - packing: random weights; without CUDA a tiny model checks correctness only (timings mean nothing).
 - learn, overlap: the offline toy task on CPU, not a real model and dataset: it runs in minutes.
-- sync: a ~25M model on CPU (gloo) to serve_local.py; the spec setups' bytes come from shapes alone.
+- sync: a ~25M model on CPU (gloo) to local_vllm; the spec setups' bytes come from shapes alone.
 """
 import sys
 
@@ -47,7 +47,7 @@ def planner(argv):
     from rollout_samples import RolloutSample
     from trie_pack import Planner
 
-    parser = argparse.ArgumentParser(prog="bench.py planner")
+    parser = argparse.ArgumentParser(prog="python -m tools.bench planner")
     parser.add_argument("--world-sizes", default="1,2,4,8")
     parser.add_argument("--token-budget", type=int, default=32768)
     parser.add_argument("--groups", type=int, default=128)
@@ -154,7 +154,7 @@ def packing(argv):
     from rollout_samples import RolloutSample
     from trie_pack import build_row
 
-    parser = argparse.ArgumentParser(prog="bench.py packing")
+    parser = argparse.ArgumentParser(prog="python -m tools.bench packing")
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=1024)
@@ -319,7 +319,7 @@ def logprobs(argv):
 
     import torch
 
-    parser = argparse.ArgumentParser(prog="bench.py logprobs")
+    parser = argparse.ArgumentParser(prog="python -m tools.bench logprobs")
     parser.add_argument("--n", type=int, default=8192, help="positions N (all of them trained)")
     parser.add_argument("--vocab", type=int, default=151936, help="vocabulary V (Qwen3's)")
     parser.add_argument("--hidden", type=int, default=64,
@@ -348,7 +348,7 @@ def _compare_logprobs(argv, args):
     with tempfile.TemporaryDirectory() as tmp:
         for variant in ("naive", "chunked"):
             out = os.path.join(tmp, f"{variant}.pt")
-            command = [sys.executable, __file__, "logprobs", *argv,
+            command = [sys.executable, "-m", "tools.bench", "logprobs", *argv,
                        "--variant", variant, "--out", out]
             subprocess.run(command, check=True)
             results[variant] = torch.load(out)
@@ -429,7 +429,7 @@ def _toy_run(out: str, *args: str) -> tuple[float, list[dict]]:
     import time
 
     shutil.rmtree(out, ignore_errors=True)
-    train_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
+    train_py = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
     start = time.perf_counter()
     subprocess.run([sys.executable, train_py, "--output_dir", out, "--save_strategy", "no",
                     "--disable_tqdm", "true", *args], check=True)
@@ -454,7 +454,7 @@ def overlap(argv):
     for each sync). Ideal: max(generation-only, training-only), from the async run's rollout
     throughput and compute time."""
     import argparse
-    parser = argparse.ArgumentParser(prog="bench.py overlap")
+    parser = argparse.ArgumentParser(prog="python -m tools.bench overlap")
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args(argv)
     common = ["--max_steps", str(args.steps), "--learning_rate", "1e-4"]
@@ -494,7 +494,7 @@ def lora_byte_ratio(name: str, r: int) -> tuple[int, int]:
 
 def sync(argv):
     """Full (merged) and adapter-only sync of one random Qwen3-shaped model (~25M parameters, fp32,
-    CPU, gloo) to one serve_local.py, 3 syncs each; then the byte ratio of the spec's two setups
+    CPU, gloo) to one local_vllm server, 3 syncs each; then the byte ratio of the spec's two setups
     (Qwen2.5-7B r=32, Qwen2.5-Math-1.5B r=1) from their shapes."""
     import os
     import tempfile
@@ -506,7 +506,7 @@ def sync(argv):
     import lora_sync
     import toy
     import train
-    from serve_http import LocalServer
+    from local_vllm.launch import LocalServer
     from vllm_client import VLLMClient
 
     tokenizer = toy.build_tokenizer()
@@ -551,5 +551,5 @@ CASES = {"planner": planner, "packing": packing, "logprobs": logprobs, "learn": 
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in CASES:
-        sys.exit(f"usage: python bench.py {{{'|'.join(CASES)}}} [args]")
+        sys.exit(f"usage: python -m tools.bench {{{'|'.join(CASES)}}} [args]")
     CASES[sys.argv[1]](sys.argv[2:])

@@ -3,9 +3,9 @@ vLLM-compatible server on transformers, the embedded default where vLLM cannot r
 subset of vLLM 0.33's API this project uses, so the rollout process, weight sync and adapter sync
 run unchanged on a CPU laptop, in CI and in tests.
 
-    python serve_local.py --model PATH_OR_ID     # --model toy: the offline toy model (toy.py)
+    python -m local_vllm.server --model PATH_OR_ID     # --model toy: the offline toy model (toy.py)
 
-    client ──► serve_http.py ─────────► serve_local.py ──────────► serve_local_engine.py
+    client ──► transport.py ──────────► server.py ───────────────► engine.py
                the transport: framing,   the contract: parsing and  the engine: continuous
                bounded bodies, JSON      validation (parse_*), one  batching, KV accounting,
                errors, --api-key, a      function per route         sampling, LoRA by hooks,
@@ -16,7 +16,7 @@ failure while generating fails its own request (500) and no other. Flags a clien
 /server_info → vllm_config (server_info; enable_scale_out is ours: with vLLM, probe for a 403).
 
 Departures from vLLM, one line each:
-- No prefix cache (serve_local_engine.py): /reset_prefix_cache preempts if asked, always succeeds.
+- No prefix cache (engine.py): /reset_prefix_cache preempts if asked, always succeeds.
 - On CPU, one intra-op thread unless OMP_NUM_THREADS is set: the trainer runs on the same cores.
 - Unknown request fields are a 400 (vLLM warns and ignores them): a typo never changes sampling.
 - Types are strict where pydantic would coerce ("16", 16.0), so a wrong type is never guessed.
@@ -37,8 +37,8 @@ import time
 
 import torch
 
-from serve_http import Server
-from serve_local_engine import APIError, Engine, Request, SamplingParams, Sequence, load_model
+from local_vllm.transport import Server
+from local_vllm.engine import APIError, Engine, Request, SamplingParams, Sequence, load_model
 
 # ── request parsing ───────────────────────────────────────────────────────────────────────
 
@@ -58,7 +58,7 @@ MAX_TEMPERATURE = 2.0                                        # vLLM: t <= 2
 def check_fields(body: dict, allowed: set[str], where: str) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise APIError(400, f"Unknown field(s) in {where}: {unknown[:20]}; serve_local.py accepts "
+        raise APIError(400, f"Unknown field(s) in {where}: {unknown[:20]}; local_vllm accepts "
                        f"{sorted(allowed)}", param=str(unknown[0]))
 
 
@@ -251,7 +251,7 @@ def metrics(eng, body, query):
 
 def refuse_streaming(body: dict) -> None:
     if typed(body, "stream", bool, False):
-        raise APIError(400, "stream=true is not supported by serve_local.py", param="stream")
+        raise APIError(400, "stream=true is not supported by local_vllm", param="stream")
 
 
 @route("POST", "/v1/completions", watches_client=True)
@@ -547,16 +547,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="require `Authorization: Bearer <key>` on every route but /health and "
                          "/metrics (default: $VLLM_API_KEY, as vLLM)")
     if any(arg.split("=")[0] == "--api-server-count" for arg in argv):
-        sys.exit("serve_local.py: error: --api-server-count sets vLLM's API-server processes; "
-                 "serve_local.py is one process, so drop the flag here (keep it for `vllm serve`)")
+        sys.exit("local_vllm: error: --api-server-count sets vLLM's API-server processes; "
+                 "local_vllm is one process, so drop the flag here (keep it for `vllm serve`)")
     args = ap.parse_args(argv)
     transfer = args.weight_transfer_config
     if transfer is not None and (set(transfer) != {"backend"}
                                  or transfer["backend"] not in ("gloo", "nccl")):
-        sys.exit("serve_local.py: error: --weight-transfer-config must be "
+        sys.exit("local_vllm: error: --weight-transfer-config must be "
                  f"{{\"backend\": \"gloo\"|\"nccl\"}}, got {transfer}")
     if transfer and transfer["backend"] == "nccl" and not torch.cuda.is_available():
-        sys.exit("serve_local.py: error: the nccl weight-transfer backend needs CUDA; "
+        sys.exit("local_vllm: error: the nccl weight-transfer backend needs CUDA; "
                  "use {\"backend\": \"gloo\"}")
     return args
 
@@ -571,26 +571,26 @@ def main() -> None:
     hub_id = (re.fullmatch(r"[\w.-]+(/[\w.-]+)?", args.model_path)
               and not args.model_path.startswith("."))
     if not hub_id and not os.path.isdir(args.model_path):
-        sys.exit(f"serve_local.py: error: model directory {args.model_path!r} does not exist")
+        sys.exit(f"local_vllm: error: model directory {args.model_path!r} does not exist")
     try:
         model, tokenizer = load_model(args.model_path, args.dtype)
     except RuntimeError as e:                      # one clear line, not a traceback
-        sys.exit(f"serve_local.py: error: {e}")
+        sys.exit(f"local_vllm: error: {e}")
     limit = model.config.max_position_embeddings
     args.max_model_len = args.max_model_len or limit
     if args.max_model_len > limit:
-        sys.exit(f"serve_local.py: error: --max-model-len {args.max_model_len} exceeds the "
+        sys.exit(f"local_vllm: error: --max-model-len {args.max_model_len} exceeds the "
                  f"model's {limit} positions")
     args.kv_cache_tokens = args.kv_cache_tokens or 16 * args.max_model_len
     if args.kv_cache_tokens < args.max_model_len:
-        sys.exit(f"serve_local.py: error: --kv-cache-tokens {args.kv_cache_tokens} cannot hold "
+        sys.exit(f"local_vllm: error: --kv-cache-tokens {args.kv_cache_tokens} cannot hold "
                  f"one sequence of --max-model-len {args.max_model_len}")
     torch.manual_seed(args.seed)
     if model.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)                   # see the docstring: the trainer shares the cores
     engine = Engine(model, tokenizer, args)
     httpd = Server((args.host, args.port), ROUTES, WATCHING, engine, args.api_key)
-    print(f"serve_local: {args.model} ({model.dtype}, {model.device.type}) on "
+    print(f"local_vllm: {args.model} ({model.dtype}, {model.device.type}) on "
           f"http://{args.host}:{args.port}", flush=True)
     httpd.serve_forever()
 

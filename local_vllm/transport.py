@@ -1,8 +1,7 @@
 """The vLLM HTTP contract (reference/vllm_api.md), its transport; 概要 (Overview): the server that
-the demo starts. A threaded HTTP/1.1 server for serve_local.py that survives any request, and
-LocalServer, `python serve_local.py` as a subprocess (the demo's, bench.py's and the tests').
+the demo starts. A threaded HTTP/1.1 server for local_vllm/server.py that survives any request.
 
-The server knows nothing of vLLM's routes (serve_local.py hands it a route table); it frames and
+The server knows nothing of vLLM's routes (server.py hands it a route table); it frames and
 bounds what arrives and answers every refusal in vLLM's JSON error shape, so no request gets a 500,
 a hang or a dropped connection for being malformed, and no request can hurt another:
 
@@ -24,21 +23,17 @@ Departures from vLLM (uvicorn + FastAPI), one line each:
 import hashlib
 import hmac
 import json
-import os
 import re
 import select
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
-from serve_local_engine import APIError, Cancelled
+from local_vllm.engine import APIError, Cancelled
 
 MAX_BODY_BYTES = 32 << 20      # a larger body gets 413 (uvicorn sets no limit; this bounds memory)
 MAX_LINE = 1024                # a chunk-size or trailer line
@@ -267,49 +262,3 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format, *args):          # a line per request is noise for tests and runs
         pass
-
-
-class LocalServer:
-    """`python serve_local.py ...` in its own process group (the demo's and the tests' vLLM
-    stand-in); `url` once /health answers. stop() ends it and everything it started."""
-
-    def __init__(self, model_dir: str, *args: str, log_path: str | None = None,
-                 startup_timeout: float = 120.0):
-        import httpx
-        from weight_sync import free_port
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_local.py")
-        cmd = [sys.executable, script, "--model", model_dir, "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve_local.py exited with {self.proc.returncode}:\n"
-                                   f"{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"serve_local.py did not become healthy within {startup_timeout:g}s:\n"
-                           f"{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()

