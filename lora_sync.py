@@ -7,21 +7,25 @@ to /v1/load_lora_adapter. Chosen once at start, on rank 0, from every server's /
     and the adapter is plain LoRA (no DoRA, no modules_to_save) → AdapterSync
     otherwise                                                  → MergedSync, with why and the flags
 
-AdapterSync, one sync to version 5 with max_staleness = 2 (so 3 versions stay loaded):
+AdapterSync of run 3f9a1c, one sync to version 5 with max_staleness = 2 (3 versions stay loaded):
 
-    write   .vllm_lora/.policy-v5.tmp/ → rename → policy-v5/    atomic: vLLM never reads half of one
-    load    POST /v1/load_lora_adapter {"lora_name": "policy-v5", "lora_path": ...}   every replica
-    unload  POST /v1/unload_lora_adapter policy-v2; delete policy-v2/      loaded now: v3 v4 v5
-    A rollout started under version N requests model="policy-vN" to its end (rollout.py, lora_name),
-    so the oldest loaded version may still be in use: max_loras needs one spare slot for the switch.
+    write   .vllm_lora/.policy-3f9a1c-v5.tmp/ → rename → policy-3f9a1c-v5/    atomic: vLLM never
+                                                                              reads half of one
+    load    POST /v1/load_lora_adapter {"lora_name": "policy-3f9a1c-v5", "lora_path": ...}  every
+    unload  POST /v1/unload_lora_adapter policy-3f9a1c-v2; delete its dir     replica; loaded: v3-5
+    end     unload (and delete) v3 v4 v5: a long-lived server keeps no name of a finished run
+    A rollout started under version N requests model="policy-<run>-vN" to its end (rollout.py,
+    lora_name), so the oldest loaded version may still be in use: max_loras needs a spare slot.
 
 MergedSync is a weight_sync.FullSync of W + s·B·A (merged()) under the base model's names.
 
 Departures from the spec, one line each:
-- Adapters are named policy-v{N} (spec: trl-policy-v{N}); only our rollouts request them by name.
+- Adapters are named policy-<run>-v{N} (spec: trl-policy-v{N}): vLLM keeps a name registered until it
+  is unloaded, so a second run (or a crashed one) against the same server never collides.
 - Several replicas are served without a proxy: each load and unload goes to each (TRL refuses that).
 """
 import os
+import secrets
 import shutil
 import time
 import warnings
@@ -73,7 +77,7 @@ def choose(policy, clients, config, peft_config, output_dir: str):
         urls = [c.base_url for c in clients]
         why = [adapter_refusal(infos, urls, peft_config, config.max_staleness)]
         if why[0] is None:
-            print(f"LoRA sync: adapter only ({PREFIX}-v<N> under {output_dir}/.vllm_lora/, "
+            print(f"LoRA sync: adapter only ({PREFIX}-<run>-v<N> under {output_dir}/.vllm_lora/, "
                   f"{len(clients)} server(s))", flush=True)
         else:
             warnings.warn(f"LoRA sync: merged weights (the full model every sync), "
@@ -107,6 +111,7 @@ class AdapterSync:
         self.clients = clients
         self.config = config
         self.root = os.path.join(os.path.abspath(output_dir), ".vllm_lora")
+        self.prefix = f"{PREFIX}-{secrets.token_hex(3)}"    # this run's names: policy-<run>-v<N>
         self.dtype = config.export_dtype(next(policy.parameters()))   # the checkpoint's dtype
         self.loaded: list[int] = []                    # versions loaded on every server, oldest 1st
 
@@ -115,15 +120,15 @@ class AdapterSync:
             os.makedirs(self.root, exist_ok=True)
 
     def worker_kwargs(self) -> dict:
-        """RolloutWorker arguments: rollouts request model="policy-v<their version>"."""
-        return {"lora_name": PREFIX}
+        """RolloutWorker arguments: rollouts request model="policy-<run>-v<their version>"."""
+        return {"lora_name": self.prefix}
 
     def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
         state = adapter_state(self.policy)
         stats = SyncStats()
         if dist.get_rank() == 0:
-            name = f"{PREFIX}-v{version}"
+            name = f"{self.prefix}-v{version}"
             final = os.path.join(self.root, name)
             tmp = os.path.join(self.root, f".{name}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
@@ -136,14 +141,29 @@ class AdapterSync:
             self._each(lambda c: c.load_lora_adapter(name, final), f"loading {name}")
             self.loaded.append(version)
             while len(self.loaded) > self.config.max_staleness + 1:    # the new one is in: unload
-                old = f"{PREFIX}-v{self.loaded.pop(0)}"
-                self._each(lambda c: c.unload_lora_adapter(old), f"unloading {old}")
-                shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
+                self._unload(self.loaded.pop(0))
             stats.transfer_s = time.perf_counter() - t
         if dist.get_world_size() > 1:
             dist.barrier()
         stats.total_s = time.perf_counter() - start
         return stats.metrics()
+
+    def _unload(self, version: int) -> None:
+        old = f"{self.prefix}-v{version}"
+        self._each(lambda c: c.unload_lora_adapter(old), f"unloading {old}")
+        shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
+
+    def close(self) -> None:
+        """Rank 0, at the end of the run (also after a failure): unload this run's adapters from
+        every server that still answers; a server that does not is warned about, not waited for."""
+        if dist.get_rank() != 0:
+            return
+        for version in self.loaded:
+            try:
+                self._unload(version)
+            except RuntimeError as e:
+                warnings.warn(f"LoRA sync: {e}", stacklevel=2)
+        self.loaded = []
 
     def _each(self, call, what: str) -> None:
         """Every replica, in parallel; a replica that fails stops the run, named (no silent

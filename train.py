@@ -150,6 +150,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             feed.worker.stop()
         if log is not None:
             log.close()
+        sync.close()                            # LoRA: the servers unload this run's adapters
         for c in clients:
             c.close()
         dist.destroy_process_group()

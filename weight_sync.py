@@ -109,6 +109,9 @@ class FullSync:
         """RolloutWorker arguments this sync needs: none (rollouts request the base model card)."""
         return {}
 
+    def close(self) -> None:
+        """Nothing to release: the servers keep the last weights sent."""
+
     def push(self, version: int) -> dict[str, float]:
         params = language_parameters(self.policy.model)
         stats = self.weights.push(self.specs(), lambda: (full_tensor(p) for _, p in params),

@@ -221,6 +221,7 @@ class Engine:
         self.hooked: set[str] = set()
         self.group = None                          # weight-transfer process group
         self.init_info: dict = {}
+        self.updating = False                      # between /start_ and /finish_weight_update
         self.last_update: tuple = ()
         self.weight_version = "default"
         self.baseline: dict[str, str] | None = None
@@ -578,8 +579,9 @@ class Engine:
         unknown = [n for n in names if n not in state]
         wrong = [n for n, s in zip(names, shapes) if n in state and list(state[n].shape) != s]
         if unknown or wrong:
-            raise APIError(400, f"Weight update rejected (nothing applied): unknown names "
-                           f"{unknown[:20]}, wrong shapes {wrong[:20]}", param="update_info")
+            raise APIError(500, f"Weight update refused (nothing received, the model is "
+                           f"unchanged): unknown names {unknown[:20]}, wrong shapes {wrong[:20]}",
+                           "InternalServerError", "update_info")
 
     def update_weights(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         """Apply a received update in one go between two engine steps, so no forward ever mixes

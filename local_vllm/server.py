@@ -12,8 +12,9 @@ run unchanged on a CPU laptop, in CI and in tests.
                client gone → Cancelled   (ROUTES), the CLI (main)   receiving weights
 
 A bad request gets a 4xx in vLLM's JSON shape before it reaches the engine (parse_sampling); a
-failure while generating fails its own request (500) and no other. Flags a client may check:
-/server_info → vllm_config (server_info; enable_scale_out is ours: with vLLM, probe for a 403).
+failure while generating fails its own request (500) and no other. As in vLLM, what its worker
+refuses in a weight-sync call is a 500, and the connection closes after any 5xx (uvicorn). Flags
+a client may check: /server_info → vllm_config (server_info; enable_scale_out is ours: with vLLM, probe for a 403).
 
 Departures from vLLM, one line each:
 - No prefix cache (engine.py): /reset_prefix_cache preempts if asked, always succeeds.
@@ -22,7 +23,8 @@ Departures from vLLM, one line each:
 - Types are strict where pydantic would coerce ("16", 16.0), so a wrong type is never guessed.
 - No stop strings, streaming, min_tokens or prompt_logprobs; string prompts get no special tokens.
 - /weight_checker's compare checks the names of the baseline it is given (or the last checksum).
-- "Weight transfer not configured" is a 400, so clients do not retry it.
+- A refused weight update is checked before anything is received, as vllm_plugin/'s gloo backend
+  does (vLLM's own engines reload first and are left unable to generate); both answer 500.
 - /finish_weight_update keeps loaded adapters (vLLM reloads them from disk: the same from outside).
 - --api-server-count (vLLM's API processes) is refused with the reason: this is one process.
 """
@@ -206,7 +208,7 @@ def models(eng, body, query):
 @route("GET", "/server_info")
 def server_info(eng, body, query):
     args = eng.args
-    model_config = {"model": args.model, "dtype": str(eng.model.dtype),
+    model_config = {"model": args.model_path, "dtype": str(eng.model.dtype),
                     "max_model_len": args.max_model_len, "logprobs_mode": args.logprobs_mode,
                     "max_logprobs": args.max_logprobs,
                     "return_sampling_mask": args.return_sampling_mask}
@@ -403,23 +405,35 @@ def unload_lora_adapter(eng, body, query):
     return f"Success: LoRA adapter '{name}' removed successfully."
 
 
-def needs_transfer(eng, initialised: bool = False) -> None:
+def worker_error(message: str, param: str | None = None) -> APIError:
+    """What vLLM answers when its worker raises during a weight-sync call: a 500."""
+    return APIError(500, message, "InternalServerError", param)
+
+
+def needs_transfer(eng, initialised: bool = False, updating: bool | None = None) -> None:
+    """vLLM's worker checks, in its order and words: configured, initialised, in a session."""
     if eng.args.weight_transfer_config is None:
-        raise APIError(400, "Weight transfer not configured "
-                       "(start the server with --weight-transfer-config)")
+        raise worker_error("Weight transfer not configured. "
+                           "Please set weight_transfer_config to enable weight transfer.")
     if initialised and eng.group is None:
-        raise APIError(400, "Weight transfer engine not initialised: "
-                       "POST /init_weight_transfer_engine first")
+        raise worker_error("Weight transfer engine not initialised: "
+                           "POST /init_weight_transfer_engine first")
+    if updating is True and not eng.updating:
+        raise worker_error("start_weight_update must be called before update_weights.")
+    if updating is False and eng.updating:
+        raise worker_error("start_weight_update called while a weight update is already "
+                           "active. Call finish_weight_update first.")
 
 
 @route("POST", "/init_weight_transfer_engine")
 def init_weight_transfer_engine(eng, body, query):
     needs_transfer(eng)
     info = typed(body, "init_info", dict, {})
-    check_fields(info, INIT_INFO_FIELDS, "init_info")
+    unknown = sorted(set(info) - INIT_INFO_FIELDS)
     missing = {"master_address", "master_port", "rank_offset", "world_size"} - info.keys()
-    if missing:
-        raise APIError(400, f"Invalid init_info: missing {sorted(missing)}", param="init_info")
+    if unknown or missing:                         # vLLM's dataclass refuses: a worker error
+        raise worker_error(f"Invalid init_info: unexpected {unknown[:20]}, missing "
+                           f"{sorted(missing)}", "init_info")
     eng.join_group({
         "master_address": typed(info, "master_address", str),
         "master_port": typed(info, "master_port", int, ok=lambda v: 0 < v < 65536,
@@ -436,13 +450,14 @@ def init_weight_transfer_engine(eng, body, query):
 
 @route("POST", "/start_weight_update")
 def start_weight_update(eng, body, query):
-    needs_transfer(eng, initialised=True)
+    needs_transfer(eng, initialised=True, updating=False)
+    eng.updating = True
     return {"message": "Weight update started"}
 
 
 @route("POST", "/update_weights")
 def update_weights(eng, body, query):
-    needs_transfer(eng, initialised=True)
+    needs_transfer(eng, initialised=True, updating=True)
     info = body.get("update_info")
     if isinstance(info, list):                     # one dict per worker rank; we are one worker
         info = info[0] if len(info) == 1 else None
@@ -464,7 +479,11 @@ def update_weights(eng, body, query):
     if not all(isinstance(d, torch.dtype) for d in dtypes):
         raise APIError(400, f"update_info: unknown dtype in {dtype_names[:20]}",
                        param="dtype_names")
-    eng.check_update(names, shapes)                # before receiving: the model's own shapes
+    try:
+        eng.check_update(names, shapes)            # before receiving: the model's own shapes
+    except APIError:
+        eng.updating = False                       # vLLM's worker ends the session on an error
+        raise
     eng.update_weights(names, eng.receive(names, dtypes, shapes))
     eng.last_update = (names, dtype_names, shapes)
     return {"message": "Weights updated"}
@@ -473,6 +492,10 @@ def update_weights(eng, body, query):
 @route("POST", "/finish_weight_update")
 def finish_weight_update(eng, body, query):
     needs_transfer(eng, initialised=True)
+    if not eng.updating:
+        raise worker_error("finish_weight_update called without a matching "
+                           "start_weight_update.")
+    eng.updating = False
     eng.weight_version = typed(body, "weight_version", str, eng.weight_version)
     return {"message": "Weight update finished"}
 

@@ -138,6 +138,7 @@ class Handler(BaseHTTPRequestHandler):
                 traceback.print_exc()
                 status = 500
                 reply = APIError(500, f"{type(e).__name__}: {e}", "InternalServerError").body()
+            self.close_connection = self.close_connection or status >= 500   # as uvicorn does
             self.reply(status, reply)
         except (Dropped, OSError):                 # gone mid-request, or a reply it no longer reads
             self.close_connection = True

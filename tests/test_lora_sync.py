@@ -1,5 +1,5 @@
 """LoRA training and its sync (lora_sync.py), and every sync reaching every replica, against
-serve_local.py.
+local_vllm.
 
 Log-probs, not checksums, judge adapters and merges: the server applies an adapter by hooks (or
 holds W + s·B·A computed on our side), so its log-probs must equal those of the trained PeftModel
@@ -7,6 +7,7 @@ forward.
 """
 import json
 import os
+import re
 import warnings
 
 import httpx
@@ -15,6 +16,7 @@ import torch
 from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM
 
+import lora_sync
 import toy
 import train
 from lora_sync import adapter_refusal, max_lora_rank
@@ -61,25 +63,49 @@ def trained(toy_dir, checkpoint: str) -> PeftModel:
     return PeftModel.from_pretrained(base, checkpoint).eval()
 
 
+def adapter_cards(server) -> list[str]:
+    return sorted(c["id"] for c in httpx.get(server.url + "/v1/models").json()["data"][1:])
+
+
+def served_at_close(monkeypatch, servers) -> list[dict]:
+    """What each server serves just before the run unloads its adapters (AdapterSync.close)."""
+    seen = []
+    close = lora_sync.AdapterSync.close
+
+    def snapshot(sync):
+        names = [adapter_cards(s) for s in servers]
+        newest = f"{sync.prefix}-v{sync.loaded[-1]}"
+        seen.append({"prefix": sync.prefix, "cards": names, "disk": sorted(os.listdir(sync.root)),
+                     "served": [served_logprobs(s, newest) for s in servers]})
+        close(sync)
+    monkeypatch.setattr(lora_sync.AdapterSync, "close", snapshot)
+    return seen
+
+
 def test_adapter_sync_reaches_both_replicas_and_keeps_the_staleness_window(servers, toy_dir,
-                                                                           tmp_path):
-    """3 steps, max_staleness 1: every replica serves policy-v3 with exactly the trained adapter
-    (checkpoint 3), differently from the base model, and exactly max_staleness + 1 versions stay
-    loaded and on disk."""
+                                                                           tmp_path, monkeypatch):
+    """3 steps, max_staleness 1: every replica serves policy-<run>-v3 with exactly the trained
+    adapter (checkpoint 3), differently from the base model, and exactly max_staleness + 1
+    versions stay loaded and on disk; at the end the run unloads them all."""
     replicas = servers(2, *LORA_ARGS)
+    seen = served_at_close(monkeypatch, replicas)
     last = run(replicas, toy_dir, tmp_path, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
     model = trained(toy_dir, str(tmp_path / "checkpoint-3"))
-    assert sorted(os.listdir(tmp_path / ".vllm_lora")) == ["policy-v2", "policy-v3"]
+    (at_close,) = seen
+    prefix = at_close["prefix"]
+    assert re.fullmatch(r"policy-[0-9a-f]{6}", prefix)
+    assert at_close["disk"] == [f"{prefix}-v2", f"{prefix}-v3"]
     base = AutoModelForCausalLM.from_pretrained(toy_dir)
     full_bytes = sum(p.numel() * 4 for p in base.parameters())
     assert 0 < last["perf/weight_sync_bytes"] < full_bytes / 4        # the adapter, not the model
-    for server in replicas:
-        cards = [c["id"] for c in httpx.get(server.url + "/v1/models").json()["data"][1:]]
-        assert sorted(cards) == ["policy-v2", "policy-v3"]
-        assert_serves(server, model, "policy-v3")
-        base_tokens, base_logprobs = served_logprobs(server)
-        tokens, logprobs = served_logprobs(server, "policy-v3")
-        assert (base_tokens, base_logprobs) != (tokens, logprobs)
+    for server, cards, (tokens, logprobs) in zip(replicas, at_close["cards"], at_close["served"]):
+        assert cards == [f"{prefix}-v2", f"{prefix}-v3"]
+        ref = reference_logprobs(model, PROMPT, tokens)
+        assert max(abs(v - ref[j, t].item()) for j, (t, v) in enumerate(zip(tokens, logprobs))) \
+            <= 1e-5
+        assert served_logprobs(server) != (tokens, logprobs)          # differs from the base
+        assert adapter_cards(server) == []                            # unloaded at the end
+    assert os.listdir(tmp_path / ".vllm_lora") == []
     saved = json.load(open(tmp_path / "checkpoint-3" / "adapter_config.json"))
     assert saved["r"] == 4 and not (tmp_path / "checkpoint-3" / "model.safetensors").exists()
 

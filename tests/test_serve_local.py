@@ -502,9 +502,6 @@ def test_pause_bad_mode(server):
                                 "sampling_params": {"top_k": 2, "temperature": 0}}),
     ("/inference/v1/generate", {"token_ids": PROMPT,
                                 "sampling_params": {"top_k": 2, "best_of": 2}}),
-    ("/init_weight_transfer_engine", {"init_info": {
-        "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
-        "nccl": True}}),
     ("/weight_checker", {"action": "explode"}),
 ])
 def test_bad_input_is_a_400_and_the_server_keeps_serving(server, path, body):
@@ -525,7 +522,7 @@ def test_features_off_by_default(plain_server):
     assert_error(r, 403)
     assert r.json()["error"]["type"] == "PermissionDeniedError"
     r = post(plain_server, "/init_weight_transfer_engine", {"init_info": {}})
-    assert_error(r, 400)
+    assert_error(r, 500)                                        # vLLM's worker raises: a 500
     assert "Weight transfer not configured" in r.json()["error"]["message"]
     lora = {"lora_name": "a", "lora_path": "/tmp"}
     assert_error(post(plain_server, "/v1/load_lora_adapter", lora), 404)
@@ -538,3 +535,20 @@ def test_missing_model_path_is_one_clear_line():
     assert r.returncode != 0
     assert r.stderr.strip().count("\n") == 0
     assert "/nonexistent/model" in r.stderr and "does not exist" in r.stderr
+
+
+def test_weight_sync_calls_out_of_order_are_500s_in_vllms_words(server):
+    """What vLLM's worker refuses is a 500 (its words), and uvicorn closes the connection after
+    one: a client must not reuse it. A bad init_info is the worker's refusal too."""
+    bad_init = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                "world_size": 2, "nccl": True}
+    r = post(server, "/init_weight_transfer_engine", {"init_info": bad_init})
+    assert_error(r, 500)
+    assert "Invalid init_info" in r.json()["error"]["message"] and "nccl" in r.text
+    assert r.headers["connection"] == "close"
+    r = post(server, "/finish_weight_update", {"weight_version": "x"})
+    assert_error(r, 500)
+    assert r.json()["error"]["message"] in (
+        "finish_weight_update called without a matching start_weight_update.",
+        "Weight transfer engine not initialised: POST /init_weight_transfer_engine first")
+    assert complete(server, max_tokens=2)["choices"][0]["finish_reason"] in ("stop", "length")

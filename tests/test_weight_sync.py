@@ -64,10 +64,30 @@ def test_a_sync_in_small_buckets_lands_and_reports_its_bytes(start_server, weigh
     assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
 
 
+def test_names_or_shapes_the_server_lacks_are_refused_before_anything_is_sent(server, weights):
+    """Real vLLM cannot survive a refused update, so connect() checks every name and shape
+    against the checkpoint the server loaded (/server_info's model): a clear error, nothing sent,
+    the server untouched."""
+    before = httpx.get(server.url + "/weight_info").json()
+    specs = [(n, t.shape) for n, t in weights]
+    bad_name = [("model.no_such.weight", specs[0][1]), *specs[1:]]
+    bad_shape = [(specs[0][0], torch.Size([7])), *specs[1:]]
+    for bad, what in ((bad_name, "unknown names .'model.no_such.weight'"),
+                      (bad_shape, r"other shapes .'model.embed_tokens.weight \[7\]")):
+        sync = WeightSync([VLLMClient(server.url, timeout=10, max_retries=0)], 10.0)
+        with pytest.raises(ValueError, match=f"{server.url} serves .*{what}.*nothing was sent"):
+            sync.connect(bad)
+        assert sync.group is None                                   # never joined
+    assert httpx.get(server.url + "/weight_info").json() == before
+    assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
+
+
 def test_a_refused_update_raises_naming_the_server_and_resumes_it(start_server, weights):
+    """Past the check (connect without specs), the server refuses with a 500 and closes the
+    connection, as vLLM does: the error names it, and /resume goes over a fresh connection."""
     server = start_server(*ARGS)
     specs = [(n if i else "model.no_such.weight", t.shape) for i, (n, t) in enumerate(weights)]
-    with pytest.raises(RuntimeError, match=f"weight sync failed.*{server.url}.*no_such"):
+    with pytest.raises(RuntimeError, match=f"weight sync failed.*{server.url}.*HTTP 500.*no_such"):
         push(server, weights, specs)
     assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
 
