@@ -302,8 +302,8 @@ def policy_loss(lp: TokenLogProbs, sampler_logprobs, advantages, num_tokens, con
 def _warn_biased_ratios():
     warnings.warn("top_k > 0, top_p < 1 or min_p is set but the samples carry no candidate sets: "
                   "log π_θ is normalised over the whole vocabulary, so every importance ratio is "
-                  "biased low. Start vLLM (>= 0.28) with --return-sampling-mask "
-                  "--enable-scale-out.",
+                  "biased low. Start vLLM (>= 0.28, on a GPU) with --return-sampling-mask "
+                  "--enable-scale-out; on a CPU, sample with top_k=0 and top_p=1.",
                   stacklevel=3)
 
 

@@ -199,8 +199,7 @@ async def connect(replica: Replica, config, num_top: int | None, probe_token: in
         if not replica.use_generate:
             log.warning("top_p/top_k/min_p are set but the vLLM server at %s returns no candidate "
                         "sets, so the trainer normalises over the whole vocabulary and importance "
-                        "ratios are biased: restart it with `--return-sampling-mask "
-                        "--enable-scale-out` (vLLM >= 0.28)", url)
+                        "ratios are biased: %s", url, candidates_remedy(info))
     cache = info.get("cache_config") or {}
     blocks = (cache.get("num_gpu_blocks") or 0) * (cache.get("block_size") or 0)
     kv_tokens = cache.get("kv_cache_size_tokens") or blocks
@@ -208,6 +207,14 @@ async def connect(replica: Replica, config, num_top: int | None, probe_token: in
     replica.cap = ConcurrencyCap.start(replica.cap.bound, kv_tokens or None, replica.max_model_len,
                                        has_metrics)
     return served
+
+
+def candidates_remedy(info: dict) -> str:
+    """How this server could return candidate sets: the flags, where its hardware allows them."""
+    if (info.get("device_config") or {}).get("device") == "cpu":
+        return ("vLLM on a CPU cannot return them (sampling masks need its Model Runner V2, which "
+                "needs Triton's GPU backend); sample with top_k=0, top_p=1 and min_p=None instead")
+    return "restart it with `--return-sampling-mask --enable-scale-out` (vLLM >= 0.28)"
 
 
 async def returns_candidates(client: VLLMClient, model: str, config, token: int) -> bool:

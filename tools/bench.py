@@ -16,6 +16,7 @@ Spec claims measured (the spec states them; these cases measure our code against
     learn     train.py, toy.py       learn reward_start=... reward_end=... steps=... minutes=...
     overlap   train.py, rollout.py   overlap async_s=... sync_s=... speedup=... ideal_s=...
     sync      lora_sync.py           sync full_s=... adapter_s=... bytes_ratio=... (+2 shape lines)
+    servers   the whole pipeline     servers local_s=... local_gen_tok_s=... vllm_s=... (VLLM_PYTHON)
 
 Departures, one line each:
 - Speed goals live here, never in timed tests: these machines are noisy, ratios from one run aren't.
@@ -546,8 +547,47 @@ def sync(argv):
               f"adapter_bytes={adapter / 1e6:.1f}MB bytes_ratio={adapter / full:.4f}")
 
 
+def servers(argv):
+    """The same toy run (`python train.py`, full sync every step) against the stand-in and against
+    real vLLM (`vllm serve` from VLLM_PYTHON's venv, tools/vllm_cpu_venv.sh), one after the other:
+    wall time, generation tok/s (rollout/generated_tok_s, median) and sync seconds (median)."""
+    import argparse
+    import os
+
+    import numpy as np
+
+    import toy
+    from local_vllm.launch import VLLMServe
+    parser = argparse.ArgumentParser(prog="python -m tools.bench servers")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--vllm_python", default=os.environ.get("VLLM_PYTHON"))
+    args = parser.parse_args(argv)
+    if not args.vllm_python:
+        sys.exit("bench servers: set VLLM_PYTHON=DIR/bin/python (bash tools/vllm_cpu_venv.sh DIR)")
+    common = ["--max_steps", str(args.steps), "--learning_rate", "1e-4"]
+    figures = {}
+    local_s, records = _toy_run("runs/bench-servers-local", *common)
+    figures["local"] = (local_s, records)
+    server = VLLMServe(args.vllm_python, toy.ensure_saved(), "--served-model-name", "toy",
+                       "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+                       "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20",
+                       "--weight-transfer-config", '{"backend":"gloo"}').wait()
+    try:
+        figures["vllm"] = _toy_run("runs/bench-servers-vllm", *common,
+                                   "--vllm_server_base_url", server.url)
+    finally:
+        server.stop()
+    line = []
+    for name, (seconds, records) in figures.items():
+        rates = [r["rollout/generated_tok_s"] for r in records if r.get("rollout/generated_tok_s")]
+        syncs = [r["perf/weight_sync_s"] for r in records if "perf/weight_sync_s" in r]
+        line.append(f"{name}_s={seconds:.1f} {name}_gen_tok_s={np.median(rates or [np.nan]):.0f} "
+                    f"{name}_sync_s={np.median(syncs or [np.nan]):.3f}")
+    print("servers " + " ".join(line))
+
+
 CASES = {"planner": planner, "packing": packing, "logprobs": logprobs, "learn": learn,
-         "overlap": overlap, "sync": sync}
+         "overlap": overlap, "sync": sync, "servers": servers}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in CASES:
