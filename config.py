@@ -10,21 +10,26 @@ A worked example of the derived values (a fraction < 1 is of max_steps):
     config.every("warmup_steps")                            → 20   (0.1 × 200)
     config.default_max_concurrent_rollouts(num_processes=4) → 128  (max(4, 1) × 8 × 1 × 4)
     AsyncGRPOConfig(top_p=0.95)   → ValueError: AsyncGRPOConfig.top_k: top_p < 1 and min_p also ...
+    AsyncGRPOConfig(push_to_hub=True) → ValueError: AsyncGRPOConfig.push_to_hub=True: no hub ...
 
 Departures from the spec, one line each:
-- Only what we implement is declared: an option accepted and ignored would train differently.
+- TrainingArguments fields that do not apply are refused when set (config_refused.py says why).
 - `bf16=None` is True on CUDA only (spec: True): CPU bf16 matmuls are slow, the tests compare fp32.
-- `tree_attention_backend` is ours: the spec has one attention kernel.
-- `report_to` accepts only "none": every run writes <output_dir>/metrics.jsonl (`train.py plot`).
+- `tree_attention_backend` and `logging_dir` are ours: the spec has one attention kernel.
 - `optim` offers the two AdamW variants only: train.py builds torch.optim.AdamW itself.
+- `train_sampling_strategy="random"` shuffles each epoch only when data_seed is set.
 """
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from config_refused import refuse_inapplicable
 
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr",
              "polynomial")
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
+DASHBOARDS = ("tensorboard", "wandb", "trackio")          # report_to's libraries; "all": each
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
 
 
 @dataclass
@@ -32,25 +37,50 @@ class AsyncGRPOConfig:
     # ── run ──
     output_dir: str | None = None           # checkpoints and metrics.jsonl; None: trainer_output
     seed: int = 42                          # torch seed on every rank (the same initial weights)
+    data_seed: int | None = None            # seeds the prompt order (train_sampling_strategy)
+    train_sampling_strategy: str = "random"  # random: data_seed set → each epoch shuffled
+                                            # (None: dataset order); sequential: dataset order
     per_device_train_batch_size: int = 8    # samples per rank per micro-batch (token_budget <= 0)
     gradient_accumulation_steps: int = 1    # micro-batches per optimizer step
     num_train_epochs: float = 3.0           # passes over the prompts; stops unless max_steps
     max_steps: int = -1                     # > 0: stop after this many optimizer steps instead
+    do_train: bool = False                  # a flag for your own script (transformers reads it
+                                            # neither): train() trains whatever its value
     # ── optimizer and schedule ──
     learning_rate: float = 1e-6             # AdamW's peak learning rate
     lr_scheduler_type: str = "constant"     # one of SCHEDULES; decaying ones need max_steps > 0
     lr_scheduler_kwargs: dict | str | None = None  # the schedule's extra arguments (JSON)
     warmup_steps: float = 0                 # >= 1: steps; < 1: a fraction of max_steps
     optim: str = "adamw_torch_fused"        # one of OPTIMIZERS (fused only where torch has it)
+    optim_args: str | None = None           # the optimizer's extra arguments (refused)
     weight_decay: float = 0.0               # AdamW's decoupled weight decay
     adam_beta1: float = 0.9                 # AdamW's first-moment decay
     adam_beta2: float = 0.999               # AdamW's second-moment decay
     adam_epsilon: float = 1e-8              # AdamW's denominator floor
+    optim_target_modules: None | str | list[str] = None  # modules of GaLore-style optim (refused)
+    average_tokens_across_devices: bool = True  # the loss's token mean spans every rank (always)
     max_grad_norm: float = 1.0              # clip the global gradient norm to this; <= 0: no clip
+    label_smoothing_factor: float = 0.0     # label smoothing (refused: no labels)
     # ── precision and memory ──
-    bf16: bool | None = None                # bf16 compute; None: on CUDA only (spec: always)
-    dtype: str = "float32"                  # weights load in: auto|bfloat16|float16|float32
+    bf16: bool | None = None                # bf16 compute; None: on CUDA unless fp16 (spec: True)
+    fp16: bool = False                      # fp16 compute with loss scaling (CUDA only)
+    bf16_full_eval: bool = False            # bf16 evaluation (refused: no evaluation)
+    fp16_full_eval: bool = False            # fp16 evaluation (refused: no evaluation)
+    tf32: bool | None = None                # TF32 matmuls on Ampere+ CUDA; None: torch's setting
+    dtype: str = "float32"                  # weights load in: auto|bfloat16|float16|float32;
+                                            # the master weights are fp32 whatever it is
     gradient_checkpointing: bool = True     # recompute each decoder layer in backward
+    gradient_checkpointing_kwargs: dict | str | None = None  # its kwargs (JSON); default
+                                            # {"use_reentrant": False}
+    torch_compile: bool = False             # torch.compile the model (refused)
+    torch_compile_backend: str | None = None  # its backend (refused)
+    torch_compile_mode: str | None = None   # its mode (refused)
+    use_liger_kernel: bool = False          # Liger kernels (refused: loss.py chunks the head)
+    liger_kernel_config: dict | str | None = None  # their config (refused)
+    use_cache: bool = False                 # the model's KV cache in training (refused)
+    neftune_noise_alpha: float | None = None  # NEFTune embedding noise (refused)
+    torch_empty_cache_steps: int | None = None  # torch.cuda.empty_cache() every N steps
+    auto_find_batch_size: bool = False      # halve the batch on OOM (refused: token_budget)
     tree_attention_backend: str | None = None  # ours: sdpa|flex|flash; None: CUDA flex, else sdpa
     # ── model ──
     model_init_kwargs: dict | str | None = None  # from_pretrained kwargs (JSON); its dtype wins
@@ -84,19 +114,95 @@ class AsyncGRPOConfig:
     queue_maxsize: int = 1024               # samples buffered between the processes
     weight_sync_steps: int = 1              # optimizer steps between weight syncs
     rollout_worker_timeout: float = 300.0   # seconds without a heartbeat before the trainer stops
-    # ── logging and checkpoints ──
+    # ── distributed ──
+    ddp_backend: str | None = None          # nccl|gloo; None: nccl on CUDA, else gloo
+    ddp_timeout: int = 1800                 # collective timeout (s), at least vllm_server_timeout
+                                            # + rollout_worker_timeout (rank 0 waits that long)
+    local_rank: int = -1                    # a launcher's --local_rank (refused: torchrun's env)
+    ddp_find_unused_parameters: bool | None = None  # DDP's option (refused: FSDP2)
+    ddp_bucket_cap_mb: int | None = None    # DDP's option (refused: FSDP2)
+    ddp_broadcast_buffers: bool | None = None  # DDP's option (refused: FSDP2)
+    ddp_static_graph: bool | None = None    # DDP's option (refused: FSDP2)
+    fsdp: str | None = None                 # FSDP1 options (refused: FSDP2 always)
+    fsdp_config: dict | str | None = None   # FSDP1 config (refused: FSDP2 always)
+    deepspeed: dict | str | None = None     # DeepSpeed config (refused: the spec, FSDP2 only)
+    accelerator_config: dict | str | None = None  # accelerate's config (refused: torchrun)
+    parallelism_config: dict | str | None = None  # accelerate's parallelism (refused: DP only)
+    use_cpu: bool = False                   # force the CPU (refused: CUDA_VISIBLE_DEVICES=)
+    # ── logging ──
+    logging_strategy: str = "steps"         # steps: every logging_steps; no: no metric lines
     logging_steps: float = 1                # >= 1: steps; < 1: a fraction of max_steps
-    log_completions: bool = False           # print (prompt, completion) pairs every logging step
+    logging_first_step: bool = False        # also log after the first optimizer step
+    logging_dir: str | None = None          # ours: tensorboard's dir; None: output_dir/runs/run
+    log_on_each_node: bool = True           # log_level on each node's local rank 0, else rank 0
+    logging_nan_inf_filter: bool = True     # leave NaN out of logged means (always)
+    include_num_input_tokens_seen: str = "no"  # count input tokens (refused: num_tokens is)
+    log_level: str = "passive"              # the trainer's logging level on the main process:
+                                            # debug|info|warning|error|critical|passive (as is)
+    log_level_replica: str = "warning"      # the same on the other ranks
+    log_completions: bool = False           # log (prompt, completion) pairs every logging step
     num_completions_to_print: int | None = None  # how many of them; None: all
     disable_tqdm: bool | None = None        # None: the progress bar shows on a terminal
-    report_to: str = "none"                 # metrics always go to <output_dir>/metrics.jsonl
+    report_to: None | str | list[str] = "none"  # tensorboard|wandb|trackio|all|none, or a list;
+                                            # metrics.jsonl is written whatever it is
+    run_name: str | None = None             # the dashboards' run name; None: output_dir's name
+    project: str = "huggingface"            # the wandb/trackio project
+    trackio_space_id: str | None = None     # a trackio hub Space (refused: local store)
+    trackio_bucket_id: str | None = None    # a trackio hub bucket (refused: local store)
+    trackio_static_space_id: str | None = None  # a static trackio Space (refused: local store)
+    skip_memory_metrics: bool = True        # memory metrics (refused: none collected)
+    debug: str = ""                         # transformers' debug modes (refused)
+    # ── evaluation (refused: there is no evaluation loop) ──
+    do_eval: bool = False                   # run evaluation
+    do_predict: bool = False                # run prediction
+    eval_strategy: str = "no"               # when to evaluate
+    eval_steps: float | None = None         # evaluate every N steps
+    eval_delay: float = 0                   # steps or epochs before the first evaluation
+    per_device_eval_batch_size: int = 8     # evaluation batch size per device
+    prediction_loss_only: bool = False      # evaluation returns the loss only
+    eval_on_start: bool = False             # evaluate before training
+    eval_do_concat_batches: bool = True     # concatenate evaluation batches
+    eval_use_gather_object: bool = False    # gather evaluation objects across ranks
+    eval_accumulation_steps: int | None = None  # evaluation steps before moving to CPU
+    include_for_metrics: list[str] = field(default_factory=list)  # extra inputs to metrics
+    batch_eval_metrics: bool = False        # compute metrics per evaluation batch
+    load_best_model_at_end: bool = False    # keep the best checkpoint by an evaluation metric
+    metric_for_best_model: str | None = None  # that metric
+    greater_is_better: bool | None = None   # its direction
+    # ── data (refused: the rollout process reads the prompts, no DataLoader) ──
+    dataloader_drop_last: bool = False      # drop the last incomplete batch
+    dataloader_num_workers: int = 0         # loader worker processes
+    dataloader_pin_memory: bool = True      # pinned loader memory
+    dataloader_persistent_workers: bool = False  # keep loader workers alive
+    dataloader_prefetch_factor: int | None = None  # batches prefetched per worker
+    dataloader_multiprocessing_context: str | None = None  # the workers' start method
+    dataloader_in_order: bool = True        # batches in order
+    remove_unused_columns: bool = True      # drop dataset columns (every column reaches rewards)
+    label_names: list[str] | None = None    # the label keys of a batch
+    length_column_name: str = "length"      # the column of group_by_length
+    # ── checkpoints ──
     save_strategy: str = "steps"            # steps | no
     save_steps: float = 500                 # >= 1: steps; < 1: a fraction of max_steps
     save_total_limit: int | None = None     # keep the newest N checkpoints; None: all
+    save_only_model: bool = False           # model files only: no fsdp/ state, cannot resume
+    save_on_each_node: bool = False         # every node writes (refused: a shared output_dir)
+    enable_jit_checkpoint: bool = False     # checkpoint on SIGTERM (refused: save_steps)
     resume_from_checkpoint: str | None = None  # a checkpoint directory, or "true": the newest
+    ignore_data_skip: bool = True           # True: no skip-and-replay, rollout_state.json resumes
+    restore_callback_states_from_checkpoint: bool = False  # (refused: callbacks keep no state)
+    full_determinism: bool = False          # deterministic algorithms (refused: async timing)
+    push_to_hub: bool = False               # upload checkpoints (refused: `hf upload`)
+    hub_token: str | None = None            # the hub token (refused)
+    hub_private_repo: bool | None = None    # a private hub repo (refused)
+    hub_model_id: str | None = None         # the hub repo (refused)
+    hub_strategy: str = "every_save"        # when to upload (refused)
+    hub_always_push: bool = False           # upload even while one is running (refused)
+    hub_revision: str | None = None         # the hub branch (refused)
 
     def __post_init__(self):
-        for name in ("lr_scheduler_kwargs", "model_init_kwargs", "chat_template_kwargs"):
+        refuse_inapplicable(self)
+        for name in ("lr_scheduler_kwargs", "model_init_kwargs", "chat_template_kwargs",
+                     "gradient_checkpointing_kwargs"):
             if isinstance(getattr(self, name), str):
                 setattr(self, name, json.loads(getattr(self, name)))
         # generation and the objective
@@ -142,15 +248,32 @@ class AsyncGRPOConfig:
         need(self.warmup_steps >= 0 and (not fraction or self.max_steps > 0), "warmup_steps",
              "a fraction (< 1) of max_steps needs max_steps > 0")
         need(self.optim in OPTIMIZERS, "optim", f"must be one of {OPTIMIZERS}")
+        need(not (self.fp16 and self.bf16), "fp16", "fp16 and bf16 are both set: pick one")
+        if self.fp16 or self.tf32:
+            import torch
+            name = "fp16" if self.fp16 else "tf32"
+            need(torch.cuda.is_available(), name, "needs a CUDA device, and none is visible: on a "
+                 "CPU leave it unset (fp32), or set bf16=True")
+        need(self.torch_empty_cache_steps is None or self.torch_empty_cache_steps >= 1,
+             "torch_empty_cache_steps", "must be >= 1 (or None: never)")
         need(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
              "must be auto, bfloat16, float16 or float32")
         need(self.tree_attention_backend in (None, "sdpa", "flex", "flash"),
              "tree_attention_backend",
              "must be sdpa, flex or flash (or None for the device's default)")
+        need(self.train_sampling_strategy in ("random", "sequential"), "train_sampling_strategy",
+             "must be 'random' or 'sequential': rows are packed by tokens, not grouped by length")
+        need(self.ddp_backend in (None, "nccl", "gloo"), "ddp_backend",
+             "must be nccl (CUDA), gloo (CPU) or None (the device's)")
+        need(self.ddp_timeout > 0, "ddp_timeout", "must be > 0 seconds")
         # logging and checkpoints
-        need(self.report_to in ("none", None), "report_to",
-             "only 'none' is implemented: every run writes <output_dir>/metrics.jsonl (plot it "
-             "with `python train.py plot <output_dir>`)")
+        unknown = [n for n in self.dashboards(installed=DASHBOARDS) if n not in DASHBOARDS]
+        need(not unknown, "report_to", f"{unknown} unknown: use {', '.join(DASHBOARDS)}, 'all' "
+             "or 'none' (metrics.jsonl is written whatever it is)")
+        need(self.logging_strategy in ("steps", "no"), "logging_strategy",
+             "must be 'steps' or 'no': an epoch's number of steps is not known in advance")
+        for name in ("log_level", "log_level_replica"):
+            need(getattr(self, name) in LOG_LEVELS, name, f"must be one of {LOG_LEVELS}")
         need(self.save_strategy in ("steps", "no"), "save_strategy", "must be 'steps' or 'no'")
         for name in ("logging_steps", "save_steps"):
             value = getattr(self, name)
@@ -168,16 +291,33 @@ class AsyncGRPOConfig:
                 * self.gradient_accumulation_steps * num_processes)
 
     def bf16_on(self, device) -> bool:
-        """Whether forward and backward run in bf16 on `device` (bf16=None: on CUDA only)."""
-        return self.bf16 if self.bf16 is not None else device.type == "cuda"
+        """Whether forward and backward run in bf16 on `device` (bf16=None: on CUDA unless
+        fp16)."""
+        return self.bf16 if self.bf16 is not None else device.type == "cuda" and not self.fp16
+
+    def compute_dtype(self, device):
+        """The dtype forward and backward run in: bf16 or fp16 under mixed precision, else fp32
+        (the master weights' dtype)."""
+        import torch
+        if self.fp16:
+            return torch.float16
+        return torch.bfloat16 if self.bf16_on(device) else torch.float32
 
     def export_dtype(self, master):
-        """The dtype a saved or synced model has, from one master parameter: bf16 under bf16 mixed
-        precision over fp32 master weights (the spec: a checkpoint is the served model's size, not
-        twice it), else the master dtype."""
+        """The dtype a saved or synced model has, from one master parameter: the compute dtype
+        under bf16 or fp16 mixed precision over fp32 master weights (the spec: a checkpoint is the
+        served model's size, not twice it), else the master dtype."""
         import torch
-        bf16 = self.bf16_on(master.device) and master.dtype == torch.float32
-        return torch.bfloat16 if bf16 else master.dtype
+        mixed = self.compute_dtype(master.device)
+        return mixed if master.dtype == torch.float32 and mixed != torch.float32 else master.dtype
+
+    def dashboards(self, installed=()) -> list[str]:
+        """report_to as a list of names: "none"/None → []; "all" → `installed`; "a,b" → both."""
+        names = self.report_to if isinstance(self.report_to, list) else [self.report_to]
+        names = [n.strip() for name in names if name for n in name.split(",") if n.strip()]
+        if "all" in names:
+            return list(installed)
+        return [n for n in names if n != "none"]
 
     def every(self, name: str) -> int:
         """logging_steps / save_steps / warmup_steps in optimizer steps (a fraction < 1 is of
