@@ -6,6 +6,7 @@ import asyncio
 import os
 import queue
 import random
+import sys
 import time
 from dataclasses import dataclass
 
@@ -149,6 +150,14 @@ class FlakyLoop(AsyncRolloutLoop):
         if prompt[-1]["content"] == "boom":
             raise VLLMError("malformed reply", self.config.vllm_server_base_url)
         return await super().generate_one(prompt, tools, group_id)
+
+
+class ModulesLoop(AsyncRolloutLoop):
+    """Fails as the child builds it, its message the child's imported modules (comma-separated):
+    what the rollout process imports, with no server needed."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(",".join(sorted(sys.modules)))
 
 
 class StallingLoop(AsyncRolloutLoop):

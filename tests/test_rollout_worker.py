@@ -1,8 +1,11 @@
 """rollout_worker.py: the trainer's handle on the rollout process: the spec's TypeError before
-anything is spawned, failures and hangs of the child reaching the trainer, nothing left behind."""
+anything is spawned, a child that imports nothing of the trainer, failures and hangs of the child
+reaching the trainer, nothing left behind."""
 import functools
 import os
 import signal
+import sys
+import types
 
 import pytest
 from datasets import Dataset
@@ -12,6 +15,7 @@ import toy
 from config import AsyncGRPOConfig
 from rollout import AsyncRolloutLoop
 from rollout_worker import RolloutProcessError, RolloutWorker, check_picklable
+from train_helpers import ROOT, recorded_reward
 
 
 class Scorer:
@@ -47,6 +51,42 @@ def test_nothing_is_spawned_when_anything_is_unpicklable():
         with pytest.raises(TypeError):
             worker.start()
         assert worker.process is None
+
+
+def fake_main(monkeypatch, script: str) -> types.ModuleType:
+    """A main module for `script` in place of pytest's, as under `python <script>`."""
+    main = types.ModuleType("__main__")
+    main.__file__ = os.path.join(ROOT, script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    return main
+
+
+def child_modules(reward) -> set[str]:
+    """The modules the rollout process has imported by the time it builds its loop."""
+    worker = RolloutWorker(AsyncGRPOConfig(), toy.make_dataset(2), [reward], toy.build_tokenizer(),
+                           loop_cls=h.ModulesLoop)
+    with pytest.raises(RuntimeError, match="the rollout process failed") as info:
+        worker.start()
+    return set(str(info.value).rpartition(": ")[2].split(","))
+
+
+@pytest.mark.parametrize("script", ["train.py", "tests/two_rank_step.py"])
+def test_the_rollout_process_imports_nothing_of_the_trainer(monkeypatch, script):
+    """Issue 20: spawned from `python train.py` or a script that imports train, the child skips
+    the script (spawn would run it again): no FSDP trainer, checkpoints, peft or local engine."""
+    fake_main(monkeypatch, script)
+    modules = child_modules(toy.exact_reward)
+    assert {"rollout", "toy", "transformers"} <= modules          # the loop, the reward, tokenizer
+    leaked = {"train", "checkpoint", "weight_sync", "peft", "local_vllm.engine"} & modules
+    assert not leaked, leaked
+
+
+def test_a_reward_defined_in_the_main_script_still_reaches_the_child(monkeypatch):
+    """The pickles name __main__: the child runs the script again, so the reward unpickles."""
+    main = fake_main(monkeypatch, "tests/train_helpers.py")        # it defines recorded_reward
+    main.recorded_reward = types.FunctionType(recorded_reward.__code__, vars(main),
+                                              "recorded_reward")
+    assert "rollout_helpers" in child_modules(main.recorded_reward)   # the loop was built
 
 
 def test_dataset_needs_a_prompt_column():
