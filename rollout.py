@@ -403,7 +403,6 @@ class AsyncRolloutLoop:
         FAILED_GROUPS_TO_STOP groups have failed in a row (counted by group, so one bad prompt with
         num_generations ≥ 8 does not stop the run), or at once when a server stops answering."""
         start = time.monotonic()
-        generating = True
         replica = group.replica
         _TURN.set(TurnContext(replica, self.adapter_name(self.model_version)))
         try:
@@ -411,14 +410,15 @@ class AsyncRolloutLoop:
             env = None
             stats = {}
             tools = list(self.tools)
-            if self.environment_factory is not None:
-                env, prompt, stats["env/reset_s"] = await start_environment(
-                    self.environment_factory, group.row, self.tool_pool)
-                tools += environment_tools(env)
-            rollout = await self.generate_one(prompt, tools, group.group_id)
-            generating = False
-            replica.inflight -= 1
-            replica.assigned -= 1
+            try:                                # its slot under the replica's cap, freed either way
+                if self.environment_factory is not None:
+                    env, prompt, stats["env/reset_s"] = await start_environment(
+                        self.environment_factory, group.row, self.tool_pool)
+                    tools += environment_tools(env)
+                rollout = await self.generate_one(prompt, tools, group.group_id)
+            finally:
+                replica.inflight -= 1
+                replica.assigned -= 1
             replica.cap.rollout_done(replica.inflight)
             env_reward = None
             if env is not None:
@@ -430,9 +430,6 @@ class AsyncRolloutLoop:
             self.failures_in_a_row = 0
             self.failed_groups_in_a_row = 0
         except Exception as e:
-            if generating:
-                replica.inflight -= 1
-                replica.assigned -= 1
             if isinstance(e, VLLMError) and isinstance(e.__cause__, httpx.TransportError):
                 raise RuntimeError(f"the vLLM server at {replica.url} stopped answering ({e}); is "
                                    "it running? Restart it, or remove it from "
