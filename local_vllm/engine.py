@@ -573,13 +573,13 @@ class Engine:
         return out
 
     def check_update(self, names: list[str], shapes: list[list[int]]) -> None:
-        """Refuse an update that names unknown tensors or other shapes, before anything is
-        received."""
+        """Refuse an update that names unknown tensors or other shapes, before the model is
+        touched (its buckets were received: the trainer's send must complete)."""
         state = self.model.state_dict()            # tied weights share storage: either name works
         unknown = [n for n in names if n not in state]
         wrong = [n for n, s in zip(names, shapes) if n in state and list(state[n].shape) != s]
         if unknown or wrong:
-            raise APIError(500, f"Weight update refused (nothing received, the model is "
+            raise APIError(500, f"Weight update refused (received and dropped, the model is "
                            f"unchanged): unknown names {unknown[:20]}, wrong shapes {wrong[:20]}",
                            "InternalServerError", "update_info")
 

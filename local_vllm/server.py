@@ -23,8 +23,8 @@ Departures from vLLM, one line each:
 - Types are strict where pydantic would coerce ("16", 16.0), so a wrong type is never guessed.
 - No stop strings, streaming, min_tokens or prompt_logprobs; string prompts get no special tokens.
 - /weight_checker's compare checks the names of the baseline it is given (or the last checksum).
-- A refused weight update is checked before anything is received, as vllm_plugin/'s gloo backend
-  does (vLLM's own engines reload first and are left unable to generate); both answer 500.
+- A refused weight update is received, dropped and answered 500 with the model untouched, as
+  vllm_plugin/'s gloo backend does (vLLM's own engines reload first and cannot generate after).
 - /finish_weight_update keeps loaded adapters (vLLM reloads them from disk: the same from outside).
 - --api-server-count (vLLM's API processes) is refused with the reason: this is one process.
 """
@@ -479,12 +479,13 @@ def update_weights(eng, body, query):
     if not all(isinstance(d, torch.dtype) for d in dtypes):
         raise APIError(400, f"update_info: unknown dtype in {dtype_names[:20]}",
                        param="dtype_names")
+    received = eng.receive(names, dtypes, shapes)
     try:
-        eng.check_update(names, shapes)            # before receiving: the model's own shapes
+        eng.check_update(names, shapes)            # the model's own shapes, before it is touched
     except APIError:
         eng.updating = False                       # vLLM's worker ends the session on an error
         raise
-    eng.update_weights(names, eng.receive(names, dtypes, shapes))
+    eng.update_weights(names, received)
     eng.last_update = (names, dtype_names, shapes)
     return {"message": "Weights updated"}
 

@@ -92,6 +92,15 @@ def vllm_servers(toy_dir):
             s.stop()
 
 
+@pytest.fixture(params=["local_vllm", pytest.param("vllm", marks=pytest.mark.vllm)])
+def any_server(request):
+    """One end-to-end test, two servers: the stand-in (the session's shared `server`) and real
+    vLLM (the first of `vllm_servers`, skipped without VLLM_PYTHON)."""
+    if request.param == "vllm":
+        return request.getfixturevalue("vllm_servers")[0]
+    return request.getfixturevalue("server")
+
+
 @pytest.fixture
 def tokenizer(toy_dir):
     """The toy tokenizer, loaded fresh for each test (some tests change its templates)."""

@@ -4,7 +4,8 @@
 Two servers start once for the session (conftest.vllm_servers); every test leaves them serving,
 resumed and without adapters of its own, except the last, which kills the second one. What real
 vLLM does that the stand-in did not (reference/vllm_cpu.md) is asserted here: a refused update, the
-resume after a 500, adapter names of earlier runs, pause semantics, the CPU's remedies.
+resume after a 500, adapter names of earlier runs, pause semantics, the CPU's remedies. Tests on
+`any_server` run against the stand-in too (conftest: one fixture, two parameters).
 """
 import threading
 import time
@@ -28,18 +29,22 @@ from train_helpers import SMALL
 from vllm_client import VLLMClient
 from weight_sync import WeightSync, language_parameters, transfer_flags
 
-pytestmark = pytest.mark.vllm
+vllm = pytest.mark.vllm
 TOL = 1e-4                       # the issue's bound: server log-probs equal the trainer's weights
 
 
-def served(server, prompt=PROMPT, model="toy", tokens=8) -> tuple[list[int], list[float]]:
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True,
+def base_card(server) -> str:
+    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+
+
+def served(server, prompt=PROMPT, model=None, tokens=8) -> tuple[list[int], list[float]]:
+    body = {"model": model or base_card(server), "prompt": prompt, "max_tokens": tokens, "ignore_eos": True,
             "temperature": 1.0, "seed": 3, "logprobs": 0, "return_token_ids": True}
     choice = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
-def error_to(server, reference, prompt=PROMPT, model="toy") -> float:
+def error_to(server, reference, prompt=PROMPT, model=None) -> float:
     """max |server log-prob − reference model log-prob| over a sampled completion."""
     tokens, logprobs = served(server, prompt, model)
     ref = reference_logprobs(reference, prompt, tokens)
@@ -76,6 +81,7 @@ def run(servers, toy_dir, out, steps=2, peft_config=None, **kwargs):
                        model=toy_dir, peft_config=peft_config)
 
 
+@vllm
 def test_rollouts_carry_the_servers_exact_logprobs(vllm_servers, toy_dir, tokenizer):
     """The rollout process's request (token ids in, processed log-probs and top-k out) against
     vLLM: every sampled token's log-prob is the model's, and the top-k sets are filled."""
@@ -96,6 +102,7 @@ def test_rollouts_carry_the_servers_exact_logprobs(vllm_servers, toy_dir, tokeni
         assert (s.top_ids[1:][mask] >= 0).all()
 
 
+@vllm
 def test_full_sync_lands_exactly_every_time(vllm_servers, toy_dir):
     """Three syncs of different weights (the tied embedding moved too: the CPU GEMM's packed LM
     head must follow): after each, both servers' log-probs equal the sent model's."""
@@ -111,10 +118,10 @@ def test_full_sync_lands_exactly_every_time(vllm_servers, toy_dir):
         restore(vllm_servers, toy_dir)
 
 
-def test_the_prefix_cache_never_serves_kv_of_old_weights(vllm_servers, toy_dir):
+def test_the_prefix_cache_never_serves_kv_of_old_weights(any_server, toy_dir):
     """A prompt computed (and cached) before a sync: after it, the same prompt's log-probs are the
     new weights' (the sync's pause clears the prefix cache)."""
-    server = vllm_servers[0]
+    server = any_server
     prompt = [3 + i % 90 for i in range(200)]      # longer than a KV block: a cacheable prefix
     base = AutoModelForCausalLM.from_pretrained(toy_dir).eval()
     try:
@@ -127,11 +134,11 @@ def test_the_prefix_cache_never_serves_kv_of_old_weights(vllm_servers, toy_dir):
         restore([server], toy_dir)
 
 
-def test_a_mismatched_update_is_refused_before_it_can_hurt_the_server(vllm_servers, toy_dir):
+def test_a_mismatched_update_is_refused_before_it_can_hurt_the_server(any_server, toy_dir):
     """Names or shapes the served model lacks: refused at connect, nothing sent. Sent anyway (no
     check), the gloo backend refuses it with a 500 before touching the model, uvicorn closes the
     connection, and the trainer resumes over a fresh one: the server is resumed and serves."""
-    server = vllm_servers[0]
+    server = any_server
     base = AutoModelForCausalLM.from_pretrained(toy_dir).eval()
     specs = [(n, p.shape) for n, p in language_parameters(base)]
     bad = [("model.no_such.weight", specs[0][1]), *specs[1:]]
@@ -147,24 +154,27 @@ def test_a_mismatched_update_is_refused_before_it_can_hurt_the_server(vllm_serve
     assert error_to(server, base) <= TOL
 
 
-def test_pause_keep_queues_a_request_until_resume(vllm_servers):
-    """vLLM 0.32 queues what arrives while paused (0.33 answers 503 in abort/wait, which the
-    client retries): a completion sent while paused finishes after /resume."""
-    server = vllm_servers[0]
-    client = VLLMClient(server.url, timeout=60)
-    client.pause(mode="keep")
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_a_request_sent_while_paused_completes_after_resume(any_server, mode):
+    """vLLM 0.32 queues what arrives while paused in every mode; 0.33 (the stand-in) answers 503
+    in abort and wait, which the client's generation calls retry. Either way a completion sent
+    while paused finishes after /resume, and not before."""
+    client = VLLMClient(any_server.url, timeout=60, backoff=0.1, max_backoff=0.5, max_retries=100)
+    body = {"model": base_card(any_server), "prompt": PROMPT, "max_tokens": 2, "ignore_eos": True}
+    client.pause(mode=mode)
     assert client.is_paused()
     done = []
-    sender = threading.Thread(target=lambda: done.append(served(server, tokens=2)))
+    sender = threading.Thread(target=lambda: done.append(client.completions(body)))
     sender.start()
     time.sleep(2.0)
-    assert not done                                # queued, not refused
-    client.resume()
+    assert not done                                # queued or refused, never served paused
+    VLLMClient(any_server.url, timeout=60).resume()
     sender.join(60)
-    assert done and len(done[0][0]) == 2
+    assert done and done[0]["choices"][0]["finish_reason"] == "length"
     assert not client.is_paused()
 
 
+@vllm
 def test_remedies_name_what_works_on_this_hardware(vllm_servers):
     info = VLLMClient(vllm_servers[0].url).server_info()
     assert info["device_config"]["device"] == "cpu"
@@ -174,6 +184,7 @@ def test_remedies_name_what_works_on_this_hardware(vllm_servers):
         assert '"backend":"gloo"' in transfer_flags() and "nccl" not in transfer_flags()
 
 
+@vllm
 def test_two_full_sync_runs_against_the_same_servers(vllm_servers, toy_dir, tmp_path):
     """`train` twice with full sync to both replicas: both runs finish, and after each the servers
     serve its final checkpoint."""
@@ -188,6 +199,7 @@ def test_two_full_sync_runs_against_the_same_servers(vllm_servers, toy_dir, tmp_
         restore(vllm_servers, toy_dir)
 
 
+@vllm
 def test_two_lora_runs_sync_adapters_to_both_replicas(vllm_servers, toy_dir, tmp_path,
                                                        monkeypatch):
     """Adapter-only sync to two real replicas, twice against the same servers (the second run's
@@ -212,6 +224,7 @@ def test_two_lora_runs_sync_adapters_to_both_replicas(vllm_servers, toy_dir, tmp
     assert lora_sync.PREFIX in seen[0]["prefix"]
 
 
+@vllm
 def test_resume_sends_the_saved_weights_before_generating(vllm_servers, toy_dir, tmp_path):
     """A run saves at step 2; its resume first pushes checkpoint-2's weights (version 2), then
     trains on: the servers end at the resumed run's final checkpoint."""
@@ -227,6 +240,7 @@ def test_resume_sends_the_saved_weights_before_generating(vllm_servers, toy_dir,
         restore(vllm_servers[:1], toy_dir)
 
 
+@vllm
 def test_a_server_killed_mid_run_stops_the_trainer_with_its_name(vllm_servers, toy_dir,
                                                                  tmp_path):
     """Last: the second server is killed while a run trains against it; the run stops with an

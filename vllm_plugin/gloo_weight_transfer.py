@@ -13,14 +13,16 @@ It speaks the protocol weight_sync.py speaks to local_vllm, so the trainer has o
     POST /start_weight_update ──────────► nothing yet: the model is untouched
     POST /update_weights {names, dtype_names, shapes}
                                       ──► check every name, shape and dtype against the checkpoint
-                                          (a refusal leaves the model serving), then layerwise
-                                          reload; per bucket: broadcast ◄── uint8 [Σ bytes]
-                                          → split → model.load_weights([(name, tensor), ...])
+                                          (refused: the buckets are received and dropped, so the
+                                          trainer's broadcast ends, and the model keeps serving);
+                                          then layerwise reload; per bucket: broadcast ◄── uint8
+                                          [Σ bytes] → split → model.load_weights([(name, t), ...])
     POST /finish_weight_update ─────────► finalize the reload; re-pack the CPU GEMM's copies
 
 Departures from vLLM's nccl engine, one line each:
 - The check before the reload: vLLM's engines reload first and fail while loading, which leaves
-  the layers on the meta device and kills the engine at its next forward (reference/vllm_cpu.md).
+  the layers on the meta device and kills the engine at its next forward (reference/vllm_cpu.md);
+  a refused update is still received (and dropped), so the trainer's send never hangs.
 - After an update every embedding-method layer is re-packed: on CPU, the tied lm_head keeps a
   packed copy of the OLD embedding, since it receives no weights (log-prob error 0.43 without).
 - No `torch.accelerator.synchronize()` after a bucket: gloo is synchronous, and it raises on CPU.
@@ -113,9 +115,15 @@ def checkpoint_shapes(model_path: str) -> dict[str, list[int]] | None:
     return shapes
 
 
+def sizable(info: GlooUpdateInfo) -> bool:
+    """Whether the buckets' sizes follow from `info` (so a refused update can still be received)."""
+    return (len(info.names) == len(info.dtype_names) == len(info.shapes)
+            and all(isinstance(getattr(torch, d, None), torch.dtype) for d in info.dtype_names))
+
+
 def refusal(info: GlooUpdateInfo, expected: dict[str, list[int]] | None,
             dtype: torch.dtype) -> str | None:
-    """Why an update must be refused before anything is received (None: it is fine)."""
+    """Why an update must be refused before the model is touched (None: it is fine)."""
     if not len(info.names) == len(info.dtype_names) == len(info.shapes):
         return "names, dtype_names and shapes differ in length"
     wire = {getattr(torch, d, None) for d in info.dtype_names}
@@ -166,12 +174,20 @@ class GlooWeightTransferEngine(WeightTransferEngine):
                                "POST /init_weight_transfer_engine first")
         why = refusal(info, self.expected, self.model_config.dtype)
         if why is not None:
-            raise ValueError(f"Weight update refused (nothing received, the model is "
+            if sizable(info):
+                for _ in self._buckets(info):          # drop them: the trainer's send completes
+                    pass
+            raise ValueError(f"Weight update refused (received and dropped, the model is "
                              f"unchanged): {why}")
         if not self.reloading:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
             initialize_layerwise_reload(self.model)
             self.reloading = True
+        for pieces in self._buckets(info):
+            self.model.load_weights(pieces)
+
+    def _buckets(self, info: GlooUpdateInfo):
+        """Each bucket the trainer broadcasts, as [(name, tensor), ...] in the declared order."""
         dtypes = [getattr(torch, d) for d in info.dtype_names]
         sizes = [math.prod(s) * d.itemsize for d, s in zip(dtypes, info.shapes)]
         plan = (buckets(sizes, self.info.packed_buffer_size_bytes) if self.info.packed
@@ -186,7 +202,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):
                 raw = flat[offset:offset + sizes[i]].clone()          # clone: aligned for view
                 pieces.append((info.names[i], raw.view(dtypes[i]).reshape(info.shapes[i])))
                 offset += sizes[i]
-            self.model.load_weights(pieces)
+            yield pieces
 
     def finish_weight_update(self) -> None:
         if not self.reloading:
