@@ -29,12 +29,11 @@ import secrets
 import shutil
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from weight_sync import FullSync, SyncStats, full_tensor, language_parameters
+from weight_sync import FullSync, SyncStats, full_tensor, language_parameters, on_every_server
 
 PREFIX = "policy"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values
@@ -162,19 +161,13 @@ class AdapterSync:
             try:
                 self._unload(version)
             except RuntimeError as e:
-                warnings.warn(f"LoRA sync: {e}", stacklevel=2)
+                warnings.warn(str(e), stacklevel=2)
         self.loaded = []
 
     def _each(self, call, what: str) -> None:
         """Every replica, in parallel; a replica that fails stops the run, named (no silent
         divergence)."""
-        with ThreadPoolExecutor(len(self.clients)) as pool:
-            futures = [pool.submit(call, c) for c in self.clients]
-            for c, f in zip(self.clients, futures):
-                try:
-                    f.result()
-                except Exception as e:
-                    raise RuntimeError(f"LoRA sync: {what} failed on {c.base_url}: {e}") from e
+        on_every_server(self.clients, call, self.config.vllm_server_timeout, f"LoRA sync: {what}")
 
 
 # ── merged ──────────────────────────────────────────────────────────────────────────────────

@@ -364,9 +364,3 @@ def router_aux_loss_coef(model_config, coef: float | None) -> float:
         return 0.0
     return float(coef if coef is not None else getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
 
-
-def add_router_aux_loss(loss, aux_loss, coef: float, weight: float = 1.0):
-    """loss + coef × weight × aux_loss; aux_loss comes from a forward with
-    output_router_logits=True, weight is this micro-batch's share of the optimizer step
-    (e.g. 1 / gradient_accumulation_steps)."""
-    return loss + coef * weight * aux_loss if coef else loss

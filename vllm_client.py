@@ -7,16 +7,15 @@ One `VLLMClient` talks to one server; `server_urls` splits `vllm_server_base_url
 
     purpose          endpoint                              method(s) here
     ---------------  ------------------------------------  --------------------------------------
-    health / info    GET  /health                          health, wait_for_health
+    health / info    GET  /health                          wait_for_health
                      GET  /v1/models                       models, max_model_len
                      GET  /server_info?config_format=json  server_info              (dev mode)
                      GET  /get_world_size?include_dp=      world_size               (dev mode)
-                     GET  /metrics  (Prometheus text)      metrics, ametrics -> parse_prometheus
+                     GET  /metrics  (Prometheus text)      ametrics -> parse_prometheus
     generation       POST /v1/completions                  completions, acompletions
-                     POST /inference/v1/generate           generate, agenerate  (--enable-scale-out)
+                     POST /inference/v1/generate           agenerate  (--enable-scale-out)
     pause            POST /pause?mode=&clear_cache=        pause
                      POST /resume,  GET /is_paused         resume, is_paused, resume_confirmed
-                     POST /reset_prefix_cache?...          reset_prefix_cache
     weight transfer  POST /init_weight_transfer_engine     init_weight_transfer_engine (collective)
                      POST /start_weight_update             start_weight_update
                      POST /update_weights                  update_weights              (collective)
@@ -263,15 +262,6 @@ class VLLMClient:
 
     # ---- health and server info ----
 
-    def health(self) -> bool:
-        """One short probe of GET /health; no retries."""
-        try:
-            response = self._client.get(self.base_url + "/health",
-                                        timeout=min(HEALTH_PROBE_S, self.timeout))
-            return response.status_code == 200
-        except httpx.TransportError:
-            return False
-
     def wait_for_health(self, timeout: float | None = None) -> None:
         """Poll GET /health until it answers 200; TimeoutError after `timeout` s (default: the
         client's)."""
@@ -309,22 +299,10 @@ class VLLMClient:
         path = f"/get_world_size?include_dp={str(include_dp).lower()}"
         return int(_field(self._request("GET", path), "world_size"))
 
-    def metrics(self) -> Samples | None:
-        """Parsed GET /metrics, or None when the server has none (404)."""
-        try:
-            return parse_prometheus(self._request("GET", "/metrics").text)
-        except VLLMError as e:
-            if e.status == 404:
-                return None
-            raise
-
     # ---- generation ----
 
     def completions(self, body: dict) -> dict:
         return _field(self._request("POST", "/v1/completions", "generation", json=body))
-
-    def generate(self, body: dict) -> dict:
-        return _field(self._request("POST", "/inference/v1/generate", "generation", json=body))
 
     # ---- pause / resume / cache ----
 
@@ -355,10 +333,6 @@ class VLLMClient:
 
     def is_paused(self) -> bool:
         return bool(_field(self._request("GET", "/is_paused"), "is_paused"))
-
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        path = f"/reset_prefix_cache?reset_running_requests={str(reset_running_requests).lower()}"
-        return bool(_field(self._request("POST", path), "success"))
 
     # ---- weight transfer (the order is: init once; then per sync start, update, finish) ----
 
@@ -411,6 +385,7 @@ class VLLMClient:
         return _field(reply)
 
     async def ametrics(self) -> Samples | None:
+        """Parsed GET /metrics, or None when the server has none (404)."""
         try:
             return parse_prometheus((await self._arequest("GET", "/metrics")).text)
         except VLLMError as e:

@@ -389,29 +389,37 @@ class WeightSync:
     def _pause(self) -> tuple[BaseException | None, list[VLLMClient]]:
         """Pause every server; (the first failure, the servers to resume). A server that refused the
         connection (down) was never paused: resuming it would only retry for a minute."""
-        error = None
-        resume = []
-        with ThreadPoolExecutor(len(self.clients)) as pool:
-            futures = [pool.submit(c.pause, mode="keep") for c in self.clients]
-            for c, f in zip(self.clients, futures):
-                what = f"weight sync with {c.base_url}"
-                failure = _attempt(lambda: _result(f, self.timeout, what))
-                error = error or failure
-                if not _refused(failure):
-                    resume.append(c)
-        return error, resume
+        failures = each_server(self.clients, lambda c: c.pause(mode="keep"), self.timeout,
+                               "weight sync")
+        resume = [c for c, e in zip(self.clients, failures) if not _refused(e)]
+        return next((e for e in failures if e is not None), None), resume
 
     def _each(self, call: Callable[[VLLMClient], object],
               clients: list[VLLMClient] | None = None) -> None:
         """Call every server (or `clients`) in parallel; the first failure is raised, naming the
         server."""
-        clients = self.clients if clients is None else clients
-        if not clients:
-            return
-        with ThreadPoolExecutor(len(clients)) as pool:
-            futures = [pool.submit(call, c) for c in clients]
-            for c, f in zip(clients, futures):
-                _result(f, self.timeout, f"weight sync with {c.base_url}")
+        on_every_server(self.clients if clients is None else clients, call, self.timeout,
+                        "weight sync")
+
+
+def each_server(clients: list[VLLMClient], call: Callable[[VLLMClient], object], timeout: float,
+                what: str) -> list[BaseException | None]:
+    """call(c) for every server at once, each awaited `timeout` s at most: per server None, or its
+    failure as an error naming it ("<what> with <url> failed: ...")."""
+    if not clients:
+        return []
+    with ThreadPoolExecutor(len(clients)) as pool:
+        futures = [pool.submit(call, c) for c in clients]
+        return [_attempt(lambda: _result(f, timeout, f"{what} with {c.base_url}"))
+                for c, f in zip(clients, futures)]
+
+
+def on_every_server(clients: list[VLLMClient], call: Callable[[VLLMClient], object],
+                    timeout: float, what: str) -> None:
+    """each_server, raising the first failure."""
+    first = next((e for e in each_server(clients, call, timeout, what) if e is not None), None)
+    if first is not None:
+        raise first
 
 
 def _result(future, timeout: float, what: str):

@@ -133,7 +133,7 @@ def test_control_call_timeout_raises_naming_the_endpoint(serve):
 def test_stalled_generation_is_retried(serve):
     s = serve(["stall", (200, COMPLETION)])
     client = VLLMClient(s.url, timeout=0.2, **FAST)
-    assert client.generate({"token_ids": [1]}) == COMPLETION
+    assert client.completions({"prompt": [1]}) == COMPLETION
     assert client.retry_total == 1 and len(s.requests) == 2
 
 
@@ -157,7 +157,6 @@ def test_connection_refused_is_retried_then_raised():
         client.world_size()
     assert info.value.status is None and info.value.url.endswith("/get_world_size?include_dp=true")
     assert client.retry_total == 2
-    assert client.health() is False
 
 
 def test_backoff_doubles_up_to_its_cap(monkeypatch):
@@ -186,7 +185,7 @@ def test_wait_for_health_returns_once_healthy(serve):
     s = serve([(503, ""), (503, ""), (200, "")])
     client = VLLMClient(s.url)
     client.wait_for_health(timeout=5)
-    assert len(s.requests) == 3 and client.health()
+    assert len(s.requests) == 3
 
 
 def test_lora_replies_are_plain_text(serve):
@@ -222,7 +221,6 @@ def test_endpoints_paths_and_bodies(serve):
         "/get_world_size?include_dp=false": {"world_size": 2},
         "/pause?mode=abort&clear_cache=false": {"status": "paused"},
         "/resume": {"status": "resumed"},
-        "/reset_prefix_cache?reset_running_requests=true": {"success": True},
         "/init_weight_transfer_engine": {"message": "Weight transfer initialized"},
         "/finish_weight_update": {"message": "Weight update finished"},
         "/weight_info": {"weight_version": "v2"},
@@ -239,14 +237,13 @@ def test_endpoints_paths_and_bodies(serve):
     assert client.world_size(include_dp=False) == 2
     client.pause("abort", clear_cache=False)
     client.resume()
-    assert client.reset_prefix_cache(reset_running_requests=True) is True
     client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": 1,
                                         "rank_offset": 1, "world_size": 2})
     client.finish_weight_update("v2")
     assert client.weight_info() == "v2"
     assert client.weight_checker("compare", {"w": "ab"}) == {"match": True, "mismatches": []}
-    assert client.generate({"token_ids": [1]}) == COMPLETION
-    assert client.metrics() is None  # no /metrics: 404
+    assert asyncio.run(client.agenerate({"token_ids": [1]})) == COMPLETION
+    assert asyncio.run(client.ametrics()) is None  # no /metrics: 404
     bodies = {path: body for _, path, body in s.requests}
     assert bodies["/init_weight_transfer_engine"]["init_info"]["rank_offset"] == 1
     assert bodies["/finish_weight_update"] == {"weight_version": "v2"}
@@ -340,6 +337,6 @@ def test_the_api_key_goes_on_every_call_sync_and_async(serve, monkeypatch):
     s = serve([(200, COMPLETION)])
     client = VLLMClient(s.url, **FAST)
     client.completions({"prompt": [1]})
-    client.health()
+    client.wait_for_health(timeout=5)
     asyncio.run(client.acompletions({"prompt": [1]}))
     assert s.authorizations == ["Bearer k3y"] * 3
