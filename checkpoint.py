@@ -11,6 +11,10 @@
       trainer_state.json              {"global_step": 20, "model_version": 20, "num_tokens": ...}
       rollout_state.json              {"prompt_index": 157}: the first prompt index not yet trained
 
+save_only_model=True writes the model files, trainer_state.json and rollout_state.json only (no
+fsdp/, scheduler, RNG): a servable model, not a resume point. copy_model() copies a checkpoint's
+model files (AsyncGRPOTrainer.save_model); load_model() reads them back.
+
 Resume (`resume_from_checkpoint=True`: the newest checkpoint in output_dir; or a path) restores
 all of it; the rollout process starts at prompt_index, the trainer syncs the saved weights to the
 servers before generation starts, and running totals (num_tokens, *_total) continue.
@@ -93,15 +97,18 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
     if rank == 0:
         model.save_pretrained(tmp, state_dict=exported)
         tokenizer.save_pretrained(tmp)
-    model_state, optim_state = get_state_dict(policy, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "fsdp"))
-    rng = {"python": random.getstate(),
-           "numpy": np.random.get_state(),
-           "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    torch.save(rng, os.path.join(tmp, f"rng_state_{rank}.pth"))
+    if not config.save_only_model:
+        model_state, optim_state = get_state_dict(policy, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state},
+                 checkpoint_id=os.path.join(tmp, "fsdp"))
+        rng = {"python": random.getstate(),
+               "numpy": np.random.get_state(),
+               "torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        torch.save(rng, os.path.join(tmp, f"rng_state_{rank}.pth"))
     if rank == 0:
-        torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+        if not config.save_only_model:
+            torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
         trainer_state = {k: v for k, v in asdict(state).items() if k != "prompt_index"}
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(trainer_state, f, indent=2)
@@ -116,6 +123,32 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
     return final
 
 
+RESUME_FILES = ("fsdp", "scheduler.pt", "trainer_state.json", "rollout_state.json")
+
+
+def copy_model(path: str, output_dir: str) -> None:
+    """The model and tokenizer files of checkpoint `path` into output_dir (made if missing)."""
+    os.makedirs(output_dir, exist_ok=True)
+    for name in os.listdir(path):
+        if name in RESUME_FILES or name.startswith("rng_state_"):
+            continue
+        source = os.path.join(path, name)
+        if os.path.isdir(source):
+            shutil.copytree(source, os.path.join(output_dir, name), dirs_exist_ok=True)
+        else:
+            shutil.copy2(source, output_dir)
+
+
+def load_model(path: str):
+    """The model of checkpoint `path`, on the CPU: a causal LM, or with LoRA the adapter over its
+    base model (peft)."""
+    if os.path.exists(os.path.join(path, "adapter_config.json")):
+        from peft import AutoPeftModelForCausalLM
+        return AutoPeftModelForCausalLM.from_pretrained(path)
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path)
+
+
 def prune(output_dir: str, limit: int | None) -> None:
     """Delete all but the newest `limit` checkpoints."""
     if limit is None:
@@ -127,6 +160,10 @@ def prune(output_dir: str, limit: int | None) -> None:
 def load(path: str, policy, optimizer, scheduler) -> TrainState:
     """Restore a checkpoint written by save() into the sharded model, optimizer, scheduler and
     RNGs."""
+    if not os.path.isdir(os.path.join(path, "fsdp")):
+        raise ValueError(f"{path} was saved with save_only_model=True: it holds no optimizer or "
+                         "master-weight state to resume from; resume from a checkpoint saved "
+                         "without it, or load the model with from_pretrained")
     model_state, optim_state = get_state_dict(policy, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=os.path.join(path, "fsdp"))

@@ -26,19 +26,23 @@ trainer's side of the boundary is rollout_worker.py.
 
 Departures from the spec, one line each (the why is on the code named):
 - A group starts only if its samples are consumed before they go stale (staleness.admits).
-- The six inter-process primitives travel as one `Channels` record (one argument, not six).
+- RolloutWorker passes the six inter-process primitives as one `Channels` record, not six.
 - max_completion_length counts the generated tokens of all turns (generate_one).
 - A rollout's requests name the policy version it started under, as a LoRA adapter (adapter_name).
 - A failed rollout drops its group; FAILED_GROUPS_TO_STOP groups in a row stop the run (_rollout).
 - *_total metrics are running totals; backpressure_s, score_block_s: seconds since the last one.
+- rollout/admission_wait_s (ours): seconds generation waited for staleness admission, not a full
+  queue (the spec's rollout/backpressure_s, which counts only that).
 """
 import asyncio
 import contextvars
 import logging
 import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import httpx
@@ -51,7 +55,7 @@ from rollout_scoring import add_totals, score_group
 from rollout_servers import Replica, connect_all, make_replicas, pick, poll_all
 from rollout_tools import (environment_reward, environment_tools, parse_turn, run_tool_calls,
                            start_environment, tool_call_format)
-from staleness import admits
+from staleness import admits, prior_rate
 from vllm_client import VLLMError, server_urls
 
 log = logging.getLogger(__name__)
@@ -82,6 +86,26 @@ class Channels:
     failed: Any             # spec failed_event. Event child → parent: see exception_info
 
 
+def spec_channels(config, rollout_buffer, model_version_value, heartbeat_value, failed_event,
+                  exception_info_queue, metrics_queue) -> Channels:
+    """Channels from the spec's six primitives; ours are in-process stand-ins (no trainer
+    publishes a staleness window: the prior rate of one process holds)."""
+    missing = [name for name, v in [("rollout_buffer", rollout_buffer),
+                                    ("model_version_value", model_version_value),
+                                    ("heartbeat_value", heartbeat_value),
+                                    ("failed_event", failed_event),
+                                    ("exception_info_queue", exception_info_queue),
+                                    ("metrics_queue", metrics_queue)] if v is None]
+    if missing:
+        raise TypeError(f"AsyncRolloutLoop needs {', '.join(missing)} (or one `channels` record)")
+    return Channels(rollout_buffer=rollout_buffer, metrics=metrics_queue, progress=queue.Queue(),
+                    exception_info=exception_info_queue, model_version=model_version_value,
+                    version_start=SimpleNamespace(value=0),
+                    rate=SimpleNamespace(value=prior_rate(config, 1)),
+                    consumed=SimpleNamespace(value=0), heartbeat=heartbeat_value,
+                    stop=threading.Event(), ready=threading.Event(), failed=failed_event)
+
+
 @dataclass
 class TurnContext:
     """Where the current rollout's requests go (its task's context, so an override of
@@ -109,20 +133,29 @@ class AsyncRolloutLoop:
         compute_advantages(group)              once per scored group     rewards standardised
         setup(), close()                       as the loop starts/stops  nothing
 
-    RolloutWorker builds it in the child with the spec's arguments, except that the six
-    inter-process primitives come as one `channels` record and max_concurrent_rollouts comes
-    resolved (the parent knows num_processes).
+    It takes the spec's arguments, the six inter-process primitives (rollout_buffer ...
+    metrics_queue) among them. RolloutWorker passes those as one `channels` record instead, with
+    our own channels beside them, and max_concurrent_rollouts resolved (the parent knows
+    num_processes); built from the six, the rest are in-process stand-ins (spec_channels).
     """
     metrics_interval_s = 2.0  # seconds between /metrics polls and periodic metric emissions
     vllm_max_retries = 8      # retries of a failed request before it fails (vllm_client's policy)
 
     def __init__(self, config, model_name: str | None, dataset, reward_funcs: list[Callable] | None,
-                 processing_class, eos_token_ids: list[int], channels: Channels,
-                 max_concurrent_rollouts: int, tools: list[Callable] | None = None,
+                 processing_class, eos_token_ids: list[int], rollout_buffer=None,
+                 model_version_value=None, heartbeat_value=None, failed_event=None,
+                 exception_info_queue=None, metrics_queue=None,
+                 tools: list[Callable] | None = None,
                  environment_factory: Callable | dict[str, Callable] | None = None,
                  score_queue_maxsize: int = 16, lora_name: str | None = None,
-                 dataset_start_index: int = 0):
+                 dataset_start_index: int = 0, *, channels: Channels | None = None,
+                 max_concurrent_rollouts: int | None = None):
         check_prompt_source(dataset, environment_factory, config.max_steps)
+        if channels is None:
+            channels = spec_channels(config, rollout_buffer, model_version_value, heartbeat_value,
+                                     failed_event, exception_info_queue, metrics_queue)
+        if max_concurrent_rollouts is None:
+            max_concurrent_rollouts = config.default_max_concurrent_rollouts(num_processes=1)
         self.config = config
         self.model_name = model_name                  # None: the servers' model, read at start
         self.dataset = dataset
@@ -151,8 +184,8 @@ class AsyncRolloutLoop:
         self.fatal: BaseException | None = None  # a rollout's error: the generate loop raises it
         self.tasks: set[asyncio.Task] = set()    # the running rollouts
         self.wake = asyncio.Event()              # something the generate loop waits on changed
-        self.since_emit = {"rollout/backpressure_s": 0.0, "rollout/score_block_s": 0.0,
-                           "generated_tokens": 0}
+        self.since_emit = {"rollout/backpressure_s": 0.0, "rollout/admission_wait_s": 0.0,
+                           "rollout/score_block_s": 0.0, "generated_tokens": 0}
         self.totals: dict[str, float] = {}       # the tools/*_total counters since the start
 
     # ── hooks ──
@@ -245,15 +278,23 @@ class AsyncRolloutLoop:
             params["top_k"] = config.top_k
         if config.min_p is not None:
             params["min_p"] = config.min_p
-        if use_generate:
-            endpoint = "/inference/v1/generate"
-            reply = await client.agenerate({"model": context.model, "token_ids": list(prompt_ids),
-                                            "sampling_params": params})
-        else:
-            endpoint = "/v1/completions"
-            reply = await client.acompletions({"model": context.model, "prompt": list(prompt_ids),
-                                               **params, "return_token_ids": True,
-                                               "return_tokens_as_token_ids": True})
+        endpoint = "/inference/v1/generate" if use_generate else "/v1/completions"
+        while True:
+            try:
+                if use_generate:
+                    reply = await client.agenerate({"model": context.model, "sampling_params": params,
+                                                    "token_ids": list(prompt_ids)})
+                else:
+                    reply = await client.acompletions({"model": context.model, **params,
+                                                       "prompt": list(prompt_ids),
+                                                       "return_token_ids": True,
+                                                       "return_tokens_as_token_ids": True})
+                break
+            except VLLMError as e:
+                newest = self.adapter_name(self.model_version)
+                if e.status != 404 or newest == context.model:
+                    raise
+                raise
         parse = parse_generate if use_generate else parse_completion
         try:
             turn = parse(prompt_ids, reply, self.num_top)
@@ -287,7 +328,10 @@ class AsyncRolloutLoop:
         """The model a rollout started under policy `version` requests: with LoRA adapter sync the
         trainer's adapter `<lora_name>-v<version>`; version 0 (the adapter starts at zero) and runs
         without LoRA use the base model. A rollout that spans a sync finishes under its start
-        version; the trainer keeps those adapters loaded."""
+        version; the trainer keeps those adapters loaded. One the trainer has unloaded all the
+        same (a rollout that waited for its request longer than max_staleness syncs: seen with
+        real vLLM, 404) goes on under the newest adapter; its samples keep their group's older
+        version, so their staleness is over-counted, never under-counted."""
         if self.lora_name is None or version == 0:
             return self.model_name
         return f"{self.lora_name}-v{version}"
@@ -335,15 +379,16 @@ class AsyncRolloutLoop:
         config = self.config
         G = config.num_generations
         group_id = 0
+        shuffle = config.data_seed if config.train_sampling_strategy == "random" else None
         stream = prompt_stream(self.dataset, self.dataset_start_index, config.num_train_epochs,
-                               config.max_steps)
+                               config.max_steps, shuffle)
         prompts = filtered_stream(stream, self.filter_prompt)   # an epoch rejected whole raises
         for prompt_index, _, row_index, row, accepted in prompts:
             if not accepted:
                 self.channels.progress.put((prompt_index, 0))
                 continue
             await self._wait_until(lambda: not self.score_queue.full(), "rollout/score_block_s")
-            await self._wait_until(self._admissible, "rollout/backpressure_s")
+            await self._wait_until(self._admissible, "rollout/admission_wait_s")
             replica = pick(self.replicas)
             group = PendingGroup(group_id, row_index, prompt_index, row, G, replica)
             group_id += 1
@@ -511,8 +556,9 @@ class AsyncRolloutLoop:
     async def _metrics_loop(self) -> None:
         """At start and every metrics_interval_s: poll the servers (rollout_servers.poll_all, which
         moves their caps) and emit the periodic metrics, so a run shorter than the interval has
-        them too. Kinds: *_total are running totals since the process started (report the latest);
-        rollout/backpressure_s and rollout/score_block_s are the seconds since the last emission
+        them too. Kinds: *_total are running totals since the process started (report the latest),
+        except rollout/vllm_preemptions_total, those since the last poll; rollout/backpressure_s,
+        rollout/admission_wait_s and rollout/score_block_s are the seconds since the last emission
         (sum them over a logging window); the rest are samples."""
         last_time = time.monotonic()
         while True:
@@ -522,6 +568,7 @@ class AsyncRolloutLoop:
             metrics |= {"rollout/score_queue_size": self.score_queue.qsize(),
                         "rollout/generated_tok_s": tokens / max(now - last_time, 1e-9),
                         "rollout/backpressure_s": self.since_emit["rollout/backpressure_s"],
+                        "rollout/admission_wait_s": self.since_emit["rollout/admission_wait_s"],
                         "rollout/score_block_s": self.since_emit["rollout/score_block_s"]}
             last_time = now
             self.since_emit = dict.fromkeys(self.since_emit, 0)

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 
@@ -44,8 +46,8 @@ def first_prompt_index(dataset, start_index: int) -> int:
     return 0 if streaming else start_index
 
 
-def prompt_stream(dataset, start_index: int, num_train_epochs: float,
-                  max_steps: int) -> Iterator[tuple[int, int, int, dict]]:
+def prompt_stream(dataset, start_index: int, num_train_epochs: float, max_steps: int,
+                  shuffle_seed: int | None = None) -> Iterator[tuple[int, int, int, dict]]:
     """Yield (prompt_index, epoch, row_index, row): the prompts of the run in order, from
     `start_index`.
 
@@ -54,7 +56,8 @@ def prompt_stream(dataset, start_index: int, num_train_epochs: float,
     ceil(num_train_epochs × len(dataset)) prompts, or never when max_steps > 0 (the trainer stops
     by steps). A streaming dataset (no len) cannot be repositioned: it restarts at prompt 0 and
     counts whole passes. Without a dataset (an environment's reset() writes each prompt) every row
-    is empty, in epoch 0.
+    is empty, in epoch 0. `shuffle_seed` (data_seed): each epoch of a sized dataset visits its
+    rows in a permutation seeded by (shuffle_seed, epoch), so a resume index finds the same row.
     """
     endless = max_steps > 0
     if dataset is None:
@@ -82,8 +85,13 @@ def prompt_stream(dataset, start_index: int, num_train_epochs: float,
         raise ValueError("the training dataset is empty")
     end = math.inf if endless else math.ceil(num_train_epochs * n)
     index = start_index
+    order = None                                    # (epoch, its row order)
     while index < end:
-        yield index, index // n, index % n, dataset[index % n]
+        epoch, i = divmod(index, n)
+        if shuffle_seed is not None and (order is None or order[0] != epoch):
+            order = (epoch, np.random.default_rng([shuffle_seed, epoch]).permutation(n))
+        row_index = int(order[1][i]) if shuffle_seed is not None else i
+        yield index, epoch, row_index, dataset[row_index]
         index += 1
 
 

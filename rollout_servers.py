@@ -97,7 +97,7 @@ class Replica:
     kv_usage: float = 0.0           # from the last /metrics poll
     waiting: float = 0.0
     running: float = 0.0
-    preemptions: float = 0.0        # since this process started (rollout/vllm_preemptions_total)
+    preemptions: float = 0.0        # since the last poll (rollout/vllm_preemptions_total)
     picked: int = 0                 # when it last got a group (pick's count), for ties
     last_counter: float | None = None  # the server's vllm:num_preemptions_total at the last poll
 
@@ -121,9 +121,10 @@ class Replica:
         self.waiting = sum(values("vllm:num_requests_waiting"))
         self.running = sum(values("vllm:num_requests_running"))
         counter = sum(values("vllm:num_preemptions_total"))
+        self.preemptions = 0.0
         if self.last_counter is not None:  # a restarted server starts its counter again at 0
             restarted = counter < self.last_counter
-            self.preemptions += counter if restarted else counter - self.last_counter
+            self.preemptions = counter if restarted else counter - self.last_counter
         self.last_counter = counter
         self.cap.observe(self.kv_usage, self.waiting, self.inflight)
 
@@ -156,7 +157,8 @@ async def connect_all(replicas: list[Replica], config, num_top: int | None,
 
 async def poll_all(replicas: list[Replica]) -> dict[str, float]:
     """Read each replica's /metrics (moving its cap) and sum up the server side of the periodic
-    metrics: KV usage the max over replicas; requests, caps and counters summed."""
+    metrics: KV usage the max over replicas; requests, caps and counters summed. Preemptions are
+    those since the last poll (the spec: during the logging window, whose emissions add up)."""
     polled = [r for r in replicas if r.cap.adaptive]
     await asyncio.gather(*(r.poll() for r in polled))
     metrics = {"rollout/concurrency": sum(r.inflight for r in replicas),

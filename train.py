@@ -30,9 +30,13 @@ Departures from the spec, one line each:
 - Rank 0 plans the whole step before the first backward: the loss divides by the step's token count.
 - Stale samples are dropped here too (the spec's promise), though admission rarely lets one by.
 - Rollouts request the server's base model card by name: the id a trainer loads need not match it.
+- callbacks: five events on rank 0 (train_callbacks.py); optimizers: only (None, None).
+- A script must call the trainer under `if __name__ == "__main__":` (check_main_guard says so).
 """
 import argparse
+import ast
 import importlib
+import logging
 import math
 import os
 import signal
@@ -47,16 +51,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import checkpoint
 import lora_sync
+import server_checks
+import train_callbacks
 import train_metrics
 import tree_attention
 from config import AsyncGRPOConfig        # the spec imports it from the trainer's module
 from loss import (MOE_EXPERT_FIELDS, compute_loss, finalize_metrics, reduce_metrics,
                   router_aux_loss_coef)
-from rollout import AsyncRolloutLoop
+from rollout import AsyncRolloutLoop, Rollout, RolloutGroup, TurnRecord   # the spec's records
 from rollout_worker import RolloutWorker
 from local_vllm.launch import LocalServer
 from trie_pack import Planner
-from vllm_client import VLLMClient, server_urls
+from vllm_client import VLLMClient, VLLMError, server_urls
 from weight_sync import FullSync, free_port, full_tensor, language_parameters
 
 # ── the loop ─────────────────────────────────────────────────────────────────────────────────
@@ -64,17 +70,24 @@ from weight_sync import FullSync, free_port, full_tensor, language_parameters
 
 def train(config, dataset, reward_funcs=None, *, model, processing_class=None, tools=None,
           environment_factory=None, loop_cls=AsyncRolloutLoop, peft_config=None,
-          resume_from_checkpoint=None) -> dict:
+          resume_from_checkpoint=None, hooks=None) -> dict:
     """Train `model` with asynchronous GRPO until the prompts run out (num_train_epochs) or
-    max_steps; every rank calls it (torchrun). Returns the last logged metrics (rank 0; {} on the
-    other ranks)."""
+    max_steps; every rank calls it (torchrun). `hooks`: the callbacks and the TrainerState they
+    see (train_callbacks.py). Returns the last logged metrics (rank 0; {} on the other ranks)."""
+    check_main_guard()
     rank, world, device = setup_distributed(config)
+    set_log_level(config, rank)
+    hooks = hooks or train_callbacks.Hooks([], config)
     torch.manual_seed(config.seed)              # every rank: the weights agree before sharding
     output_dir = config.output_dir or "trainer_output"
     model, tokenizer = load_model(model, config, processing_class, peft_config)
     aux_coef = router_aux_loss_coef(model.config, config.router_aux_loss_coef)
     policy = shard(Policy(model), config, device)
     optimizer, scheduler = build_optimizer(policy, config)
+    scaler = None                               # fp16: loss scaling (bf16 needs none)
+    if config.fp16:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scaler = ShardedGradScaler()
     state = checkpoint.TrainState()
     resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
     if resume:
@@ -88,14 +101,16 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     def save() -> None:
         state.prompt_index = feed.trained_position() if rank == 0 else 0
         checkpoint.save(output_dir, state, policy, optimizer, scheduler, tokenizer, config)
+        if rank == 0:
+            hooks.event("on_save", state.global_step)
 
     try:
         if rank == 0:
             for c in clients:
                 c.wait_for_health()
+            check_servers(clients, config, tokenizer, device)
         sync.connect()
-        if state.model_version > 0:             # resumed: the servers still hold older weights
-            sync.push(state.model_version)
+        sync.start(state.model_version)         # the servers may hold another run's weights
         if rank == 0:
             budget = config.token_budget
             budget = clients[0].max_model_len() if budget is None else budget
@@ -108,15 +123,18 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                                    model_version=state.model_version, **sync.worker_kwargs())
             feed = Feed(worker, planner, config.gradient_accumulation_steps,
                         dropped_stale_total=state.dropped_stale_total)
-            log = train_metrics.MetricsLog(config, output_dir, state, policy.model, device,
-                                           tokenizer)
+            log = train_metrics.MetricsLog(
+                config, output_dir, state, policy.model, device, tokenizer,
+                on_log=lambda line: hooks.event("on_log", line["step"], logs=line))
             worker.start()
+            hooks.event("on_train_begin", state.global_step)
         while config.max_steps <= 0 or state.global_step < config.max_steps:
             started = time.perf_counter()
             step = None                         # rank 0: [GA][world] TreeRow
             if rank == 0:
-                try:
-                    step = feed.next_step(state.model_version, config.max_staleness)
+                try:                            # a callback's stop: an empty step ends every rank
+                    step = [] if hooks.should_stop else feed.next_step(state.model_version,
+                                                                       config.max_staleness)
                 except BaseException as e:      # the other ranks must not wait for rows forever
                     scatter_rows(None, rank, world, error=f"{type(e).__name__}: {e}")
                     raise
@@ -125,8 +143,11 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                 break
             rows, num_tokens, packed = mine
             metrics = train_step(policy, optimizer, scheduler, rows, num_tokens, config, world,
-                                 aux_coef)
+                                 aux_coef, scaler)
             state.global_step += 1
+            every = config.torch_empty_cache_steps
+            if every and state.global_step % every == 0 and device.type == "cuda":
+                torch.cuda.empty_cache()
             if state.global_step % config.weight_sync_steps == 0:
                 metrics |= sync.push(state.model_version + 1)
                 state.model_version += 1
@@ -138,12 +159,16 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                 state.dropped_oversize_total = feed.planner.dropped_oversize_total
                 metrics["perf/step_s"] = time.perf_counter() - started
                 log.step(state, metrics, feed, step, packed)
+                hooks.event("on_step_end", state.global_step)
+            hooks.state.global_step = state.global_step
             if saving and state.global_step % config.every("save_steps") == 0:
                 save()
-        if log is not None and log.window:
+        if log is not None and log.window and log.every is not None:
             log.flush(state.global_step, feed.worker)
         if saving and state.global_step % config.every("save_steps") != 0:
             save()
+        if rank == 0:
+            hooks.event("on_train_end", state.global_step)
         return log.last if log is not None else {}
     finally:
         if feed is not None:
@@ -163,12 +188,14 @@ def setup_distributed(config) -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: nccl on CUDA, gloo on CPU; alone: a group of one,
     so FSDP2 and torch.distributed.checkpoint run the same code."""
     cuda = torch.cuda.is_available()
+    if cuda and config.tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.tf32
     if not dist.is_initialized():
-        backend = "nccl" if cuda else "gloo"
+        backend = config.ddp_backend or ("nccl" if cuda else "gloo")
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         # rank 0 may wait this long for samples while the other ranks wait in a collective
-        wait_s = max(1800.0, config.vllm_server_timeout + config.rollout_worker_timeout)
+        wait_s = max(config.ddp_timeout, config.vllm_server_timeout + config.rollout_worker_timeout)
         timeout = timedelta(seconds=wait_s)
         if "RANK" in os.environ:                # torchrun: its environment says where to meet
             dist.init_process_group(backend, timeout=timeout)
@@ -177,6 +204,67 @@ def setup_distributed(config) -> tuple[int, int, torch.device]:
                                     world_size=1, timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def set_log_level(config, rank: int) -> None:
+    """log_level on the main process (each node's local rank 0 with log_on_each_node), else
+    log_level_replica; "passive" leaves the level as it is."""
+    local_main = config.log_on_each_node and os.environ.get("LOCAL_RANK", "0") == "0"
+    level = config.log_level if rank == 0 or local_main else config.log_level_replica
+    if level != "passive":
+        logging.getLogger().setLevel(level.upper())
+
+
+def check_main_guard() -> None:
+    """RuntimeError when a script calls the trainer at its top level, outside an
+    `if __name__ == "__main__":` block: the spawned rollout process imports the script again
+    (spawn re-runs the main module to unpickle what it defines), and would start a second trainer.
+    Checked from the call stack: a frame running the main script's module code, at a line that no
+    such `if` holds."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (code.co_name == "<module>" and main_file is not None
+                and os.path.abspath(code.co_filename) == os.path.abspath(main_file)
+                and not _under_main_guard(code.co_filename, frame.f_lineno)):
+            raise RuntimeError(
+                f"{code.co_filename}:{frame.f_lineno} starts the trainer at the script's top "
+                "level. The rollout process is spawned and imports this script again, which "
+                "would start another trainer: put the training code under the guard\n\n"
+                "    if __name__ == \"__main__\":\n        trainer.train()\n")
+        frame = frame.f_back
+
+
+def _under_main_guard(path: str, line: int) -> bool:
+    """Whether `line` of the script lies in an `if __name__ == "__main__":` body."""
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return True                             # no source to read: nothing to say
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+                and any(isinstance(c, ast.Constant) and c.value == "__main__"
+                        for c in node.test.comparators)
+                and node.body[0].lineno <= line <= node.body[-1].end_lineno):
+            return True
+    return False
+
+
+def check_servers(clients, config, tokenizer, device) -> None:
+    """Rank 0, at start: the served vocabulary must hold the trained tokenizer's (an error); the
+    served dtype should be the trainer's compute dtype (a warning, spec: dtype)."""
+    infos = []
+    for c in clients:
+        server_checks.check_vocab(c, tokenizer)
+        try:
+            infos.append(c.server_info())
+        except VLLMError:                       # no dev mode: weight sync says what is missing
+            infos.append({})
+    server_checks.warn_dtype_mismatch([c.base_url for c in clients], infos,
+                                      config.compute_dtype(device))
 
 
 def load_model(model, config, processing_class=None, peft_config=None):
@@ -208,7 +296,8 @@ def load_model(model, config, processing_class=None, peft_config=None):
         model = get_peft_model(model, peft_config)
     tree_attention.install(model, config.tree_attention_backend)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False} | (config.gradient_checkpointing_kwargs or {})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model, tokenizer
 
 
@@ -238,10 +327,15 @@ class Policy(torch.nn.Module):
 
 
 def shard(policy: Policy, config, device: torch.device) -> Policy:
-    """FSDP2: each decoder layer, then the root. bf16 compute with fp32 reductions when bf16 is on;
-    the master weights (and so the optimizer state) keep the dtype the weights loaded in."""
-    if config.bf16_on(device):
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    """FSDP2: each decoder layer, then the root. The trainable master weights (and so the
+    optimizer state) are fp32 whatever dtype they loaded in (spec: dtype); bf16 or fp16 compute
+    with fp32 reductions when bf16 or fp16 is on. Frozen weights keep their dtype."""
+    for p in policy.parameters():
+        if p.requires_grad and p.is_floating_point():
+            p.data = p.data.float()
+    compute = config.compute_dtype(device)
+    if compute != torch.float32:
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
     for layer in tree_attention.decoder_layers(policy.model):
@@ -357,11 +451,12 @@ def scatter_rows(step: list[list] | None, rank: int, world: int, error: str | No
 
 
 def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int, config,
-               world: int, aux_coef: float) -> dict:
+               world: int, aux_coef: float, scaler=None) -> dict:
     """One optimizer step over this rank's rows; returns the loss metrics reduced over micro-batches
     and ranks, and the timings. A row's loss divides by num_tokens, the whole step's trained tokens,
     so the step's loss is the sum over rows and ranks; FSDP2 averages gradients over ranks, hence
-    the backward of loss × world."""
+    the backward of loss × world. `scaler` (fp16): the loss is scaled, the gradients unscaled
+    before clipping, and a step with inf/NaN gradients skipped."""
     device = policy.head().weight.device
     softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
     timer = train_metrics.Timer(device)
@@ -380,14 +475,20 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
                 loss = loss + aux_coef * aux / (len(rows) * world)
                 aux_sum += float(aux) / len(rows)
         with timer("bwd_s"):
-            (loss * world).backward()
+            (loss * world if scaler is None else scaler.scale(loss * world)).backward()
         loss_sum += loss.detach().to(torch.float64)
         parts.append(metrics)
     with timer("optimizer_s"):
         limit = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
         trainable = [p for p in policy.parameters() if p.requires_grad]
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, limit)
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     metrics = reduce_metrics(parts) | {"loss": loss_sum}
@@ -433,35 +534,103 @@ def to_device(row, device):
 
 
 class AsyncGRPOTrainer:
-    """The spec's trainer class over `train()`: construct, then .train(). Subclass it and set
-    `loop_cls` to customise the rollout loop (spec: ロールアウトループのカスタマイズ, Customising the
-    rollout loop).
+    """The spec's trainer class over `train()`, with the spec's arguments in the spec's order:
+    construct, then .train(). Subclass it and set `loop_cls` to customise the rollout loop (spec:
+    ロールアウトループのカスタマイズ, Customising the rollout loop).
 
         trainer = AsyncGRPOTrainer(model="toy", reward_funcs=toy.sum_reward,
                                    train_dataset=toy.make_dataset())
-        trainer.train()
+        trainer.train()                  # under `if __name__ == "__main__":` in a script
+        trainer.state.global_step, trainer.state.log_history[-1]["reward"]
+        trainer.save_model("my_model")   # a from_pretrained directory
+
+    callbacks: TrainerCallback objects, in train_callbacks.py's minimal form. optimizers: only
+    (None, None); the optimizer is AdamW built after FSDP2 sharding (optim, learning_rate, adam_*).
     """
     loop_cls = AsyncRolloutLoop
 
-    def __init__(self, model, reward_funcs=None, train_dataset=None, args=None,
-                 processing_class=None, peft_config=None, tools=None, environment_factory=None):
+    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None,
+                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None,
+                 tools=None, environment_factory=None):
         if reward_funcs is None and environment_factory is None:
             raise ValueError("reward_funcs is required unless environment_factory supplies the "
                              "reward (get_reward)")
-        self.model = model
+        if args is not None and not isinstance(args, AsyncGRPOConfig):
+            raise TypeError(f"args is a {type(args).__name__}, not an AsyncGRPOConfig: the "
+                            "spec's order is (model, reward_funcs, args, train_dataset, ...); "
+                            "pass train_dataset= by name")
+        if tuple(optimizers) != (None, None):
+            raise ValueError("AsyncGRPOTrainer.optimizers: only (None, None). The model is "
+                             "sharded with FSDP2 inside train(), so an optimizer built on its "
+                             "parameters beforehand would update tensors the model no longer "
+                             "uses; set optim, learning_rate, adam_beta1/2, adam_epsilon, "
+                             "weight_decay and lr_scheduler_type/lr_scheduler_kwargs instead, or "
+                             "fork train.py's build_optimizer")
+        self.model = model               # after train(): the trained model, read back lazily
+        self.trained_checkpoint = None   # after train(): the last checkpoint-N
         self.reward_funcs = reward_funcs
-        self.train_dataset = train_dataset
         self.args = args if args is not None else AsyncGRPOConfig()
+        self.train_dataset = train_dataset
         self.processing_class = processing_class
         self.peft_config = peft_config
         self.tools = tools
         self.environment_factory = environment_factory
+        self.hooks = train_callbacks.Hooks(callbacks or [], self.args)
+
+    @property
+    def state(self):
+        """transformers' TrainerState: global_step, and log_history (rank 0) after train()."""
+        return self.hooks.state
+
+    def add_callback(self, callback) -> None:
+        """Add a callback (an instance, or a class to instantiate)."""
+        self.hooks.callbacks.append(callback() if isinstance(callback, type) else callback)
+
+    def remove_callback(self, callback) -> None:
+        """Remove a callback: an instance, or every instance of a class."""
+        self.hooks.callbacks = [c for c in self.hooks.callbacks if not (
+            c is callback or isinstance(callback, type) and isinstance(c, callback))]
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict:
-        return train(self.args, self.train_dataset, self.reward_funcs, model=self.model,
-                     processing_class=self.processing_class, tools=self.tools,
-                     environment_factory=self.environment_factory, loop_cls=self.loop_cls,
-                     peft_config=self.peft_config, resume_from_checkpoint=resume_from_checkpoint)
+        """Train (train()); then .model is the trained model from the last checkpoint (the
+        sharded training copy is gone with the process group)."""
+        metrics = train(self.args, self.train_dataset, self.reward_funcs, model=self._model,
+                        processing_class=self.processing_class, tools=self.tools,
+                        environment_factory=self.environment_factory, loop_cls=self.loop_cls,
+                        peft_config=self.peft_config,
+                        resume_from_checkpoint=resume_from_checkpoint, hooks=self.hooks)
+        found = sorted(checkpoint.checkpoints(self.args.output_dir or "trainer_output"))
+        self.trained_checkpoint = found[-1][1] if found else None
+        return metrics
+
+    @property
+    def model(self):
+        """The model argument; after train(), the trained model read from the last checkpoint
+        (on first use, on the CPU)."""
+        if self.trained_checkpoint is not None and self._model_from != self.trained_checkpoint:
+            self._model = checkpoint.load_model(self.trained_checkpoint)
+            self._model_from = self.trained_checkpoint
+        return self._model
+
+    @model.setter
+    def model(self, value) -> None:
+        self._model = value
+        self._model_from = None
+
+    def save_model(self, output_dir: str | None = None) -> str:
+        """Copy the trained model (the last checkpoint's model and tokenizer files: a
+        from_pretrained directory; LoRA: the adapter) to output_dir (None: args.output_dir).
+        Call it after train(); rank 0 copies. Returns output_dir."""
+        run_dir = self.args.output_dir or "trainer_output"
+        output_dir = output_dir or run_dir
+        found = sorted(checkpoint.checkpoints(run_dir))
+        if not found:
+            raise ValueError(f"save_model: {run_dir!r} holds no checkpoint-N (train() writes one "
+                             "at its end unless save_strategy='no'): train first, with "
+                             "save_strategy='steps'")
+        if int(os.environ.get("RANK", "0")) == 0:
+            checkpoint.copy_model(found[-1][1], output_dir)
+        return output_dir
 
 
 def local_server_args(config, peft_config=None) -> list[str]:

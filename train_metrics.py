@@ -15,6 +15,9 @@ with sample/staleness_max 1 and 3, sample/dropped_stale_total 4 and 6, and perf/
 log sample/staleness_max 3 (a max), sample/dropped_stale_total 6 (a running total: the last) and
 perf/step_s 2.5 (the mean).
 
+report_to's dashboards (train_dashboards.py) get each line as written, and with log_completions
+the completions as a table; on_log (the trainer's callbacks) gets each line too.
+
 Departures from the spec, one line each:
 - Completions print as plain text, not with rich: one dependency less.
 """
@@ -27,28 +30,32 @@ import time
 import numpy as np
 import torch
 
+import train_dashboards
+
 # dense peak FLOP/s per device (bf16 tensor cores; fp32 without TF32), from the vendors' datasheets
 PEAK_FLOPS = {"bf16": {"B200": 2.25e15, "H200": 989e12, "H100": 989e12, "H800": 989e12,
                        "A100": 312e12, "L40S": 362e12, "MI300X": 1307e12, "MI325X": 1307e12},
               "fp32": {"B200": 80e12, "H200": 67e12, "H100": 67e12, "A100": 19.5e12,
                        "L40S": 91.6e12}}
-SUMMED = ("rollout/backpressure_s", "rollout/score_block_s")     # time amounts: a window sums them
+SUMMED = ("rollout/backpressure_s", "rollout/admission_wait_s", "rollout/score_block_s",
+          "rollout/vllm_preemptions_total")     # amounts since the last emission: a window sums
 
 
 def reduce_window(records: list[dict]) -> dict[str, float]:
-    """Many metric dicts → one, by name: `*_total` are running totals (the last value), a name whose
-    last part holds "max" the max, "min" the min, SUMMED the sum, everything else the mean. None
-    and NaN values are skipped (module docstring: a worked example)."""
+    """Many metric dicts → one, by name: SUMMED the sum (rollout/vllm_preemptions_total: the
+    spec's count during the window), other `*_total` are running totals (the last value), a name
+    whose last part holds "max" the max, "min" the min, everything else the mean. None and NaN
+    values are skipped (module docstring: a worked example)."""
     out: dict[str, float] = {}
     for name in dict.fromkeys(k for r in records for k in r):
         values = [r[name] for r in records
                   if name in r and r[name] is not None and not _nan(r[name])]
         if not values:
             continue
-        if name.endswith("_total"):
-            out[name] = values[-1]
-        elif name in SUMMED:
+        if name in SUMMED:
             out[name] = float(sum(values))
+        elif name.endswith("_total"):
+            out[name] = values[-1]
         elif "max" in name.rsplit("/", 1)[-1]:
             out[name] = float(max(values))
         elif "min" in name.rsplit("/", 1)[-1]:
@@ -149,10 +156,12 @@ def peak_flops(device: torch.device, bf16: bool) -> float | None:
 
 
 class MetricsLog:
-    """Rank 0's metrics: per-step records, one JSONL line per logging window, a progress bar, and a
-    few completions printed when log_completions is set."""
+    """Rank 0's metrics: per-step records, one JSONL line per logging window (logging_steps; also
+    after step 1 with logging_first_step; none with logging_strategy="no"), the same line on each
+    report_to dashboard and to on_log, a progress bar, and the completions when log_completions is
+    set."""
 
-    def __init__(self, config, output_dir: str, state, model, device, tokenizer):
+    def __init__(self, config, output_dir: str, state, model, device, tokenizer, on_log=None):
         from tqdm import tqdm
         os.makedirs(output_dir, exist_ok=True)
         self.config = config
@@ -161,10 +170,12 @@ class MetricsLog:
         self.last: dict = {}                 # the last line written
         self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
         self.flops = FlopCounter(model)
-        self.peak = peak_flops(device, config.bf16_on(device))
+        self.peak = peak_flops(device, config.compute_dtype(device) != torch.float32)
         self.world = torch.distributed.get_world_size()
-        self.every = config.every("logging_steps")
+        self.every = config.every("logging_steps") if config.logging_strategy == "steps" else None
+        self.on_log = on_log
         self.completions: list = []
+        self.dashboards = train_dashboards.open_dashboards(config, output_dir)
         self.bar = tqdm(total=config.max_steps if config.max_steps > 0 else None,
                         initial=state.global_step, unit="step", dynamic_ncols=True,
                         disable=config.disable_tqdm)           # None: on a tty only
@@ -186,7 +197,8 @@ class MetricsLog:
         self.window.append(record)
         self.completions += feed.samples
         self.bar.update(1)
-        if state.global_step % self.every == 0:
+        first = self.config.logging_first_step and state.global_step == 1
+        if self.every is not None and (state.global_step % self.every == 0 or first):
             self.flush(state.global_step, feed.worker)
 
     def flush(self, step: int, worker) -> None:
@@ -198,21 +210,31 @@ class MetricsLog:
         self.window = []
         shown = {k: f"{line[k]:.3g}" for k in ("reward", "loss", "perf/step_s") if k in line}
         self.bar.set_postfix(shown, refresh=False)
+        train_dashboards.log_line(self.dashboards, line)
         if self.config.log_completions:
-            self.print_completions()
+            rows = self.completion_rows()
+            for prompt, completion, reward in rows:
+                self.bar.write(f"  reward {reward:+.2f}  {prompt!r} → {completion!r}")
+            train_dashboards.log_table(self.dashboards, step, rows)
         self.completions = []
+        if self.on_log is not None:
+            self.on_log(line)
 
-    def print_completions(self) -> None:
+    def completion_rows(self) -> list[tuple[str, str, float]]:
+        """(prompt, completion, reward) of num_completions_to_print samples (None: all)."""
         n = self.config.num_completions_to_print
+        rows = []
         for s in self.completions[:n] if n is not None else self.completions:
             prompt = s.prompt[-1]["content"] if isinstance(s.prompt, list) else s.prompt
             completion = (" ".join(m.get("content") or "" for m in s.completion)
                           if isinstance(s.completion, list) else s.completion)
-            self.bar.write(f"  reward {s.reward:+.2f}  {prompt!r} → {completion!r}")
+            rows.append((prompt, completion, float(s.reward)))
+        return rows
 
     def close(self) -> None:
         self.bar.close()
         self.file.close()
+        train_dashboards.close_dashboards(self.dashboards)
 
 
 def plot(run_dir: str) -> str:

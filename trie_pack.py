@@ -32,7 +32,6 @@ own history. Two rollouts of one prompt, as in the spec:
 
 Departures from the spec, one line each:
 - flush() moves samples so no rank is empty (it would desync collectives); < world_size: dropped.
-- masked_token_frac counts forwarded positions without a loss term (spec: completion_mask == 0).
 - A trained first token (completion_mask[0] == 1) has no position predicting it: add() refuses it.
 - batch/row_fill_frac is not reported in fixed-count mode, where no token_budget exists.
 """
@@ -117,7 +116,7 @@ class PackedRow:
     raw_tokens: int                  # Σ sample lengths
     unique_tokens: int               # N
     trained_tokens: int              # M
-    masked_tokens: int               # positions with no loss term
+    masked_tokens: int               # forwarded tokens with completion_mask == 0 (every sample)
     attention_cost: int              # Σ (depth + 1) over tokens: attention score pairs
 
 
@@ -270,12 +269,13 @@ class TreeRow:
         layout, chain_path = self._layout()
         terms = self._loss_terms(chain_path)
         n = len(layout["input_ids"])
-        token_index = terms["token_index"].numpy()
-        predicting = np.bincount(token_index, minlength=n).astype(bool).sum()
+        trained = np.zeros(n, bool)     # packed tokens with completion_mask == 1 in some sample
+        for s, smp in enumerate(self.samples):
+            trained[chain_path[self._sample_chain[s]][np.flatnonzero(smp.completion_mask)]] = True
         return PackedRow(**layout, **terms, num_samples=len(self.samples),
                          raw_tokens=self.raw_tokens, unique_tokens=n,
-                         trained_tokens=len(token_index), masked_tokens=n - int(predicting),
-                         attention_cost=self.attention_cost)
+                         trained_tokens=len(terms["token_index"]),
+                         masked_tokens=n - int(trained.sum()), attention_cost=self.attention_cost)
 
     def _layout(self) -> tuple[dict, list[np.ndarray]]:
         """PackedRow's layout fields, and each chain's path: [depth of its end + 1] packed indices.

@@ -19,6 +19,7 @@ from rollout import AsyncRolloutLoop
 from rollout_worker import RolloutWorker
 from test_rollout_tools import MISTRAL_LIKE
 from test_serve_local import make_adapter
+from train_metrics import reduce_window
 from vllm_client import VLLMClient, VLLMError
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
@@ -343,10 +344,11 @@ def test_environment_prompts_resume_from_the_saved_index(long_server, tokenizer)
     assert 5 <= index <= max(s.prompt_index for s in samples) + 1   # 0 before the fix
 
 
-def test_retry_and_preemption_totals_are_running_totals(start_server, tokenizer):
+def test_retry_totals_run_and_preemptions_count_per_poll(start_server, tokenizer):
     """After a paused server's preemptions (pause keep + clear_cache) and retried 503s (pause
-    abort), later polls keep reporting them: rollout/vllm_*_total are totals since the process
-    started, not deltas."""
+    abort): rollout/vllm_retry_total is a total since the process started, and
+    rollout/vllm_preemptions_total counts those since the last poll, so a window's sum is the
+    spec's count during the logging window."""
     server = start_server(*h.SERVER_FLAGS)
     config = h.config_for(server, max_completion_length=200, max_steps=50, num_generations=4)
     worker = RolloutWorker(config,
@@ -374,9 +376,11 @@ def test_retry_and_preemption_totals_are_running_totals(start_server, tokenizer)
     finally:
         worker.stop()
         client.close()
-    for name in ("rollout/vllm_preemptions_total", "rollout/vllm_retry_total"):
-        values = [p[name] for p in polls]
-        assert values == sorted(values) and values[-1] > 0, (name, values)
+    retries = [p["rollout/vllm_retry_total"] for p in polls]
+    assert retries == sorted(retries) and retries[-1] > 0, retries
+    preemptions = [p["rollout/vllm_preemptions_total"] for p in polls]
+    assert sum(preemptions) > 0 and preemptions[-1] == 0, preemptions   # none since, at the end
+    assert reduce_window(polls)["rollout/vllm_preemptions_total"] == sum(preemptions)
 
 
 def test_rollouts_name_the_adapter_of_the_version_they_started_under(start_server, toy_dir,
@@ -406,3 +410,38 @@ def test_rollouts_name_the_adapter_of_the_version_they_started_under(start_serve
     assert models[0] == {base}                           # both turns under version 0, across a sync
     assert {g: m for g, m in models.items() if g > 0} == {1: {"policy-v2"}, 2: {"policy-v2"}}
     assert all(len(h.served(s)) == 2 for s in samples)
+
+
+def test_a_rollout_whose_adapter_was_unloaded_goes_on_under_the_newest(start_server, toy_dir,
+                                                                      tokenizer, tmp_path):
+    """Group 0 starts under policy-v1, waits between its turns until version 2; meanwhile the
+    trainer loads v2 and unloads v1 (a 404 for the second turn): the rollout finishes under v2,
+    and no group is dropped."""
+    server = start_server(*h.SERVER_FLAGS, "--enable-lora", "--max-lora-rank", "8",
+                          "--max-loras", "3")
+    for v in (1, 2):
+        make_adapter(toy_dir, str(tmp_path / f"v{v}"))
+    adapter = {"lora_name": "policy-v1", "lora_path": str(tmp_path / "v1")}
+    assert httpx.post(server.url + "/v1/load_lora_adapter", json=adapter).status_code == 200
+    config = h.config_for(server, max_concurrent_rollouts=2, max_completion_length=6,
+                          per_device_train_batch_size=64)
+    worker = RolloutWorker(config, toy.make_dataset(2), [h.rank_reward], tokenizer,
+                           loop_cls=h.SpanningLoop, lora_name="policy", model_version=1)
+    samples = []
+    try:
+        worker.start()
+        with pytest.raises(queue.Empty):
+            worker.get(timeout=1.0)                      # group 0 waits between turns
+        adapter = {"lora_name": "policy-v2", "lora_path": str(tmp_path / "v2")}
+        assert httpx.post(server.url + "/v1/load_lora_adapter", json=adapter).status_code == 200
+        r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "policy-v1"})
+        assert r.status_code == 200
+        worker.set_model_version(2)
+        while (sample := worker.get(timeout=60)) is not None:
+            samples.append(sample)
+    finally:
+        worker.stop()
+    models = {s.group_id: [model for _, model in h.served(s)] for s in samples}
+    assert sorted(models) == [0, 1]                       # no group dropped
+    assert all(m == ["policy-v1", "policy-v2"] for m in [models[0]])
+    assert {s.model_version for s in samples if s.group_id == 0} == {1}
