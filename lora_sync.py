@@ -20,8 +20,8 @@ AdapterSync of run 3f9a1c, one sync to version 5 with max_staleness = 2 (3 versi
 MergedSync is a weight_sync.FullSync of W + s·B·A (merged()) under the base model's names.
 
 Departures from the spec, one line each:
-- Adapters are named policy-<run>-v{N} (spec: trl-policy-v{N}): vLLM keeps a name registered until it
-  is unloaded, so a second run (or a crashed one) against the same server never collides.
+- Adapters are named policy-<run>-v{N} (spec: trl-policy-v{N}): vLLM keeps a name registered until
+  it is unloaded, so a second run (or a crashed one) against the same server never collides.
 - Several replicas are served without a proxy: each load and unload goes to each (TRL refuses that).
 """
 import os
@@ -146,6 +146,20 @@ class AdapterSync:
             dist.barrier()
         stats.total_s = time.perf_counter() - start
         return stats.metrics()
+
+    def start(self, version: int) -> None:
+        """Every rank, before generation starts: a resumed run loads its saved adapter; a fresh one
+        generates from the base model, so rank 0 warns when a server's base weights were replaced
+        by an earlier full sync (its weight_version is no longer "default")."""
+        if version > 0:
+            self.push(version)
+        elif dist.get_rank() == 0:
+            for c in self.clients:
+                if (held := c.weight_info()) != "default":
+                    warnings.warn(f"LoRA sync: {c.base_url} serves base weights of an earlier "
+                                  f"full sync (weight_version {held!r}), not its checkpoint: "
+                                  f"adapters apply to those; restart it to train on the "
+                                  f"checkpoint", stacklevel=2)
 
     def _unload(self, version: int) -> None:
         old = f"{self.prefix}-v{version}"

@@ -282,8 +282,9 @@ class AsyncRolloutLoop:
         while True:
             try:
                 if use_generate:
-                    reply = await client.agenerate({"model": context.model, "sampling_params": params,
-                                                    "token_ids": list(prompt_ids)})
+                    reply = await client.agenerate({"model": context.model,
+                                                    "token_ids": list(prompt_ids),
+                                                    "sampling_params": params})
                 else:
                     reply = await client.acompletions({"model": context.model, **params,
                                                        "prompt": list(prompt_ids),
@@ -294,7 +295,7 @@ class AsyncRolloutLoop:
                 newest = self.adapter_name(self.model_version)
                 if e.status != 404 or newest == context.model:
                     raise
-                raise
+                context.model = newest          # its adapter was unloaded: see adapter_name
         parse = parse_generate if use_generate else parse_completion
         try:
             turn = parse(prompt_ids, reply, self.num_top)

@@ -15,8 +15,8 @@ The model is a ~0.3M-parameter Qwen3 shape over a character-level tokenizer (pri
 Qwen's special and tool tokens), saved with save_pretrained so everything loads it like a hub model.
 RL starts from a pretrained model, so the demo's model (ensure_saved) first gets a supervised
 warm-up on the answer format only: one random digit, then the end of turn; RL learns the arithmetic.
-TRAIN_DEFAULTS are what `python train.py` changes from AsyncGRPOConfig; `python -m tools.bench learn`
-runs it.
+TRAIN_DEFAULTS are what `python train.py` changes from AsyncGRPOConfig; `python -m tools.bench
+learn` runs it.
 
 Departures: the spec trains hub models (our machines have none); the chat template follows Qwen's
 layout (`<tools>` in the system turn, `<tool_call>{json}</tool_call>`, `<tool_response>` as user);

@@ -109,6 +109,12 @@ class FullSync:
         """RolloutWorker arguments this sync needs: none (rollouts request the base model card)."""
         return {}
 
+    def start(self, version: int) -> None:
+        """Every rank, before generation starts: send this run's weights. A long-lived server holds
+        whatever the last run (or a resumed run's older steps) sent it, not the checkpoint this run
+        starts from, and the first rollouts would be sampled from that."""
+        self.push(version)
+
     def close(self) -> None:
         """Nothing to release: the servers keep the last weights sent."""
 

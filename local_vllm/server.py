@@ -14,7 +14,8 @@ run unchanged on a CPU laptop, in CI and in tests.
 A bad request gets a 4xx in vLLM's JSON shape before it reaches the engine (parse_sampling); a
 failure while generating fails its own request (500) and no other. As in vLLM, what its worker
 refuses in a weight-sync call is a 500, and the connection closes after any 5xx (uvicorn). Flags
-a client may check: /server_info → vllm_config (server_info; enable_scale_out is ours: with vLLM, probe for a 403).
+a client may check: /server_info → vllm_config (server_info; enable_scale_out is ours: with
+vLLM, probe for a 403).
 
 Departures from vLLM, one line each:
 - No prefix cache (engine.py): /reset_prefix_cache preempts if asked, always succeeds.

@@ -443,5 +443,5 @@ def test_a_rollout_whose_adapter_was_unloaded_goes_on_under_the_newest(start_ser
         worker.stop()
     models = {s.group_id: [model for _, model in h.served(s)] for s in samples}
     assert sorted(models) == [0, 1]                       # no group dropped
-    assert all(m == ["policy-v1", "policy-v2"] for m in [models[0]])
+    assert models[0] == ["policy-v1", "policy-v2"]
     assert {s.model_version for s in samples if s.group_id == 0} == {1}

@@ -186,12 +186,17 @@ def test_remedies_name_what_works_on_this_hardware(vllm_servers):
 
 @vllm
 def test_two_full_sync_runs_against_the_same_servers(vllm_servers, toy_dir, tmp_path):
-    """`train` twice with full sync to both replicas: both runs finish, and after each the servers
-    serve its final checkpoint."""
+    """`train` twice with full sync to both replicas: both runs finish; each starts by sending its
+    own weights (the first step's samples, of version 0, match the trainer's log-probs, though the
+    servers held the previous run's weights), and after each the servers serve its checkpoint."""
+    from train_helpers import lines
     try:
         for i in range(2):
             last = run(vllm_servers, toy_dir, tmp_path / f"run{i}")
             assert last["perf/weight_sync_bytes"] > 1e6
+            first = lines(str(tmp_path / f"run{i}"))[0]
+            assert first["sample/staleness_max"] == 0
+            assert first["sampling/sampling_logp_difference/max"] <= TOL
             model = AutoModelForCausalLM.from_pretrained(tmp_path / f"run{i}" / "checkpoint-2")
             for server in vllm_servers:
                 assert error_to(server, model.eval()) <= TOL

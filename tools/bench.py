@@ -16,7 +16,8 @@ Spec claims measured (the spec states them; these cases measure our code against
     learn     train.py, toy.py       learn reward_start=... reward_end=... steps=... minutes=...
     overlap   train.py, rollout.py   overlap async_s=... sync_s=... speedup=... ideal_s=...
     sync      lora_sync.py           sync full_s=... adapter_s=... bytes_ratio=... (+2 shape lines)
-    servers   the whole pipeline     servers local_s=... local_gen_tok_s=... vllm_s=... (VLLM_PYTHON)
+    servers   the whole pipeline     servers local_s=... local_gen_tok_s=... vllm_s=... (needs
+                                     VLLM_PYTHON)
 
 Departures, one line each:
 - Speed goals live here, never in timed tests: these machines are noisy, ratios from one run aren't.
