@@ -229,8 +229,11 @@ def test_generation_is_admitted_by_staleness(small_kv_server, tokenizer):
     try:
         worker.start()
         assert settled_queue() == 4      # a fifth sample would be stale when the trainer reached it
-        # the block is reported while it lasts, not only once it ends
-        assert sum(m.get("rollout/backpressure_s", 0) for m in worker.drain_metrics()) > 1.0
+        # the block is reported while it lasts, not only once it ends; it is admission, not a
+        # full queue (rollout/backpressure_s)
+        drained = worker.drain_metrics()
+        assert sum(m.get("rollout/admission_wait_s", 0) for m in drained) > 1.0
+        assert sum(m.get("rollout/backpressure_s", 0) for m in drained) == 0
         first = [worker.get(timeout=30) for _ in range(4)]
         assert {s.model_version for s in first} == {0}
         worker.set_model_version(1)      # 4 consumed in version 0: R = 4, window = 4 + 2 × 4
