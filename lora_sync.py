@@ -33,6 +33,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+import server_checks
+
 from weight_sync import FullSync, SyncStats, full_tensor, language_parameters, on_every_server
 
 PREFIX = "policy"
@@ -55,6 +57,8 @@ def adapter_refusal(infos: list[dict], urls: list[str], peft_config,
     flags = (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora "
              f"--max-lora-rank {max_lora_rank(peft_config.r)} --max-loras {slots}")
     for url, info in zip(urls, infos):
+        if why := server_checks.adapter_dp_refusal(url, info):
+            return why
         lora = info.get("lora_config")
         if not lora:
             return f"{url} serves no LoRA adapters; restart it with {flags}"
