@@ -151,9 +151,10 @@ class AsyncRolloutLoop:
                  dataset_start_index: int = 0, *, channels: Channels | None = None,
                  max_concurrent_rollouts: int | None = None):
         check_prompt_source(dataset, environment_factory, config.max_steps)
-        if channels is None:
-            channels = spec_channels(config, rollout_buffer, model_version_value, heartbeat_value,
-                                     failed_event, exception_info_queue, metrics_queue)
+        spec_six = (rollout_buffer, model_version_value, heartbeat_value, failed_event,
+                    exception_info_queue, metrics_queue)
+        if channels is None and any(v is not None for v in spec_six):
+            channels = spec_channels(config, *spec_six)   # none at all: a loop for its hooks only
         if max_concurrent_rollouts is None:
             max_concurrent_rollouts = config.default_max_concurrent_rollouts(num_processes=1)
         self.config = config

@@ -373,7 +373,7 @@ def test_retry_totals_run_and_preemptions_count_per_poll(start_server, tokenizer
         client.pause(mode="keep", clear_cache=True)             # preempts the running requests
         client.resume()
         client.pause(mode="abort")                              # generation gets 503s, retried
-        time.sleep(1.0)
+        collect(1.0)                   # consuming keeps admission open: new rollouts meet the 503s
         client.resume()
         collect(2.0)
     finally:

@@ -309,9 +309,12 @@ def test_the_loop_takes_the_spec_arguments():
                             failed_event=ctx.Event(), exception_info_queue=ctx.Queue(),
                             metrics_queue=ctx.Queue(), score_queue_maxsize=4)
     assert loop.channels.model_version.value == 0 and loop.score_queue.maxsize == 4
-    with pytest.raises(TypeError, match="rollout_buffer"):
+    with pytest.raises(TypeError, match="needs model_version_value, heartbeat_value"):
         AsyncRolloutLoop(config, None, toy.make_dataset(4), [toy.sum_reward],
-                         toy.build_tokenizer(), [0])
+                         toy.build_tokenizer(), [0], rollout_buffer=ctx.Queue())
+    hooks_only = AsyncRolloutLoop(config, None, toy.make_dataset(4), [toy.sum_reward],
+                                  toy.build_tokenizer(), [0])           # none: for its hooks
+    assert hooks_only.channels is None
 
 
 # ── server checks ────────────────────────────────────────────────────────────────────────────
