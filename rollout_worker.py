@@ -21,6 +21,7 @@ Departures from the spec:
 - The six inter-process primitives travel as one `rollout.Channels` record: one argument, not six.
 - The trainer also publishes C_v and R (staleness.py): the child admits groups by staleness.
 """
+import ast
 import asyncio
 import math
 import multiprocessing as mp
@@ -270,3 +271,41 @@ class RolloutWorker:
             self.process.kill()
             self.process.join()
         self.process = None
+
+
+def check_main_guard() -> None:
+    """RuntimeError when a script calls the trainer at its top level, outside an
+    `if __name__ == "__main__":` block: the spawned rollout process imports the script again
+    (spawn re-runs the main module to unpickle what it defines), and would start a second trainer.
+    Checked from the call stack: a frame running the main script's module code, at a line that no
+    such `if` holds."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (code.co_name == "<module>" and main_file is not None
+                and os.path.abspath(code.co_filename) == os.path.abspath(main_file)
+                and not _under_main_guard(code.co_filename, frame.f_lineno)):
+            raise RuntimeError(
+                f"{code.co_filename}:{frame.f_lineno} starts the trainer at the script's top "
+                "level. The rollout process is spawned and imports this script again, which "
+                "would start another trainer: put the training code under the guard\n\n"
+                "    if __name__ == \"__main__\":\n        trainer.train()\n")
+        frame = frame.f_back
+
+
+def _under_main_guard(path: str, line: int) -> bool:
+    """Whether `line` of the script lies in an `if __name__ == "__main__":` body."""
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return True                             # no source to read: nothing to say
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+                and any(isinstance(c, ast.Constant) and c.value == "__main__"
+                        for c in node.test.comparators)
+                and node.body[0].lineno <= line <= node.body[-1].end_lineno):
+            return True
+    return False

@@ -6,6 +6,7 @@ adapter-only sync is refused with --data-parallel-size > 1).
     dtype_warning(url, info, torch.float32)  → "the vLLM server at http://... serves bfloat16 ..."
     check_vocab(client, tokenizer)           → ValueError when the server refuses our largest id
     adapter_dp_refusal(url, info)            → why adapter-only sync cannot run (lora_sync.py)
+    check_servers(clients, config, tokenizer, device)   the first two, every server (train.py)
 
 `info` is a server's /server_info vllm_config. Each check costs at most one 1-token request.
 Departures from the spec: none.
@@ -68,3 +69,17 @@ def adapter_dp_refusal(url: str, info: dict) -> str | None:
     return (f"{url} runs --data-parallel-size {dp}, and a runtime adapter load does not reach "
             "every data-parallel engine; restart it with --data-parallel-size 1 and list each "
             "replica's URL in vllm_server_base_url instead")
+
+
+def check_servers(clients, config, tokenizer, device) -> None:
+    """Rank 0, at start: the served vocabulary must hold the trained tokenizer's (an error); the
+    served dtype should be the trainer's compute dtype (a warning, spec: dtype)."""
+    infos = []
+    for c in clients:
+        check_vocab(c, tokenizer)
+        try:
+            infos.append(c.server_info())
+        except VLLMError:                       # no dev mode: weight sync says what is missing
+            infos.append({})
+    warn_dtype_mismatch([c.base_url for c in clients], infos,
+                                      config.compute_dtype(device))

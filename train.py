@@ -31,18 +31,14 @@ Departures from the spec, one line each:
 - Stale samples are dropped here too (the spec's promise), though admission rarely lets one by.
 - Rollouts request the server's base model card by name: the id a trainer loads need not match it.
 - callbacks: five events on rank 0 (train_callbacks.py); optimizers: only (None, None).
-- A script must call the trainer under `if __name__ == "__main__":` (check_main_guard says so).
+- A script must call the trainer under `if __name__ == "__main__":` (rollout_worker.check_main_guard).
 """
-import argparse
-import ast
-import importlib
 import logging
 import math
 import os
-import signal
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -58,11 +54,12 @@ import tree_attention
 from config import AsyncGRPOConfig        # the spec imports it from the trainer's module
 from loss import (MOE_EXPERT_FIELDS, compute_loss, finalize_metrics, reduce_metrics,
                   router_aux_loss_coef)
-from rollout import AsyncRolloutLoop, Rollout, RolloutGroup, TurnRecord   # the spec's records
+from rollout import (AsyncRolloutLoop, Rollout, RolloutGroup,  # noqa: F401 (the spec's records)
+                     TurnRecord)
+import rollout_worker
 from rollout_worker import RolloutWorker
-from local_vllm.launch import LocalServer
 from trie_pack import Planner
-from vllm_client import VLLMClient, VLLMError, server_urls
+from vllm_client import VLLMClient, server_urls
 from weight_sync import FullSync, free_port, full_tensor, language_parameters
 
 # ── the loop ─────────────────────────────────────────────────────────────────────────────────
@@ -74,7 +71,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     """Train `model` with asynchronous GRPO until the prompts run out (num_train_epochs) or
     max_steps; every rank calls it (torchrun). `hooks`: the callbacks and the TrainerState they
     see (train_callbacks.py). Returns the last logged metrics (rank 0; {} on the other ranks)."""
-    check_main_guard()
+    rollout_worker.check_main_guard()
     rank, world, device = setup_distributed(config)
     set_log_level(config, rank)
     hooks = hooks or train_callbacks.Hooks([], config)
@@ -108,7 +105,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
         if rank == 0:
             for c in clients:
                 c.wait_for_health()
-            check_servers(clients, config, tokenizer, device)
+            server_checks.check_servers(clients, config, tokenizer, device)
         sync.connect()
         sync.start(state.model_version)         # the servers may hold another run's weights
         if rank == 0:
@@ -213,58 +210,6 @@ def set_log_level(config, rank: int) -> None:
     level = config.log_level if rank == 0 or local_main else config.log_level_replica
     if level != "passive":
         logging.getLogger().setLevel(level.upper())
-
-
-def check_main_guard() -> None:
-    """RuntimeError when a script calls the trainer at its top level, outside an
-    `if __name__ == "__main__":` block: the spawned rollout process imports the script again
-    (spawn re-runs the main module to unpickle what it defines), and would start a second trainer.
-    Checked from the call stack: a frame running the main script's module code, at a line that no
-    such `if` holds."""
-    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if (code.co_name == "<module>" and main_file is not None
-                and os.path.abspath(code.co_filename) == os.path.abspath(main_file)
-                and not _under_main_guard(code.co_filename, frame.f_lineno)):
-            raise RuntimeError(
-                f"{code.co_filename}:{frame.f_lineno} starts the trainer at the script's top "
-                "level. The rollout process is spawned and imports this script again, which "
-                "would start another trainer: put the training code under the guard\n\n"
-                "    if __name__ == \"__main__\":\n        trainer.train()\n")
-        frame = frame.f_back
-
-
-def _under_main_guard(path: str, line: int) -> bool:
-    """Whether `line` of the script lies in an `if __name__ == "__main__":` body."""
-    try:
-        with open(path) as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError):
-        return True                             # no source to read: nothing to say
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-                and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
-                and any(isinstance(c, ast.Constant) and c.value == "__main__"
-                        for c in node.test.comparators)
-                and node.body[0].lineno <= line <= node.body[-1].end_lineno):
-            return True
-    return False
-
-
-def check_servers(clients, config, tokenizer, device) -> None:
-    """Rank 0, at start: the served vocabulary must hold the trained tokenizer's (an error); the
-    served dtype should be the trainer's compute dtype (a warning, spec: dtype)."""
-    infos = []
-    for c in clients:
-        server_checks.check_vocab(c, tokenizer)
-        try:
-            infos.append(c.server_info())
-        except VLLMError:                       # no dev mode: weight sync says what is missing
-            infos.append({})
-    server_checks.warn_dtype_mismatch([c.base_url for c in clients], infos,
-                                      config.compute_dtype(device))
 
 
 def load_model(model, config, processing_class=None, peft_config=None):
@@ -633,130 +578,6 @@ class AsyncGRPOTrainer:
         return output_dir
 
 
-def local_server_args(config, peft_config=None) -> list[str]:
-    """local_vllm flags for a run of `config`: gloo weight transfer, processed log-probs, enough
-    top log-probs, candidate sets when top-k/top-p are on, LoRA slots for adapter sync."""
-    args = ["--weight-transfer-config", '{"backend":"gloo"}',
-            "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-            "--return-sampling-mask", "--enable-scale-out"]
-    if peft_config is not None:
-        args += ["--enable-lora", "--max-lora-rank", str(lora_sync.max_lora_rank(peft_config.r)),
-                 "--max-loras", str(config.max_staleness + 2)]
-    return args
-
-
-@dataclass
-class ScriptArguments:
-    """The CLI's arguments beside AsyncGRPOConfig's fields."""
-    model: str = "toy"                   # a hub id, a local directory, or "toy" (toy.py's model)
-    dataset: str = "toy"                 # a `datasets` name, a .json/.jsonl/.csv/.parquet file with
-                                         # a `prompt` column, or "toy"
-    dataset_split: str = "train"         # the split of a `datasets` name
-    reward: str | None = None            # module:function[,...]; "toy" → toy:exact_reward
-    serve_local: bool | None = None      # start local_vllm; None: for toy without a server URL
-    lora_r: int = 0                      # > 0: train a LoRA adapter of this rank (peft)
-    lora_alpha: int = 32                 # the adapter's scale is lora_alpha / lora_r
-    lora_target_modules: str = "all-linear"   # comma-separated module names, or all-linear
-
-
-def import_callable(spec: str):
-    """module:function → the function."""
-    module, _, name = spec.partition(":")
-    if not name:
-        raise ValueError(f"--reward {spec!r}: expected module:function")
-    return getattr(importlib.import_module(module), name)
-
-
-def load_prompts(script: ScriptArguments):
-    """The prompt dataset of --dataset: the toy prompts, a local file, or a `datasets` name."""
-    if script.dataset == "toy":
-        import toy
-        return toy.make_dataset(toy.NUM_PROMPTS, standard=True, balanced=True)
-    import datasets
-    kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-    kind = kinds.get(os.path.splitext(script.dataset)[1])
-    if kind and os.path.isfile(script.dataset):
-        return datasets.load_dataset(kind, data_files=script.dataset, split="train")
-    return datasets.load_dataset(script.dataset, split=script.dataset_split)
-
-
-def lora_config(script: ScriptArguments):
-    """A peft LoraConfig when --lora_r > 0, else None."""
-    if script.lora_r <= 0:
-        return None
-    from peft import LoraConfig
-    targets = script.lora_target_modules
-    return LoraConfig(r=script.lora_r, lora_alpha=script.lora_alpha,
-                      target_modules=targets if targets == "all-linear" else targets.split(","))
-
-
-def given_args(parser, argv: list[str]) -> dict:
-    """The fields `argv` sets, in any form (--name value, --name=value, --name-with-dashes):
-    argparse fills in a default only where the namespace lacks the name, so a namespace of
-    sentinels keeps the rest."""
-    unset = object()
-    names = [f.name for kind in (ScriptArguments, AsyncGRPOConfig) for f in fields(kind)]
-    namespace = argparse.Namespace(**dict.fromkeys(names, unset))
-    parser.parse_known_args(argv, namespace=namespace)
-    return {name: value for name, value in vars(namespace).items() if value is not unset}
-
-
-def parse_cli(argv: list[str]) -> tuple[ScriptArguments, AsyncGRPOConfig]:
-    """The CLI's arguments. The toy model (--model toy, the default) puts toy.TRAIN_DEFAULTS under
-    the fields argv leaves unset, and resolves serve_local=None to "no --vllm_server_base_url
-    given"; any other model gets AsyncGRPOConfig's defaults and no local server unless asked."""
-    from transformers import HfArgumentParser
-    parser = HfArgumentParser((ScriptArguments, AsyncGRPOConfig),
-                              description="Asynchronous GRPO trainer")
-    given = given_args(parser, argv)
-    toy_run = given.get("model", ScriptArguments.model) == "toy"
-    if toy_run:
-        import toy
-        parser.set_defaults(**toy.TRAIN_DEFAULTS)
-    script, config = parser.parse_args_into_dataclasses(argv)
-    if script.serve_local is None:
-        script.serve_local = toy_run and "vllm_server_base_url" not in given
-    return script, config
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # run the finally
-    if argv[:1] == ["plot"]:
-        print(train_metrics.plot(argv[1] if len(argv) > 1 else "runs/toy"))
-        return
-    script, config = parse_cli(argv)
-    peft_config = lora_config(script)
-    dataset = load_prompts(script)
-    reward = script.reward or ("toy" if script.dataset == "toy" else None)
-    if reward is None:
-        raise SystemExit("train.py: error: --reward module:function is required for a dataset "
-                         "other than toy")
-    rewards = [import_callable("toy:exact_reward" if r == "toy" else r) for r in reward.split(",")]
-    output_dir = config.output_dir or "trainer_output"
-    server = None
-    if script.serve_local and int(os.environ.get("RANK", "0")) == 0:   # rank 0 talks to servers
-        import toy
-        path = toy.ensure_saved() if script.model == "toy" else script.model
-        os.makedirs(output_dir, exist_ok=True)
-        log_path = os.path.join(output_dir, "serve_local.log")
-        server = LocalServer(path, *local_server_args(config, peft_config), log_path=log_path)
-        config.vllm_server_base_url = server.url
-        print(f"local_vllm on {server.url} (log: {log_path})", flush=True)
-        if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-            # the server (one thread) and the rollout process share these cores: 2 of 2 threads
-            # here made each step 1.4x slower (forward+backward 4.5x) than 1 on a 2-core machine
-            torch.set_num_threads(max(1, torch.get_num_threads() - 2))
-    try:
-        metrics = train(config, dataset, rewards, model=script.model, peft_config=peft_config)
-    finally:
-        if server is not None:
-            server.stop()
-    if metrics:
-        shown = {k: round(v, 4) for k, v in metrics.items()
-                 if k in ("step", "reward", "loss", "perf/step_s")}
-        print(f"done: {shown}; metrics in {output_dir}/metrics.jsonl", flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    import train_cli                            # the CLI: flags from AsyncGRPOConfig's fields
+    train_cli.main()

@@ -1,14 +1,14 @@
-"""train.py's command line (parse_cli): the toy defaults and the local server follow the parsed
---model and --vllm_server_base_url, whichever form argv spells them in (issue 20)."""
+"""train_cli.py, train.py's command line (parse_cli): the toy defaults and the local server follow
+the parsed --model and --vllm_server_base_url, whichever form argv spells them in."""
 import pytest
 
 import toy
-import train
+import train_cli
 from config import AsyncGRPOConfig
 
 
 def parse(*argv: str):
-    return train.parse_cli(list(argv))
+    return train_cli.parse_cli(list(argv))
 
 
 def test_the_toy_model_gets_its_defaults_and_a_local_server_in_either_form():

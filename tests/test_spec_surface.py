@@ -286,9 +286,9 @@ def test_an_unguarded_script_fails_at_once_naming_the_guard(tmp_path):
     assert "train_async_grpo.py:6" in run.stderr
     guarded = tmp_path / "guarded.py"
     guarded.write_text(textwrap.dedent("""
-        import train
+        import rollout_worker
         def main():
-            train.check_main_guard()
+            rollout_worker.check_main_guard()
             print("guarded: ok")
         if __name__ == "__main__":
             main()

@@ -43,8 +43,9 @@ from loss import centering_term, importance_bands, policy_loss, token_logprobs  
 from rollout import AsyncRolloutLoop  # noqa: E402
 from rollout_samples import RolloutGroup, reconcile  # noqa: E402
 from rollout_scoring import score_group  # noqa: E402
-from train import (FullSync, LocalServer, Policy, build_optimizer, load_model,  # noqa: E402
-                   local_server_args, train_step)
+from local_vllm.launch import LocalServer  # noqa: E402
+from train import FullSync, Policy, build_optimizer, load_model, train_step  # noqa: E402
+from train_cli import local_server_args  # noqa: E402
 from trie_pack import build_row  # noqa: E402
 from vllm_client import VLLMClient  # noqa: E402
 
