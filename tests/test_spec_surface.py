@@ -236,14 +236,16 @@ class StopAfterTwo:
         self.events.append(("end", state.global_step))
 
 
-def test_callbacks_state_dashboard_and_save_model(train_server, toy_dir, tmp_path):
+def test_callbacks_state_dashboard_and_save_model(start_server, toy_dir, tmp_path):
     """One short run: logging_first_step with logging_steps 2, a callback that stops after step
-    2, tensorboard with completions, save_only_model, then trainer.state, save_model, model."""
+    2, tensorboard with completions, save_only_model, then trainer.state, save_model, model. Its
+    own server: the session's train_server must keep the shared run's weights."""
     pytest.importorskip("tensorboard", reason="tensorboard is not installed")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from train_helpers import SMALL
+    from train_helpers import SERVER_ARGS, SMALL
+    server = start_server(*SERVER_ARGS)
     out = str(tmp_path / "run")
-    config = AsyncGRPOConfig(output_dir=out, vllm_server_base_url=train_server.url, max_steps=10,
+    config = AsyncGRPOConfig(output_dir=out, vllm_server_base_url=server.url, max_steps=10,
                              logging_steps=2, logging_first_step=True, report_to="tensorboard",
                              run_name="cb", log_completions=True, num_completions_to_print=2,
                              save_only_model=True, save_steps=100, data_seed=3,
