@@ -54,7 +54,7 @@ from rollout_samples import (FinishedRollout, PendingGroup, Rollout, RolloutGrou
 from rollout_scoring import add_totals, score_group
 from rollout_servers import Replica, connect_all, make_replicas, pick, poll_all
 from rollout_tools import (environment_reward, environment_tools, parse_turn, run_tool_calls,
-                           start_environment, tool_call_format)
+                           start_environment, tool_call_format, tool_schemas)
 from staleness import admits, prior_rate
 from vllm_client import VLLMError, server_urls
 
@@ -217,6 +217,7 @@ class AsyncRolloutLoop:
             log.warning("tools are given but the tokenizer neither defines a response_template nor "
                         "writes <tool_call> blocks in its chat template: tool calls are parsed as "
                         "Qwen <tool_call> blocks, which this model may never write")
+        schemas = tool_schemas(tools)
         messages = list(prompt)
         completion = []
         completion_ids = []
@@ -225,7 +226,7 @@ class AsyncRolloutLoop:
         exhausted = False
         while (budget := config.max_completion_length - len(completion_ids)) > 0:
             prompt_ids = self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                messages, tools=schemas, add_generation_prompt=True, tokenize=True,
                 return_dict=True, **(config.chat_template_kwargs or {}))["input_ids"]
             if len(prompt_ids) >= self.max_model_len:
                 break

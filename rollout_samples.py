@@ -97,17 +97,22 @@ class TrainingSequence:
         self.candidates += [None] * len(ids)
 
     def add_output(self, turn: TurnRecord) -> None:
-        """The turn's sampled tokens; a masked one is context (no log-prob, top-k or candidates)."""
+        """The turn's sampled tokens; a masked one is context (no log-prob, top-k or candidates).
+        One entry per mask entry: a shorter token, log-prob, top-k or candidate list is an
+        IndexError."""
         n = len(turn.output_ids)
         mask = turn.output_mask if turn.output_mask is not None else [1] * n
         tops = turn.output_sampler_logprobs or [None] * n
         sets = turn.output_sampling_mask or [None] * n
-        for t, m in enumerate(mask):
-            self.input_ids.append(turn.output_ids[t])
-            self.completion_mask.append(m)
-            self.sampler_logprobs.append(turn.output_log_probs[t] if m else 0.0)
-            self.top_logprobs.append(tops[t] if m else None)
-            self.candidates.append(sets[t] if m else None)
+        if min(n, len(turn.output_log_probs), len(tops), len(sets)) < len(mask):
+            raise IndexError(f"a turn of {len(mask)} mask entries has {n} tokens, "
+                             f"{len(turn.output_log_probs)} log-probs, {len(tops)} top-k and "
+                             f"{len(sets)} candidate sets")
+        self.input_ids += turn.output_ids[:len(mask)]
+        self.completion_mask += mask
+        self.sampler_logprobs += [lp if m else 0.0 for lp, m in zip(turn.output_log_probs, mask)]
+        self.top_logprobs += [top if m else None for top, m in zip(tops, mask)]
+        self.candidates += [c if m else None for c, m in zip(sets, mask)]
 
 
 @dataclass
@@ -261,10 +266,11 @@ def to_sample(seq: TrainingSequence, num_top: int | None, **fields) -> RolloutSa
         top_ids = np.full((L, num_top), -1, dtype=np.int64)
         top_lps = np.full((L, num_top), -np.inf, dtype=np.float32)
         for t, top in enumerate(seq.top_logprobs):
-            for j, (token, lp) in enumerate(top_k_of(top or {}, num_top).items()):
-                top_ids[t, j] = token
-                top_lps[t, j] = lp
-    if any(c is not None for c in seq.candidates):
+            if top:
+                best = top_k_of(top, num_top)
+                top_ids[t, :len(best)] = list(best)
+                top_lps[t, :len(best)] = list(best.values())
+    if seq.candidates.count(None) < L:                  # some token has a candidate set
         counts = np.array([len(c) if c else 0 for c in seq.candidates], dtype=np.int32)
         cand = np.array([i for c in seq.candidates if c for i in c], dtype=np.int32)
     return RolloutSample(

@@ -36,6 +36,8 @@ import time
 from concurrent.futures import Executor
 from typing import Any, Callable
 
+from transformers.utils import get_json_schema
+
 from rollout_samples import ToolCall
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -59,6 +61,20 @@ def tool_call_format(tokenizer) -> str | None:
         return "response_template"
     template = getattr(tokenizer, "chat_template", None) or ""
     return "qwen" if "<tool_call>" in str(template) else None
+
+
+def tool_schemas(tools: list[Callable]) -> list | None:
+    """The tools as the chat template renders them, for every turn of a rollout: a function's or
+    method's JSON schema, as apply_chat_template makes it (a module-level function's once per
+    process: it parses the docstring); anything else as given, for the tokenizer to accept or
+    refuse. None for no tools."""
+    return [_function_schema(t) if inspect.isfunction(t) else
+            get_json_schema(t) if inspect.ismethod(t) else t for t in tools] or None
+
+
+@functools.lru_cache(maxsize=256)
+def _function_schema(func: Callable) -> dict:
+    return get_json_schema(func)
 
 
 def parse_turn(tokenizer, fmt: str | None, text: str, prompt_ids: list[int],

@@ -32,6 +32,7 @@ Departures from TRL's client (reference/trl_async_grpo_notes.md §2, §6.6), one
 - wait_for_health caps each probe at the time left, so a short deadline is met to within a poll.
 - A collective call is retried only if refused: the server may already wait inside NCCL for it.
 - Connection pools are unbounded: the rollout's adaptive cap bounds concurrency, not the pool.
+- Async requests take a one-connection client off a stack (_arequest), not one shared pool.
 - `timeout` is httpx's per phase; a non-streamed reply sends nothing until done, so it bounds all.
 """
 import asyncio
@@ -48,8 +49,9 @@ log = logging.getLogger(__name__)
 HEALTH_PROBE_S = 2.0  # one /health probe never waits longer than this
 HEALTH_POLL_S = 0.25  # pause between /health probes
 # Unbounded pools (the caller bounds concurrency); idle connections are dropped before uvicorn's 5 s
-# keep-alive closes them under us.
+# keep-alive closes them under us. An async client holds one connection (see _arequest).
 _POOL = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
+_ONE = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=2.0)
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
@@ -164,7 +166,9 @@ class VLLMClient:
         key = os.environ.get("VLLM_API_KEY")
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._client = httpx.Client(timeout=timeout, limits=_POOL, headers=self._headers)
-        self._async: httpx.AsyncClient | None = None  # made in, and tied to, the first event loop
+        self._idle: list[httpx.AsyncClient] = []   # async clients free for a request (a stack) ...
+        self._asyncs: list[httpx.AsyncClient] = []  # ... and all of them, tied to one event loop
+        self._ssl = None                            # one TLS context shared by the async clients
 
     # ---- the retry policy, shared by the sync and async paths ----
 
@@ -244,21 +248,35 @@ class VLLMClient:
 
     async def _arequest(self, method: str, path: str, kind: str = "control",
                         **kwargs) -> httpx.Response:
-        if self._async is None:
-            self._async = httpx.AsyncClient(timeout=self.timeout, limits=_POOL,
-                                            headers=self._headers)
+        """One request on a client of its own: the newest free one, or a new one (at most as many
+        as requests were ever in flight at once), each with at most one connection. httpcore's
+        pool checks every connection it holds each time a request starts or ends (an idle one's
+        socket too): over one shared pool of the rollout's ~64 connections that was half of the
+        rollout process's CPU (python -m tools.bench rollout --profile)."""
+        if self._idle:
+            client = self._idle.pop()
+        else:
+            if self._ssl is None:
+                self._ssl = httpx.create_ssl_context()   # 20 ms, so made once
+            client = httpx.AsyncClient(timeout=self.timeout, limits=_ONE, headers=self._headers,
+                                       verify=self._ssl)
+            self._asyncs.append(client)
         url = self.base_url + path
         attempt = 0
-        while True:
-            try:
-                response, error = await self._async.request(method, url, **kwargs), None
-            except httpx.TransportError as e:
-                response, error = None, e
-            delay = self._next_delay(method, url, kind, attempt, self.max_retries, response, error)
-            if delay is None:
-                return response
-            await asyncio.sleep(delay)
-            attempt += 1
+        try:
+            while True:
+                try:
+                    response, error = await client.request(method, url, **kwargs), None
+                except httpx.TransportError as e:
+                    response, error = None, e
+                delay = self._next_delay(method, url, kind, attempt, self.max_retries, response,
+                                         error)
+                if delay is None:
+                    return response
+                await asyncio.sleep(delay)
+                attempt += 1
+        finally:
+            self._idle.append(client)
 
     # ---- health and server info ----
 
@@ -394,6 +412,7 @@ class VLLMClient:
             raise
 
     async def aclose(self) -> None:
-        if self._async is not None:
-            await self._async.aclose()
-            self._async = None
+        for client in self._asyncs:
+            await client.aclose()
+        self._asyncs = []
+        self._idle = []
