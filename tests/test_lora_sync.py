@@ -163,7 +163,7 @@ def test_max_lora_rank_is_the_smallest_rank_vllm_accepts():
 def test_meta_device_byte_ratio_matches_the_spec_figure():
     """r=32 on Qwen2.5-7B's shapes: ~160 MB of adapter against ~15 GB of weights (spec: LoRA),
     about 1%."""
-    from tools.bench import lora_byte_ratio
+    from tools.bench_train import lora_byte_ratio
     full, adapter = lora_byte_ratio("qwen2.5-7b", r=32)
     assert 14e9 < full < 16e9 and 150e6 < adapter < 170e6
     assert torch.isclose(torch.tensor(adapter / full), torch.tensor(0.0106), rtol=0.05)

@@ -1,0 +1,238 @@
+"""Benchmarks of the trainer's runs (`python -m tools.bench learn|overlap|sync|servers`; the case
+table and the departures are tools/bench.py's): the toy demo's learning, async against
+alternating generation, full against adapter sync, the stand-in against real vLLM.
+"""
+import sys
+
+from tools.bench import pin_threads
+
+# ---- the trainer (train.py, weight_sync.py, lora_sync.py) ----------------------------------------
+
+def _toy_run(out: str, *args: str, cores: tuple[int, int] | None = None
+             ) -> tuple[float, list[dict]]:
+    """`python train.py` (the toy demo) with extra flags: (wall seconds, its metrics.jsonl
+    records). cores (trainer, generation): the trainer runs on the first; the server and the rollout
+    process it starts (all its descendants) are moved to the second as they appear (_pin_tree)."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import threading
+    import time
+
+    shutil.rmtree(out, ignore_errors=True)
+    train_py = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+    command = [sys.executable, train_py, "--output_dir", out, "--save_strategy", "no",
+               "--disable_tqdm", "true", *args]
+    start = time.perf_counter()
+    if cores is None:
+        subprocess.run(command, check=True)
+    else:
+        trainer = subprocess.Popen(command, preexec_fn=lambda: os.sched_setaffinity(0, {cores[0]}))
+        pinning = threading.Thread(target=_pin_tree, args=(trainer, {cores[1]}), daemon=True)
+        pinning.start()
+        if trainer.wait() != 0:
+            raise subprocess.CalledProcessError(trainer.returncode, command)
+        pinning.join()
+    seconds = time.perf_counter() - start
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return seconds, [json.loads(line) for line in f]
+
+
+def _pin_tree(process, cores: set[int]) -> None:
+    """Until `process` ends, every 0.1 s: pin each thread of each of its descendants to `cores`."""
+    import os
+    import time
+
+    def descendants(pid):
+        found = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                for child in map(int, f.read().split()):
+                    found += [child, *descendants(child)]
+        return found
+
+    while process.poll() is None:
+        try:
+            for pid in descendants(process.pid):
+                pin_threads(pid, cores)
+        except (FileNotFoundError, ProcessLookupError):
+            pass                                     # a process ended while it was walked
+        time.sleep(0.1)
+
+
+def learn(argv):
+    """The toy demo as `python train.py` runs it (warm-up-only model, 2 CPU cores): mean reward of
+    the first and the last 10 steps. Target: reward_end >= 0.9 within 10 minutes."""
+    import numpy as np
+    seconds, records = _toy_run("runs/bench-learn", *argv)
+    rewards = [r["reward"] for r in records if "reward" in r]
+    print(f"learn reward_start={np.mean(rewards[:10]):.3f} reward_end={np.mean(rewards[-10:]):.3f} "
+          f"steps={len(records)} minutes={seconds / 60:.2f}")
+
+
+def overlap(argv):
+    """The same short toy training twice, the hardware split as on a cluster (the trainer on one
+    core; the server and the rollout process on the other): asynchronous (max_staleness 4) and
+    alternating (max_staleness 0: a group is admitted only for the version being trained, so
+    generation waits for each sync). async_s and sync_s are the training loops' seconds (the sum of
+    perf/step_s: start-up, alike in both, is left out; the wall clocks are printed beside them).
+    Ideal: max(generation-only, training-only) from the async run: its generated tokens at its
+    median rollout/generated_tok_s (generation there waits for nothing when admission_wait_s and
+    backpressure_s are 0), and its forward/backward, optimizer and sync seconds."""
+    import argparse
+    import os
+
+    import numpy as np
+    parser = argparse.ArgumentParser(prog="python -m tools.bench overlap")
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args(argv)
+    cpus = sorted(os.sched_getaffinity(0))
+    cores = (cpus[-1], cpus[0])                      # (trainer, generation)
+    common = ["--max_steps", str(args.steps), "--learning_rate", "1e-4"]
+    runs = {}
+    for name, staleness in (("async", "4"), ("sync", "0")):
+        runs[name] = _toy_run(f"runs/bench-overlap-{name}", *common, "--max_staleness", staleness,
+                              cores=cores)
+    seconds = {}
+    for name, (wall, records) in runs.items():
+        def total(key):
+            return sum(r.get(key, 0) for r in records)
+        rates = [r["rollout/generated_tok_s"] for r in records if r.get("rollout/generated_tok_s")]
+        seconds[name] = total("perf/step_s")
+        print(f"  {name}: loop_s={seconds[name]:.1f} wall_s={wall:.1f} "
+              f"rollout_wait_s={total('perf/rollout_wait_s'):.1f} "
+              f"fwd_bwd_s={total('perf/fwd_bwd_s'):.1f} "
+              f"weight_sync_s={total('perf/weight_sync_s'):.1f} "
+              f"admission_wait_s={total('rollout/admission_wait_s'):.1f} "
+              f"backpressure_s={total('rollout/backpressure_s'):.1f} "
+              f"generated_tok_s median={np.median(rates or [np.nan]):.0f} "
+              f"peak={max(rates or [np.nan]):.0f}")
+    records = runs["async"][1]
+    train_only = sum(r["perf/fwd_bwd_s"] + r["perf/optimizer_s"] + r.get("perf/weight_sync_s", 0)
+                     for r in records)
+    generated = sum(r["batch/samples_per_step"] * r.get("completions/mean_length", 0)
+                    for r in records)
+    rates = [r["rollout/generated_tok_s"] for r in records if r.get("rollout/generated_tok_s")]
+    generation_only = generated / np.median(rates) if rates else float("nan")
+    ideal = max(train_only, generation_only)
+    print(f"overlap async_s={seconds['async']:.1f} sync_s={seconds['sync']:.1f} "
+          f"ideal_s={ideal:.1f} speedup={seconds['sync'] / seconds['async']:.2f} "
+          f"async_over_ideal={seconds['async'] / ideal:.2f} (generation-only "
+          f"{generation_only:.1f} s, training-only {train_only:.1f} s; trainer on core "
+          f"{cores[0]}, generation on core {cores[1]}; load {os.getloadavg()[0]:.2f})")
+
+
+
+def lora_byte_ratio(name: str, r: int) -> tuple[int, int]:
+    """(full bf16 weight bytes, all-linear rank-r adapter bytes) from a model's shapes on the meta
+    device."""
+    import torch
+    from peft import LoraConfig
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lora_sync import adapter_bytes
+    shapes = {"qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 tie_word_embeddings=False),
+              "qwen2.5-math-1.5b": dict(hidden_size=1536, intermediate_size=8960,
+                                        num_hidden_layers=28, num_attention_heads=12,
+                                        num_key_value_heads=2, vocab_size=151936,
+                                        tie_word_embeddings=True)}
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**shapes[name]))
+    return adapter_bytes(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
+
+
+def sync(argv):
+    """Full (merged) and adapter-only sync of one random Qwen3-shaped model (~25M parameters, fp32,
+    CPU, gloo) to one local_vllm server, 3 syncs each; then the byte ratio of the spec's two setups
+    (Qwen2.5-7B r=32, Qwen2.5-Math-1.5B r=1) from their shapes."""
+    import os
+    import tempfile
+
+    import torch
+    from peft import LoraConfig
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import lora_sync
+    import toy
+    import train
+    import train_cli
+    from local_vllm.launch import LocalServer
+    from vllm_client import VLLMClient
+
+    tokenizer = toy.build_tokenizer()
+    path = tempfile.mkdtemp(prefix="bench-sync-")
+    model_config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536,
+                               num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                               head_dim=64, max_position_embeddings=512)
+    Qwen3ForCausalLM(model_config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    config = train.AsyncGRPOConfig(output_dir=os.path.join(path, "out"),
+                                   gradient_checkpointing=False, max_staleness=1)
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+    server = LocalServer(path, *train_cli.local_server_args(config, peft_config))
+    try:
+        rank, world, device = train.setup_distributed(config)
+        model, _ = train.load_model(path, config, peft_config=peft_config)
+        policy = train.shard(train.Policy(model), config, device)
+        client = VLLMClient(server.url, timeout=120)
+        syncers = {"full": lora_sync.MergedSync(policy, [client], config),
+                   "adapter": lora_sync.AdapterSync(policy, [client], config, config.output_dir)}
+        seconds = {}
+        sent = {}
+        for kind, syncer in syncers.items():
+            syncer.connect()
+            runs = [syncer.push(version) for version in (1, 2, 3)]
+            seconds[kind] = sum(m["perf/weight_sync_s"] for m in runs) / 3
+            sent[kind] = runs[-1]["perf/weight_sync_bytes"]
+        torch.distributed.destroy_process_group()
+    finally:
+        server.stop()
+    print(f"sync full_s={seconds['full']:.3f} adapter_s={seconds['adapter']:.3f} "
+          f"full_bytes={sent['full']:.0f} adapter_bytes={sent['adapter']:.0f} "
+          f"bytes_ratio={sent['adapter'] / sent['full']:.4f}")
+    for name, r in (("qwen2.5-7b", 32), ("qwen2.5-math-1.5b", 1)):
+        full, adapter = lora_byte_ratio(name, r)
+        print(f"sync shapes={name} r={r} full_bytes={full / 1e9:.2f}GB "
+              f"adapter_bytes={adapter / 1e6:.1f}MB bytes_ratio={adapter / full:.4f}")
+
+
+def servers(argv):
+    """The same toy run (`python train.py`, full sync every step) against the stand-in and against
+    real vLLM (`vllm serve` from VLLM_PYTHON's venv, tools/vllm_cpu_venv.sh), one after the other:
+    wall time, generation tok/s (rollout/generated_tok_s, median) and sync seconds (median)."""
+    import argparse
+    import os
+
+    import numpy as np
+
+    import toy
+    from local_vllm.launch import VLLMServe
+    parser = argparse.ArgumentParser(prog="python -m tools.bench servers")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--vllm_python", default=os.environ.get("VLLM_PYTHON"))
+    args = parser.parse_args(argv)
+    if not args.vllm_python:
+        sys.exit("bench servers: set VLLM_PYTHON=DIR/bin/python (bash tools/vllm_cpu_venv.sh DIR)")
+    common = ["--max_steps", str(args.steps), "--learning_rate", "1e-4"]
+    figures = {}
+    local_s, records = _toy_run("runs/bench-servers-local", *common)
+    figures["local"] = (local_s, records)
+    server = VLLMServe(args.vllm_python, toy.ensure_saved(), "--served-model-name", "toy",
+                       "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+                       "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20",
+                       "--weight-transfer-config", '{"backend":"gloo"}').wait()
+    try:
+        figures["vllm"] = _toy_run("runs/bench-servers-vllm", *common,
+                                   "--vllm_server_base_url", server.url)
+    finally:
+        server.stop()
+    line = []
+    for name, (seconds, records) in figures.items():
+        rates = [r["rollout/generated_tok_s"] for r in records if r.get("rollout/generated_tok_s")]
+        syncs = [r["perf/weight_sync_s"] for r in records if "perf/weight_sync_s" in r]
+        line.append(f"{name}_s={seconds:.1f} {name}_gen_tok_s={np.median(rates or [np.nan]):.0f} "
+                    f"{name}_sync_s={np.median(syncs or [np.nan]):.3f}")
+    print("servers " + " ".join(line))
