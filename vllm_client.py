@@ -324,10 +324,12 @@ class VLLMClient:
 
     # ---- pause / resume / cache ----
 
-    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+    def pause(self, mode: str = "keep", clear_cache: bool = True,
+              retries: int | None = None) -> None:
         """mode: abort | wait | keep. Note: clear_cache=True preempts running requests even with
         keep."""
-        self._request("POST", f"/pause?mode={mode}&clear_cache={str(clear_cache).lower()}")
+        self._request("POST", f"/pause?mode={mode}&clear_cache={str(clear_cache).lower()}",
+                      retries=retries)
 
     def resume(self, retries: int | None = None) -> None:
         self._request("POST", "/resume", retries=retries)
