@@ -9,11 +9,13 @@ and resuming); train_dataset / environment_factory of AsyncGRPOTrainer; filter_p
 
     prompt_stream ─► filtered_stream (filter_prompt; an epoch it rejects whole raises) ─► the loop
     the loop announces (prompt_index, samples) ─► ResumeIndex ◄─ the trainer takes each sample
-    ResumeIndex.value(): the first prompt not fully handed out, what rollout_state.json stores
+    ResumeIndex.state(): the first prompt not fully trained and what later prompts trained
+    already, what rollout_state.json stores (a resume trains each prompt's samples exactly once)
 
 prompt_index counts prompts (not samples), so a saved resume index also restores the epoch.
-Departures from the spec: none. As it says, a streaming dataset restarts at prompt 0 on resume;
-max_steps > 0 makes the run's length a number of steps.
+Departures from the spec, one line each (as it says, a streaming dataset restarts at prompt 0):
+- rollout_state.json also holds "trained": samples of prompts past prompt_index trained already.
+- max_steps > 0 makes the run's length a number of steps.
 """
 import logging
 import math
@@ -127,31 +129,64 @@ def _judge_epoch(epoch: int | None, accepted: int, whole: bool) -> None:
 
 @dataclass
 class ResumeIndex:
-    """The first prompt index whose samples have not all been handed out to the trainer: what
-    rollout_state.json saves. A dropped or filtered prompt (announced with 0 samples) counts as
-    handed out.
+    """Where a resume starts: the first prompt index whose samples have not all been trained, and
+    how many samples of each later prompt were trained already (rollout_state.json saves both).
+    A prompt dropped or filtered by the rollout process (announced with 0 samples), and a sample
+    the trainer dropped (stale, oversize), count as trained: the spec drops them for good.
 
         announce(3, 2), announce(4, 0), announce(5, 1)   value() = 3
         handed_out(3)                                     value() = 3   (one sample of 3 is queued)
-        handed_out(3)                                     value() = 5   (4 had none)
-        handed_out(5)                                     value() = 6
+        handed_out(3), handed_out(5)                      value() = 6   (4 had none)
+        state(held=[3])   {"prompt_index": 3, "trained": {3: 1, 5: 1}}  (one of 3 in an open row)
+
+    Resumed from that state, ResumeIndex(3, trained={3: 1, 5: 1}) tells the trainer to drop the
+    first sample of prompt 3 and of prompt 5 it is handed (handed_out returns False): they were
+    trained before the checkpoint. The rollout process generates prompt 3's group again, so
+    exactly the samples of it the checkpoint lacks are trained.
     """
     next_index: int                                          # no prompt before it is left
-    left: dict[int, int] = field(default_factory=dict)       # prompt index → samples not handed out
+    trained: dict[int, int] = field(default_factory=dict)    # prompt ≥ next_index → samples taken
+    left: dict[int, int] = field(default_factory=dict)       # prompt → samples not handed out
     announced: set[int] = field(default_factory=set)         # prompts whose count is known
+    skip: dict[int, int] = field(default_factory=dict)       # samples trained before the resume
+
+    def __post_init__(self):
+        self.trained = {int(p): n for p, n in self.trained.items()}   # JSON keys are strings
+        self.skip = dict(self.trained)
 
     def announce(self, prompt_index: int, samples: int) -> None:
         """The rollout process finished a prompt: it queued `samples` samples for it."""
         self.announced.add(prompt_index)
         self.left[prompt_index] = self.left.get(prompt_index, 0) + samples
 
-    def handed_out(self, prompt_index: int) -> None:
-        """The trainer took one sample of the prompt (possibly before its announcement arrived)."""
+    def handed_out(self, prompt_index: int) -> bool:
+        """The trainer took one sample of the prompt (possibly before its announcement arrived).
+        False: a sample of it was trained before the resumed checkpoint, drop this one."""
         self.left[prompt_index] = self.left.get(prompt_index, 0) - 1
+        if self.skip.get(prompt_index, 0) > 0:
+            self.skip[prompt_index] -= 1
+            return False
+        self.trained[prompt_index] = self.trained.get(prompt_index, 0) + 1
+        return True
 
     def value(self) -> int:
+        """The first prompt index whose samples have not all been handed out."""
         while self.next_index in self.announced and self.left.get(self.next_index) == 0:
             self.announced.discard(self.next_index)
             self.left.pop(self.next_index)
             self.next_index += 1
         return self.next_index
+
+    def state(self, held: list[int]) -> dict:
+        """rollout_state.json: {"prompt_index", "trained"}; `held` lists the prompt index of each
+        sample handed out but not trained yet (the planner's open rows)."""
+        first = min([self.value(), *held])
+        for p in held:
+            self.trained[p] -= 1
+        trained = {p: n for p, n in sorted(self.trained.items()) if p >= first and n > 0}
+        for p in held:
+            self.trained[p] += 1
+        for p in [p for p in self.trained if p < first]:
+            del self.trained[p]
+            self.skip.pop(p, None)
+        return {"prompt_index": first, "trained": trained}

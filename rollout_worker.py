@@ -15,11 +15,16 @@ it, feed it the policy version, take its samples and watch its health.
       .set_model_version(v)   after each weight sync: the version and the staleness window
                  (staleness.Window.new_version publishes C_v and R)
       .resume_index()         first prompt not fully handed out (rollout_prompts.ResumeIndex)
+      .resume_state(held)     rollout_state.json: that index, less the held samples, and the
+                 samples of later prompts trained already; resumed with it (trained=), get()
+                 drops what the checkpoint trained, so every sample is trained exactly once
       .drain_metrics(), .qsize(), .stop()   stop: event → join → terminate → kill
 
 Departures from the spec:
 - The six inter-process primitives travel as one `rollout.Channels` record: one argument, not six.
 - The trainer also publishes C_v and R (staleness.py): the child admits groups by staleness.
+- A prompt partly or wholly trained past the resume index is generated again after a resume, and
+  get() drops the samples of it the checkpoint already trained (ResumeIndex.handed_out).
 """
 import ast
 import asyncio
@@ -99,7 +104,7 @@ class RolloutWorker:
                  loop_cls: type = AsyncRolloutLoop, model_name: str | None = None,
                  eos_token_ids: list[int] | None = None, num_processes: int = 1,
                  dataset_start_index: int = 0, model_version: int = 0,
-                 lora_name: str | None = None):
+                 lora_name: str | None = None, trained: dict[int, int] | None = None):
         columns = getattr(dataset, "column_names", None)
         if columns is not None and "prompt" not in columns:
             raise ValueError(f"the training dataset needs a 'prompt' column (it has {columns}); "
@@ -122,8 +127,11 @@ class RolloutWorker:
         self.initial_version = model_version
         self.window = Window(prior_rate(config, num_processes), anchor_version=model_version)
         self.consumed = 0                 # samples handed to the trainer
-        self.resume = ResumeIndex(first_prompt_index(dataset, dataset_start_index))
+        start = first_prompt_index(dataset, dataset_start_index)
+        trained = trained if start == dataset_start_index else None   # a stream starts afresh
+        self.resume = ResumeIndex(start, trained=dict(trained or {}))
         self.finished = False
+        self.metrics_ended = False        # the child's end-of-metrics marker was read
         self.received: list[dict[str, float]] = []  # metrics read while waiting for the end marker
         self.process = None
         self.channels: Channels | None = None
@@ -168,30 +176,34 @@ class RolloutWorker:
 
     def get(self, timeout: float | None = None) -> RolloutSample | None:
         """The next sample (queue order); None once every prompt is done; queue.Empty after
-        `timeout` s. While waiting, a failed or hung rollout process raises RuntimeError."""
+        `timeout` s. While waiting, a failed or hung rollout process raises RuntimeError. After a
+        resume, a sample the checkpoint already trained (resume_state) is skipped."""
         if self.finished:
             return None
         deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while True:
+            sample = self._next(deadline)
+            if sample is None:
+                self._receive_metrics_until_end()
+                self.finished = True
+                return None
+            self.consumed += 1
+            self.channels.consumed.value = self.consumed
+            if self.resume.handed_out(sample.prompt_index):
+                return sample
+
+    def _next(self, deadline: float) -> RolloutSample | None:
         if self.channels.rollout_buffer.empty():
             self.window.starved(self.consumed)
             self.channels.rate.value = self.window.rate
         while True:
             wait_s = max(0.0, min(1.0, deadline - time.monotonic()))
             try:
-                sample = self.channels.rollout_buffer.get(timeout=wait_s)
-                break
+                return self.channels.rollout_buffer.get(timeout=wait_s)
             except queue.Empty:
                 self.check_health()
                 if time.monotonic() >= deadline:
                     raise
-        if sample is None:
-            self._receive_metrics_until_end()
-            self.finished = True
-            return None
-        self.consumed += 1
-        self.channels.consumed.value = self.consumed
-        self.resume.handed_out(sample.prompt_index)
-        return sample
 
     def qsize(self) -> int:
         """Samples waiting in the rollout queue (sample/rollout_queue_size)."""
@@ -214,21 +226,25 @@ class RolloutWorker:
                 metrics = self.channels.metrics.get_nowait()
             except queue.Empty:
                 return out
-            if metrics is not None:
+            if metrics is None:
+                self.metrics_ended = True
+            else:
                 out.append(metrics)
 
     def _receive_metrics_until_end(self) -> None:
         """The child ends the metrics queue with None before it ends the samples, but two queues
-        keep no order between them: wait for that marker, so a run's last group metrics are kept."""
-        while True:
+        keep no order between them: wait for that marker, so a run's last group metrics are kept.
+        A drain_metrics() may have read it already (then the wait would never end)."""
+        while not self.metrics_ended:
             try:
                 metrics = self.channels.metrics.get(timeout=1.0)
             except queue.Empty:
                 self.check_health()
                 continue
             if metrics is None:
-                return
-            self.received.append(metrics)
+                self.metrics_ended = True
+            else:
+                self.received.append(metrics)
 
     def resume_index(self) -> int:
         """The first prompt index whose samples have not all been handed out (dropped or filtered
@@ -238,6 +254,12 @@ class RolloutWorker:
                 self.resume.announce(*self.channels.progress.get_nowait())
             except queue.Empty:
                 return self.resume.value()
+
+    def resume_state(self, held: list[int]) -> dict:
+        """rollout_state.json's {"prompt_index", "trained"} (ResumeIndex.state); `held`: the prompt
+        index of each sample handed out but not trained yet (the planner's open rows)."""
+        self.resume_index()
+        return self.resume.state(held)
 
     def check_health(self) -> None:
         """RuntimeError if the process failed (chained with its traceback), exited, or went

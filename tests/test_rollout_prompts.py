@@ -64,6 +64,25 @@ def test_resume_index_counts_handed_out_dropped_and_filtered_prompts():
     assert resume.value() == 6
 
 
+def test_the_resume_state_counts_held_samples_as_untrained_and_a_resume_skips_the_trained():
+    """The module docstring's example: a group split across the checkpoint's step (one sample of
+    3 in an open row) and a later prompt trained whole before an earlier one finished."""
+    resume = ResumeIndex(3)
+    for index, samples in ((3, 2), (4, 0), (5, 1)):
+        resume.announce(index, samples)
+    assert [resume.handed_out(p) for p in (3, 3, 5)] == [True] * 3
+    saved = resume.state(held=[3])
+    assert saved == {"prompt_index": 3, "trained": {3: 1, 5: 1}}
+    assert resume.state(held=[]) == {"prompt_index": 6, "trained": {}}     # prunes behind it
+    resumed = ResumeIndex(3, trained={"3": 1, "5": 1})                   # as read from JSON
+    for index, samples in ((3, 2), (4, 0), (5, 1)):     # generated again (3 is split, 5 trained)
+        resumed.announce(index, samples)
+    assert [resumed.handed_out(p) for p in (3, 5, 3)] == [False, False, True]
+    assert resumed.value() == 6 and resumed.state(held=[]) == {"prompt_index": 6, "trained": {}}
+    early = ResumeIndex(3, trained={3: 1, 5: 1})    # a checkpoint before any sample came back
+    assert early.state(held=[]) == {"prompt_index": 3, "trained": {3: 1, 5: 1}}
+
+
 def test_a_sample_handed_out_before_its_prompt_is_announced_counts():
     resume = ResumeIndex(0)
     resume.handed_out(0)              # the progress message may arrive after the sample

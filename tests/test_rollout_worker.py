@@ -5,6 +5,8 @@ import functools
 import os
 import signal
 import sys
+import threading
+import time
 import types
 
 import pytest
@@ -142,3 +144,28 @@ def test_a_killed_rollout_process_stops_the_trainer(small_kv_server, tokenizer):
     finally:
         worker.stop()
     assert worker.process is None
+
+
+def test_the_end_of_the_prompts_is_seen_after_a_drain_read_the_metrics_end_marker(
+        small_kv_server, tokenizer):
+    """A logging step's drain_metrics() between the child's two end markers takes the metrics one;
+    get() must still return None (it waited for that marker forever: the hang after the last
+    step)."""
+    worker = RolloutWorker(h.config_for(small_kv_server), toy.make_dataset(2), [h.rank_reward],
+                           tokenizer)
+    try:
+        worker.start()
+        samples = [worker.get(timeout=60) for _ in range(4)]           # 2 prompts × 2 generations
+        deadline = time.monotonic() + 30
+        while not worker.metrics_ended and time.monotonic() < deadline:
+            worker.drain_metrics()                                     # takes the end marker
+            time.sleep(0.05)
+        assert worker.metrics_ended
+        ended = []
+        waiting = threading.Thread(target=lambda: ended.append(worker.get(timeout=30)),
+                                   daemon=True)
+        waiting.start()
+        waiting.join(30)
+        assert ended == [None] and all(s is not None for s in samples)
+    finally:
+        worker.stop()
