@@ -9,7 +9,9 @@
                                       optimizer state, what a resume loads
       scheduler.pt, rng_state_<rank>.pth
       trainer_state.json              {"global_step": 20, "model_version": 20, "num_tokens": ...}
-      rollout_state.json              {"prompt_index": 157}: the first prompt index not yet trained
+      rollout_state.json              {"prompt_index": 157, "trained": {"157": 2, "159": 4}}: the
+                                      first prompt not wholly trained, and the samples of it and of
+                                      later prompts trained already (the resume skips those)
 
 save_only_model=True writes the model files, trainer_state.json and rollout_state.json only (no
 fsdp/, scheduler, RNG): a servable model, not a resume point. copy_model() copies a checkpoint's
@@ -17,17 +19,19 @@ model files (AsyncGRPOTrainer.save_model); load_model() reads them back.
 
 Resume (`resume_from_checkpoint=True`: the newest checkpoint in output_dir; or a path) restores
 all of it; the rollout process starts at prompt_index, the trainer syncs the saved weights to the
-servers before generation starts, and running totals (num_tokens, *_total) continue.
+servers before generation starts, and running totals (num_tokens, *_total) continue. A resume
+truncates completions.jsonl to the checkpoint's steps (train_completions.py).
 
 Departures from the spec, one line each:
 - One torch.distributed.checkpoint folder, not pytorch_model_fsdp.bin + optimizer.bin: it reshards.
+- rollout_state.json's "trained" (ours): samples trained past prompt_index are not trained again.
 """
 import json
 import os
 import random
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -46,7 +50,8 @@ class TrainState:
     num_tokens: int = 0                # forwarded tokens since the start (num_tokens metric)
     dropped_stale_total: int = 0       # sample/dropped_stale_total
     dropped_oversize_total: int = 0    # batch/dropped_oversize_total
-    prompt_index: int = 0              # first prompt not yet trained (rollout_state.json)
+    prompt_index: int = 0              # first prompt not wholly trained (rollout_state.json)
+    trained: dict = field(default_factory=dict)   # prompt index ≥ it → samples trained (same)
 
 
 def find(output_dir: str, resume) -> str | None:
@@ -81,7 +86,9 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
     final = os.path.join(output_dir, f"checkpoint-{state.global_step}")
     tmp = os.path.join(output_dir, f".checkpoint-{state.global_step}.tmp")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+            if re.fullmatch(r"\.checkpoint-\d+\.(tmp|deleting)", name):   # a crash's leftovers
+                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
     model = policy.model
@@ -109,14 +116,16 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
     if rank == 0:
         if not config.save_only_model:
             torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-        trainer_state = {k: v for k, v in asdict(state).items() if k != "prompt_index"}
+        rollout_state = {"prompt_index": state.prompt_index, "trained": state.trained}
+        trainer_state = {k: v for k, v in asdict(state).items() if k not in rollout_state}
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(trainer_state, f, indent=2)
         with open(os.path.join(tmp, "rollout_state.json"), "w") as f:
-            json.dump({"prompt_index": state.prompt_index}, f)
+            json.dump(rollout_state, f)
     dist.barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        if os.path.exists(final):    # the same step saved again (a resume from an older one)
+            discard(output_dir, state.global_step)
         os.rename(tmp, final)        # atomic: the checkpoint appears complete or not at all
         prune(output_dir, config.save_total_limit)
     dist.barrier()
@@ -153,8 +162,16 @@ def prune(output_dir: str, limit: int | None) -> None:
     """Delete all but the newest `limit` checkpoints."""
     if limit is None:
         return
-    for _, path in sorted(checkpoints(output_dir))[:-limit]:
-        shutil.rmtree(path, ignore_errors=True)
+    for step, _ in sorted(checkpoints(output_dir))[:-limit]:
+        discard(output_dir, step)
+
+
+def discard(output_dir: str, step: int) -> None:
+    """Delete checkpoint-<step>, renamed out of sight first (a crash mid-delete leaves no part of
+    it that find() could take for complete)."""
+    doomed = os.path.join(output_dir, f".checkpoint-{step}.deleting")
+    os.rename(os.path.join(output_dir, f"checkpoint-{step}"), doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def load(path: str, policy, optimizer, scheduler) -> TrainState:
@@ -182,4 +199,5 @@ def load(path: str, policy, optimizer, scheduler) -> TrainState:
         saved = json.load(f)
     with open(os.path.join(path, "rollout_state.json")) as f:
         saved |= json.load(f)
+    saved["trained"] = {int(p): n for p, n in saved.get("trained", {}).items()}
     return TrainState(**saved)

@@ -96,7 +96,10 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     log = None                                  # rank 0: metrics.jsonl and the progress bar
 
     def save() -> None:
-        state.prompt_index = feed.trained_position() if rank == 0 else 0
+        if rank == 0:
+            held = [s.prompt_index for s in feed.planner.held()]    # in open rows: untrained
+            saved = feed.worker.resume_state(held)
+            state.prompt_index, state.trained = saved["prompt_index"], saved["trained"]
         checkpoint.save(output_dir, state, policy, optimizer, scheduler, tokenizer, config)
         if rank == 0:
             hooks.event("on_save", state.global_step)
@@ -117,7 +120,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                                    environment_factory=environment_factory, loop_cls=loop_cls,
                                    eos_token_ids=stop_token_ids(model, tokenizer),
                                    num_processes=world, dataset_start_index=state.prompt_index,
-                                   model_version=state.model_version, **sync.worker_kwargs())
+                                   trained=state.trained, model_version=state.model_version,
+                                   **sync.worker_kwargs())
             feed = Feed(worker, planner, config.gradient_accumulation_steps,
                         dropped_stale_total=state.dropped_stale_total)
             log = train_metrics.MetricsLog(
@@ -330,6 +334,7 @@ class Feed:
     queue_s: list = field(default_factory=list)        # their time in the queue
     waited_s: float = 0.0                              # perf/rollout_wait_s
     queue_size: int = 0                                # sample/rollout_queue_size at its start
+    version: int = 0                                   # the policy version it trains
 
     def next_step(self, version: int, max_staleness: int) -> list[list]:
         """Up to `microbatches` micro-batches (each world_size TreeRows); fewer only at the end of
@@ -339,6 +344,7 @@ class Feed:
         self.stale_seen = []
         self.queue_s = []
         self.waited_s = 0.0
+        self.version = version
         self.queue_size = self.worker.qsize()
         stale = self.planner.drop(lambda s: version - s.model_version > max_staleness)
         self.dropped_stale_total += stale
@@ -361,12 +367,6 @@ class Feed:
             if rows:
                 step.append(rows)
         return step
-
-    def trained_position(self) -> int:
-        """First prompt index not yet trained: samples the planner still holds count as untrained
-        (spec: rollout_state.json stores the trained position, not the generator's)."""
-        held = [s.prompt_index for s in self.planner.held()]
-        return min([self.worker.resume_index(), *held])
 
 
 def scatter_rows(step: list[list] | None, rank: int, world: int, error: str | None = None):

@@ -16,13 +16,15 @@ log sample/staleness_max 3 (a max), sample/dropped_stale_total 6 (a running tota
 perf/step_s 2.5 (the mean).
 
 report_to's dashboards (train_dashboards.py) get each line as written, and with log_completions
-the completions as a table; on_log (the trainer's callbacks) gets each line too.
+the completions as a table; on_log (the trainer's callbacks) gets each line too. With
+log_completions every trained sample also goes to completions.jsonl (train_completions.py).
 
 Departures from the spec, one line each:
 - Completions print as plain text, not with rich: one dependency less.
 """
 import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -30,7 +32,10 @@ import time
 import numpy as np
 import torch
 
+import train_completions
 import train_dashboards
+
+log = logging.getLogger(__name__)
 
 # dense peak FLOP/s per device (bf16 tensor cores; fp32 without TF32), from the vendors' datasheets
 PEAK_FLOPS = {"bf16": {"B200": 2.25e15, "H200": 989e12, "H100": 989e12, "H800": 989e12,
@@ -174,7 +179,12 @@ class MetricsLog:
         self.world = torch.distributed.get_world_size()
         self.every = config.every("logging_steps") if config.logging_strategy == "steps" else None
         self.on_log = on_log
-        self.completions: list = []
+        self.completions: list = []          # the samples trained in this logging window
+        truncated = config.top_k > 0 or config.top_p < 1 or config.min_p is not None
+        self.warn_bias = truncated           # once, if samples come without candidate sets
+        self.prompted = train_completions.truncate(output_dir, state.global_step)
+        self.completions_file = (open(os.path.join(output_dir, train_completions.FILE), "a")
+                                 if config.log_completions else None)
         self.dashboards = train_dashboards.open_dashboards(config, output_dir)
         self.bar = tqdm(total=config.max_steps if config.max_steps > 0 else None,
                         initial=state.global_step, unit="step", dynamic_ncols=True,
@@ -195,7 +205,17 @@ class MetricsLog:
             record |= {"perf/mfu_fwd_bwd": flops / record["perf/fwd_bwd_s"],
                        "perf/mfu_wall_clock": flops / record["perf/step_s"]}
         self.window.append(record)
-        self.completions += feed.samples
+        samples = [s for micro in step for row in micro for s in row.samples]   # trained now
+        if self.completions_file is not None:
+            lines = train_completions.records(state.global_step, feed.version, samples,
+                                              self.prompted)
+            self.completions_file.writelines(json.dumps(r) + "\n" for r in lines)
+            self.completions_file.flush()
+        if self.config.log_completions:
+            self.completions += samples
+        if self.warn_bias and all(s.candidate_counts is None for s in samples):
+            self.warn_bias = False
+            warn_biased_ratios(record, state.global_step)
         self.bar.update(1)
         first = self.config.logging_first_step and state.global_step == 1
         if self.every is not None and (state.global_step % self.every == 0 or first):
@@ -226,19 +246,35 @@ class MetricsLog:
         rows = []
         for s in self.completions[:n] if n is not None else self.completions:
             prompt = s.prompt[-1]["content"] if isinstance(s.prompt, list) else s.prompt
-            completion = (" ".join(m.get("content") or "" for m in s.completion)
-                          if isinstance(s.completion, list) else s.completion)
-            rows.append((prompt, completion, float(s.reward)))
+            rows.append((prompt, train_completions.text(s.completion), float(s.reward)))
         return rows
 
     def close(self) -> None:
         self.bar.close()
         self.file.close()
+        if self.completions_file is not None:
+            self.completions_file.close()
         train_dashboards.close_dashboards(self.dashboards)
 
 
+def warn_biased_ratios(record: dict, step: int) -> None:
+    """Say how biased the importance ratios are when top_k/top_p/min_p sampled the samples but
+    they carry no candidate sets: log π_θ is then normalised over the vocabulary, and each
+    token's ratio is low by the π_θ mass of its candidate set, which the mean ratio shows."""
+    ratio = record.get("sampling/importance_sampling_ratio/mean", float("nan"))
+    masked = record.get("sampling/masked_mean", float("nan"))
+    log.warning("top_k/top_p/min_p sampled step %d's samples, but they carry no candidate sets "
+                "(the server returns none): sampling/importance_sampling_ratio/mean is %.3f, "
+                "biased low by %.1f%% (an unchanged policy gives 1), and sampling/masked_mean "
+                "%.3f of the tokens fall outside the IS bounds. Serve with "
+                "--return-sampling-mask --enable-scale-out, or sample with top_k=0, top_p=1",
+                step, ratio, 100 * (1 - ratio), masked)
+
+
 def plot(run_dir: str) -> str:
-    """<run_dir>/metrics.png: reward, loss, staleness and throughput by step, from metrics.jsonl."""
+    """<run_dir>/metrics.png: reward, loss, staleness and throughput by step, from metrics.jsonl;
+    with a completions.jsonl (log_completions) also the mean reward of each prompt_index and the
+    completion length by step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -248,7 +284,9 @@ def plot(run_dir: str) -> str:
               ("staleness (versions)", ["sample/staleness_mean", "sample/staleness_max"]),
               ("throughput (tokens/s)",
                ["perf/forwarded_tok_s_wall_clock", "perf/trained_tok_s_wall_clock"])]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    trained = (train_completions.load(run_dir)
+               if os.path.exists(os.path.join(run_dir, train_completions.FILE)) else [])
+    fig, axes = plt.subplots(3 if trained else 2, 2, figsize=(11, 10 if trained else 7))
     for ax, (title, names) in zip(axes.flat, panels):
         for name in names:
             points = [(r["step"], r[name]) for r in lines if name in r]
@@ -256,9 +294,22 @@ def plot(run_dir: str) -> str:
                 ax.plot(*zip(*points), label=name)
         ax.set_title(title)
         ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("optimizer step")
+    if trained:
+        by_prompt = train_completions.reward_by_prompt(trained)
+        axes[2, 0].plot(list(by_prompt), list(by_prompt.values()), ".", label="mean reward")
+        axes[2, 0].set(title="reward by prompt (completions.jsonl)", xlabel="prompt_index")
+        tokens: dict[int, list[int]] = {}
+        for r in trained:
+            tokens.setdefault(r["step"], []).append(r["completion_tokens"])
+        axes[2, 1].plot(list(tokens), [np.mean(v) for v in tokens.values()],
+                        label="completion_tokens")
+        axes[2, 1].set(title="completion length (tokens)", xlabel="optimizer step")
+        for ax in axes[2]:
+            ax.legend(fontsize=8)
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
     fig.suptitle(os.path.abspath(run_dir))
     fig.tight_layout()
     path = os.path.join(run_dir, "metrics.png")

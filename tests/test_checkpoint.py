@@ -2,13 +2,17 @@
 trainer resumed from it, and the choice of checkpoint to resume from."""
 import json
 import os
+import random
 import signal
+import subprocess
 import time
 
 import pytest
 import torch
 
 import checkpoint
+import toy
+import train_completions
 from train_helpers import SERVER_ARGS, cli, lines, newest_checkpoint
 
 pytest_plugins = ["train_fixtures"]
@@ -78,3 +82,79 @@ def test_find_picks_the_newest_complete_checkpoint_and_prune_keeps_the_newest(tm
     checkpoint.prune(str(tmp_path), 2)
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint")) == [
         "checkpoint-10", "checkpoint-4"]
+
+
+def test_every_prompt_is_trained_exactly_once_across_kills_mid_generation_step_and_save(
+        start_server, toy_dir, tmp_path):
+    """48 prompts × 4 generations, one epoch of steps of 3 samples (groups split across steps,
+    and across checkpoints), killed with SIGKILL three times: while a checkpoint is being written,
+    at a random moment of a step, and while the rollout process generates the first groups after
+    a resume; each time resumed through the CLI. The lines of completions.jsonl that survive (the
+    final model's record) hold each prompt exactly num_generations times, and the run ends.
+    Each run gets a fresh server: one whose trainer was killed mid weight sync can stop answering
+    for up to vllm_server_timeout (seen here: a resumed run's rollouts timed out)."""
+    os.symlink(toy_dir, tmp_path / "model")
+    rows = [dict(r, index=i) for i, r in enumerate(toy.make_dataset(48))]
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "out")
+    flags = ("--num_train_epochs", "1", "--per_device_train_batch_size", "3",
+             "--token_budget", "0", "--save_steps", "2",
+             "--max_staleness", "100", "--log_completions", "true",
+             "--num_completions_to_print", "1")
+    rng = random.Random()
+    seen = []                      # per kill: its moment, the newest checkpoint, the step reached
+
+    def run_until(moment, resume):
+        proc = cli(out, start_server(*SERVER_ARGS).url, str(dataset), *flags, *(
+            ("--resume_from_checkpoint", "true") if resume else ()))
+        start = newest_checkpoint(out)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline and not moment(proc, start):
+            time.sleep(0.005)
+        assert proc.poll() is None, proc.stdout.read()
+        os.killpg(proc.pid, signal.SIGKILL)    # the trainer and its rollout process
+        proc.wait()
+        steps = [r["step"] for r in train_completions.load(out)]
+        seen.append((moment.__name__, newest_checkpoint(out), max(steps, default=0)))
+
+    def mid_save(proc, start):                 # a checkpoint half written after a complete one
+        return newest_checkpoint(out) > 0 and any(n.endswith(".tmp") for n in os.listdir(out))
+
+    def mid_step(proc, start, delay=rng.uniform(0.0, 1.0)):
+        if newest_checkpoint(out) > start:
+            time.sleep(delay)
+            return True
+        return False
+
+    def mid_generation(proc, start, delay=rng.uniform(1.0, 2.5)):
+        if subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True).stdout:
+            time.sleep(delay)                  # the resumed run's rollout process has started
+            return True
+        return False
+
+    run_until(mid_save, resume=False)
+    run_until(mid_step, resume=True)
+    run_until(mid_generation, resume=True)
+    assert not any(n.startswith("checkpoint-") and not os.path.exists(
+        os.path.join(out, n, "trainer_state.json")) for n in os.listdir(out)), seen
+    proc = cli(out, start_server(*SERVER_ARGS).url, str(dataset), *flags,
+               "--resume_from_checkpoint", "true")
+    try:
+        log, _ = proc.communicate(timeout=120)  # it ends: no wait for a lost end marker
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log = proc.communicate()[0]
+    assert proc.returncode == 0, (seen, log[-5000:])
+    printed = [x for x in log.splitlines() if x.startswith("  reward ")]
+    assert len(printed) == 64 - seen[-1][1], log[-3000:]     # num_completions_to_print a step
+    trained = train_completions.load(out)
+    counts = {p: 0 for p in range(48)}
+    for r in trained:
+        counts[r["prompt_index"]] += 1
+    assert set(counts.values()) == {4}, (seen, {p: n for p, n in counts.items() if n != 4})
+    steps = sorted({r["step"] for r in trained})
+    assert steps == list(range(1, 65)), (seen, steps)         # 192 samples: 64 steps of 3
+    assert all(r["staleness"] >= 0 and r["prompt"] for r in trained)
+    state = json.load(open(os.path.join(out, "checkpoint-64", "trainer_state.json")))
+    assert state["global_step"] == 64, seen

@@ -1,10 +1,18 @@
 """train_metrics.py: every metric the spec names in the session's shared run
 (train_fixtures.train_run), the plot of that run, and the window reduction by name."""
+import json
+import logging
 import math
 import os
+import shutil
 
+import pytest
+
+import toy
+import train
+import train_completions
 import train_metrics
-from train_helpers import lines
+from train_helpers import SERVER_ARGS, SMALL, lines
 
 pytest_plugins = ["train_fixtures"]
 
@@ -50,6 +58,30 @@ def test_plot_draws_the_run(train_run):
     assert os.path.getsize(path) > 10_000
 
 
+def test_completions_jsonl_holds_one_line_per_trained_sample(train_run, tmp_path):
+    """log_completions: each step's trained samples (batch/samples_per_step of them), the prompt
+    text once per prompt_index; a resume's truncation keeps the checkpoint's steps."""
+    out = train_run[0]
+    trained = train_completions.load(out)
+    per_step = {r["step"]: r["batch/samples_per_step"] for r in lines(out)}
+    assert {s: sum(r["step"] == s for r in trained) for s in per_step} == per_step
+    for r in trained:
+        assert r["staleness"] == 0 and r["model_version"] == r["step"] - 1   # max_staleness 0
+        assert r["prompt"] and r["completion_tokens"] > 0 and isinstance(r["completion"], str)
+        assert {"reward", "advantage", "prompt_index"} <= set(r)
+    raw = [json.loads(x) for x in open(os.path.join(out, train_completions.FILE))]
+    assert len([r for r in raw if "prompt" in r]) == len({r["prompt_index"] for r in raw})
+    by_prompt = train_completions.reward_by_prompt(trained)
+    assert sorted(by_prompt) == sorted({r["prompt_index"] for r in trained})
+    shutil.copy(os.path.join(out, train_completions.FILE), tmp_path)
+    with open(tmp_path / train_completions.FILE, "a") as f:
+        f.write('{"step": 5, "prompt_in')                       # a kill mid-write
+    assert train_completions.truncate(str(tmp_path), 2) == {
+        r["prompt_index"] for r in raw if "prompt" in r and r["step"] <= 2}
+    assert [r["step"] for r in train_completions.load(str(tmp_path))] == [
+        r["step"] for r in trained if r["step"] <= 2]
+
+
 def test_a_window_reduces_by_name_as_the_module_docstring_works_it():
     steps = [{"sample/staleness_max": 1, "sample/dropped_stale_total": 4, "perf/step_s": 2.0,
               "batch/row_tokens_min": 7, "rollout/backpressure_s": 0.5, "loss": math.nan},
@@ -61,3 +93,38 @@ def test_a_window_reduces_by_name_as_the_module_docstring_works_it():
         "perf/step_s": 2.5,                   # the mean
         "batch/row_tokens_min": 5.0,          # a min
         "rollout/backpressure_s": 0.75}       # a time amount: the sum; NaN and None are skipped
+
+
+@pytest.mark.parametrize("sampling", [dict(top_p=0.9, top_k=50), dict(top_k=5)],
+                         ids=["top_p 0.9", "top_k 5"])
+def test_importance_ratios_of_an_unchanged_policy_are_one_with_candidate_sets(
+        start_server, toy_dir, tmp_path, sampling):
+    """learning_rate 0: the trainer's policy is the sampler's, so π_θ / π_sampler is 1 on every
+    token once log π_θ is renormalised over the candidate set each token was drawn from."""
+    server = start_server(*SERVER_ARGS, "--return-sampling-mask", "--enable-scale-out")
+    config = train.AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=server.url,
+                                   max_steps=2, save_strategy="no",
+                                   **(SMALL | dict(learning_rate=0.0) | sampling))
+    train.train(config, toy.make_dataset(16), [toy.sum_reward], model=toy_dir)
+    for r in lines(str(tmp_path)):
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1) <= 0.005, r["step"]
+        assert r["sampling/masked_mean"] == 0
+
+
+def test_without_candidate_sets_the_warning_says_how_biased_the_ratios_are(
+        start_server, toy_dir, tmp_path, caplog):
+    """The same run against a server that returns no candidate sets: the ratios fall (by the π_θ
+    mass outside each top-5 set) and the trainer's warning gives the measured mean."""
+    server = start_server(*SERVER_ARGS)
+    config = train.AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=server.url,
+                                   max_steps=2, save_strategy="no",
+                                   **(SMALL | dict(learning_rate=0.0, top_k=5)))
+    with caplog.at_level(logging.WARNING, logger="train_metrics"):
+        train.train(config, toy.make_dataset(16), [toy.sum_reward], model=toy_dir)
+    first = lines(str(tmp_path))[0]
+    ratio = first["sampling/importance_sampling_ratio/mean"]
+    assert ratio < 0.9
+    warned = [r.getMessage() for r in caplog.records if r.name == "train_metrics"]
+    assert len(warned) == 1, warned
+    assert f"is {ratio:.3f}, biased low by {100 * (1 - ratio):.1f}%" in warned[0]
+    assert "--return-sampling-mask --enable-scale-out" in warned[0]

@@ -23,12 +23,12 @@ def train_server(toy_dir):
 
 @pytest.fixture(scope="session")
 def train_run(train_server, toy_dir, tmp_path_factory):
-    """(output_dir, last metrics) of 4 steps with a sync after each, checkpoints at 2 and 4 (limit 1
-    kept), max_staleness 0 and a token budget."""
+    """(output_dir, last metrics) of 4 steps with a sync after each, checkpoints at 2 and 4
+    (limit 1 kept), max_staleness 0, a token budget, and log_completions (2 printed per step)."""
     out = str(tmp_path_factory.mktemp("run"))
     config = train.AsyncGRPOConfig(output_dir=out, vllm_server_base_url=train_server.url,
                                    max_steps=4, save_steps=2, save_total_limit=1, max_staleness=0,
-                                   **SMALL)
+                                   log_completions=True, num_completions_to_print=2, **SMALL)
     last = train.train(config, toy.make_dataset(64), [toy.sum_reward], model=toy_dir)
     return out, last
 
