@@ -32,8 +32,8 @@ def dtype_warning(url: str, info: dict, compute_dtype) -> str | None:
     if served is None or served == ours:
         return None
     return (f"the vLLM server at {url} serves {served} but the trainer computes in {ours}, so "
-            f"every importance ratio carries the precision gap: restart it with `vllm serve --dtype "
-            f"{ours}`, or set bf16/fp16 to match it")
+            f"every importance ratio carries the precision gap: restart it with `vllm serve "
+            f"--dtype {ours}`, or set bf16/fp16 to match it")
 
 
 def warn_dtype_mismatch(urls: list[str], infos: list[dict], compute_dtype) -> None:

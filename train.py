@@ -31,7 +31,7 @@ Departures from the spec, one line each:
 - Stale samples are dropped here too (the spec's promise), though admission rarely lets one by.
 - Rollouts request the server's base model card by name: the id a trainer loads need not match it.
 - callbacks: five events on rank 0 (train_callbacks.py); optimizers: only (None, None).
-- A script must call the trainer under `if __name__ == "__main__":` (rollout_worker.check_main_guard).
+- A script calls the trainer under `if __name__ == "__main__":` (rollout_worker.check_main_guard).
 """
 import logging
 import math
