@@ -47,6 +47,7 @@ import httpx
 log = logging.getLogger(__name__)
 
 HEALTH_PROBE_S = 2.0  # one /health probe never waits longer than this
+REFUSED_RETRIES = 2   # a refused connection: ~1.5 s of backoff, then the server is down
 HEALTH_POLL_S = 0.25  # pause between /health probes
 # Unbounded pools (the caller bounds concurrency); idle connections are dropped before uvicorn's 5 s
 # keep-alive closes them under us. An async client holds one connection (see _arequest).
@@ -185,7 +186,7 @@ class VLLMClient:
             2xx                              return         return         return
             4xx                              VLLMError now  VLLMError now  VLLMError now
             5xx (503 = paused server)        retry          retry          VLLMError now
-            connection refused (never sent)  retry          retry          retry
+            connection refused (never sent)  retry (REFUSED_RETRIES at most: nothing listens)
             connection dropped mid-request   retry          retry          weights: retry;
                                                                            collective: VLLMError
             timeout (`timeout` s)            retry          TimeoutError   TimeoutError now
@@ -219,6 +220,8 @@ class VLLMClient:
                 error, (httpx.NetworkError, httpx.RemoteProtocolError, httpx.TimeoutException))):
             status = None
             last = f"{type(error).__name__}: {error}"
+            if isinstance(error, httpx.ConnectError):     # a server that died: say so in seconds
+                retries = min(retries, REFUSED_RETRIES)
         else:
             raise VLLMError(f"{method} failed: {type(error).__name__}: {error}", url) from error
         if attempt >= retries:
@@ -324,12 +327,10 @@ class VLLMClient:
 
     # ---- pause / resume / cache ----
 
-    def pause(self, mode: str = "keep", clear_cache: bool = True,
-              retries: int | None = None) -> None:
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
         """mode: abort | wait | keep. Note: clear_cache=True preempts running requests even with
         keep."""
-        self._request("POST", f"/pause?mode={mode}&clear_cache={str(clear_cache).lower()}",
-                      retries=retries)
+        self._request("POST", f"/pause?mode={mode}&clear_cache={str(clear_cache).lower()}")
 
     def resume(self, retries: int | None = None) -> None:
         self._request("POST", "/resume", retries=retries)

@@ -49,7 +49,6 @@ import torch.distributed as dist
 from vllm_client import VLLMClient
 
 PACKED_BUFFER_BYTES = 1 << 30     # vLLM's default packed_buffer_size_bytes
-PAUSE_RETRIES = 2                 # a sync's /pause: ~1.5 s of backoff, then the server is down
 
 
 @dataclass
@@ -395,11 +394,9 @@ class WeightSync:
 
     def _pause(self) -> tuple[BaseException | None, list[VLLMClient]]:
         """Pause every server; (the first failure, the servers to resume). A server that refused the
-        connection (down) was never paused: resuming it would only retry for a minute. The pause
-        is retried PAUSE_RETRIES times at most: a server that answered the previous sync and
-        refuses this one has died, and the run should say so in seconds, not after a minute."""
-        failures = each_server(self.clients, lambda c: c.pause(
-            mode="keep", retries=min(PAUSE_RETRIES, c.max_retries)), self.timeout, "weight sync")
+        connection (down) was never paused: resuming it would only retry for a minute."""
+        failures = each_server(self.clients, lambda c: c.pause(mode="keep"), self.timeout,
+                               "weight sync")
         resume = [c for c, e in zip(self.clients, failures) if not _refused(e)]
         return next((e for e in failures if e is not None), None), resume
 

@@ -159,16 +159,29 @@ def test_connection_refused_is_retried_then_raised():
     assert client.retry_total == 2
 
 
-def test_backoff_doubles_up_to_its_cap(monkeypatch):
+def test_backoff_doubles_up_to_its_cap(serve, monkeypatch):
     import vllm_client
     sleeps = []
     monkeypatch.setattr(vllm_client.time, "sleep", sleeps.append)
     monkeypatch.setattr(vllm_client.random, "uniform", lambda a, b: 1.0)
-    client = VLLMClient(f"http://127.0.0.1:{_closed_port()}", max_retries=5, backoff=0.5,
-                        max_backoff=2.0)
+    s = serve([(503, {"error": {"message": "paused"}})] * 6)
+    client = VLLMClient(s.url, max_retries=5, backoff=0.5, max_backoff=2.0)
     with pytest.raises(VLLMError, match="gave up after 6 attempts"):
         client.completions({"prompt": [1]})
     assert sleeps == [0.5, 1.0, 2.0, 2.0, 2.0]
+
+
+def test_a_refused_connection_is_retried_twice_at_most(monkeypatch):
+    """Nothing listens: the server died (or the URL is wrong); retrying for a minute would only
+    delay the error that names it."""
+    import vllm_client
+    sleeps = []
+    monkeypatch.setattr(vllm_client.time, "sleep", sleeps.append)
+    monkeypatch.setattr(vllm_client.random, "uniform", lambda a, b: 1.0)
+    client = VLLMClient(f"http://127.0.0.1:{_closed_port()}", max_retries=8, backoff=0.5)
+    with pytest.raises(VLLMError, match="gave up after 3 attempts.*ConnectError"):
+        client.completions({"prompt": [1]})
+    assert sleeps == [0.5, 1.0] and client.retry_total == 2
 
 
 @pytest.mark.parametrize("reply", [(503, ""), "stall"])
