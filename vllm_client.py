@@ -47,8 +47,8 @@ import httpx
 log = logging.getLogger(__name__)
 
 HEALTH_PROBE_S = 2.0  # one /health probe never waits longer than this
-REFUSED_RETRIES = 2   # a refused connection: ~1.5 s of backoff, then the server is down
 HEALTH_POLL_S = 0.25  # pause between /health probes
+REFUSED_RETRIES = 2   # a refused connection: ~1.5 s of backoff, then the server is down
 # Unbounded pools (the caller bounds concurrency); idle connections are dropped before uvicorn's 5 s
 # keep-alive closes them under us. An async client holds one connection (see _arequest).
 _POOL = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
