@@ -7,7 +7,6 @@ transformers, prompt + generated tokens forwarded in one go, and the sampler's p
 """
 import hashlib
 import math
-import os
 import subprocess
 import sys
 import time
