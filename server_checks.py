@@ -3,10 +3,11 @@
 training start; AsyncGRPOTrainer.model: the config's model names the model on the server; seed 003:
 adapter-only sync is refused with --data-parallel-size > 1).
 
+    resume_leftover_pause(client)            → a server a dead run left paused serves again
     dtype_warning(url, info, torch.float32)  → "the vLLM server at http://... serves bfloat16 ..."
     check_vocab(client, tokenizer)           → ValueError when the server refuses our largest id
     adapter_dp_refusal(url, info)            → why adapter-only sync cannot run (lora_sync.py)
-    check_servers(clients, config, tokenizer, device)   the first two, every server (train.py)
+    check_servers(clients, config, tokenizer, device)   the first three, every server (train.py)
 
 `info` is a server's /server_info vllm_config. Each check costs at most one 1-token request.
 Departures from the spec: none.
@@ -16,6 +17,24 @@ import logging
 from vllm_client import VLLMError
 
 log = logging.getLogger(__name__)
+
+
+def resume_leftover_pause(client) -> bool:
+    """Resume a server that is paused before this run paused it, with a warning; True if it was.
+    A run killed between /pause and /resume (SIGKILL, OOM, a lost node) leaves its servers paused:
+    in keep mode every request waits, forever, including this run's first one. A server without
+    the RL routes (no VLLM_SERVER_DEV_MODE: a LoRA-only run's) cannot have been paused by a run."""
+    try:
+        if not client.is_paused():
+            return False
+    except VLLMError as e:
+        if e.status == 404:
+            return False
+        raise
+    log.warning("the vLLM server at %s was paused before this run started (a run that stopped "
+                "during a weight sync leaves it so): resuming it", client.base_url)
+    client.resume()
+    return True
 
 
 def served_dtype(info: dict) -> str | None:
@@ -72,14 +91,15 @@ def adapter_dp_refusal(url: str, info: dict) -> str | None:
 
 
 def check_servers(clients, config, tokenizer, device) -> None:
-    """Rank 0, at start: the served vocabulary must hold the trained tokenizer's (an error); the
-    served dtype should be the trainer's compute dtype (a warning, spec: dtype)."""
+    """Rank 0, at start: a server a dead run left paused is resumed (a warning); the served
+    vocabulary must hold the trained tokenizer's (an error); the served dtype should be the
+    trainer's compute dtype (a warning, spec: dtype)."""
     infos = []
     for c in clients:
+        resume_leftover_pause(c)
         check_vocab(c, tokenizer)
         try:
             infos.append(c.server_info())
         except VLLMError:                       # no dev mode: weight sync says what is missing
             infos.append({})
-    warn_dtype_mismatch([c.base_url for c in clients], infos,
-                                      config.compute_dtype(device))
+    warn_dtype_mismatch([c.base_url for c in clients], infos, config.compute_dtype(device))

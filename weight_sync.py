@@ -46,7 +46,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from vllm_client import VLLMClient
+from vllm_client import VLLMClient, VLLMError
 
 PACKED_BUFFER_BYTES = 1 << 30     # vLLM's default packed_buffer_size_bytes
 
@@ -340,7 +340,7 @@ class WeightSync:
         update = None
         pool = None
         if self.rank == 0 and error is None:
-            error = _attempt(lambda: self._each(lambda c: c.start_weight_update()))
+            error = _attempt(lambda: self._each(begin_update))
         if self.rank == 0 and error is None:
             dtype_name = str(self.dtype).removeprefix("torch.")
             info = {"names": [n for n, _ in specs], "dtype_names": [dtype_name] * len(specs),
@@ -406,6 +406,21 @@ class WeightSync:
         server."""
         on_every_server(self.clients if clients is None else clients, call, self.timeout,
                         "weight sync")
+
+
+def begin_update(client: VLLMClient) -> None:
+    """POST /start_weight_update. A session a dead run left open (it was killed between start and
+    update: vLLM answers "already active") is finished first, with a warning: this update sends
+    every tensor, so nothing of the dead run's stays."""
+    try:
+        client.start_weight_update()
+    except VLLMError as e:
+        if "already active" not in e.message:
+            raise
+        warnings.warn(f"{client.base_url} holds a weight update another run began and never "
+                      f"finished: finishing it before this run's")
+        client.finish_weight_update()
+        client.start_weight_update()
 
 
 def each_server(clients: list[VLLMClient], call: Callable[[VLLMClient], object], timeout: float,

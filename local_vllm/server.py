@@ -358,11 +358,13 @@ def update_weights(eng, body, query):
     if not all(isinstance(d, torch.dtype) for d in dtypes):
         raise APIError(400, f"update_info: unknown dtype in {dtype_names[:20]}",
                        param="dtype_names")
-    received = eng.receive(names, dtypes, shapes)
     try:
+        received = eng.receive(names, dtypes, shapes)
         eng.check_update(names, shapes)            # the model's own shapes, before it is touched
-    except APIError:
-        eng.updating = False                       # vLLM's worker ends the session on an error
+    except BaseException as e:
+        eng.updating = False                       # vLLM's worker ends the session on any error
+        if isinstance(e, RuntimeError):            # the transport: the trainer is gone, or late
+            raise worker_error(f"Weight update failed while receiving: {e}") from e
         raise
     eng.update_weights(names, received)
     eng.last_update = (names, dtype_names, shapes)

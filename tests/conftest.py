@@ -13,6 +13,7 @@ sys.path.insert(0, ROOT)
 
 import toy  # noqa: E402
 from local_vllm.launch import LocalServer, VLLMServe  # noqa: E402
+from train_helpers import kill_launched  # noqa: E402
 
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON")   # the interpreter of a venv that runs `vllm serve`
 # The toy model on real vLLM: what SERVER_ARGS give local_vllm, plus LoRA slots for
@@ -21,6 +22,12 @@ VLLM_ARGS = ("--served-model-name", "toy", "--dtype", "float32", "--max-model-le
              "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20", "--enforce-eager",
              "--weight-transfer-config", '{"backend":"gloo"}', "--enable-lora",
              "--max-lora-rank", "8", "--max-loras", "4")
+
+
+@pytest.fixture(autouse=True)
+def no_trainer_outlives_its_test():
+    yield
+    kill_launched()
 
 
 @pytest.fixture(scope="session")

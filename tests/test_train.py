@@ -39,11 +39,12 @@ def test_two_ranks_give_the_weights_of_one_process(tmp_path):
     ranks."""
     script = os.path.join(ROOT, "tests", "two_rank_step.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, script, str(tmp_path / "one.pt")], check=True, env=env,
-                   timeout=300)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                    "--master_port", str(free_port()), script, str(tmp_path / "two.pt")],
-                   check=True, env=env, timeout=300)
+    for cmd in ([script, str(tmp_path / "one.pt")],
+                ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                 "127.0.0.1", "--master_port", str(free_port()), script, str(tmp_path / "two.pt")]):
+        done = subprocess.run([sys.executable, *cmd], env=env, timeout=300, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     one = torch.load(tmp_path / "one.pt")
     two = torch.load(tmp_path / "two.pt")
     torch.manual_seed(0)

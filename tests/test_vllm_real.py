@@ -7,6 +7,9 @@ vLLM does that the stand-in did not (reference/vllm_cpu.md) is asserted here: a 
 resume after a 500, adapter names of earlier runs, pause semantics, the CPU's remedies. Tests on
 `any_server` run against the stand-in too (conftest: one fixture, two parameters).
 """
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -25,7 +28,7 @@ from rollout_worker import RolloutWorker
 from test_lora_sync import TARGETS, adapter_cards, served_at_close
 from test_serve_local import PROMPT, reference_logprobs
 from train import AsyncGRPOConfig
-from train_helpers import SMALL
+from train_helpers import ROOT, SMALL
 from vllm_client import VLLMClient
 from weight_sync import WeightSync, language_parameters, transfer_flags
 
@@ -151,6 +154,40 @@ def test_a_mismatched_update_is_refused_before_it_can_hurt_the_server(any_server
         sync.push(bad, lambda: iter(params), version=9)
     assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
     assert httpx.get(server.url + "/health").status_code == 200
+    assert error_to(server, base) <= TOL
+
+
+def test_a_trainer_killed_mid_sync_leaves_a_server_the_next_run_can_use(any_server, toy_dir,
+                                                                        tmp_path, caplog):
+    """A trainer dies after half of its buckets (tests/dead_sender.py): the server keeps the
+    weights it had and ends the update session; the next run finds it paused, resumes it with a
+    warning, trains, and leaves it serving its checkpoint. A session left open (a run killed
+    between /start_weight_update and /update_weights) is finished, with a warning, by the next
+    sync."""
+    server = any_server
+    base = AutoModelForCausalLM.from_pretrained(toy_dir).eval()
+    dead = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "dead_sender.py"),
+                           server.url, toy_dir], capture_output=True, text=True, timeout=120)
+    assert dead.returncode == 3, dead.stderr[-2000:]
+    assert httpx.get(server.url + "/is_paused").json() == {"is_paused": True}
+    try:
+        deadline = time.monotonic() + 30       # the server notices the dead peer (a socket error)
+        while httpx.post(server.url + "/start_weight_update", timeout=60).status_code != 200:
+            assert time.monotonic() < deadline, "the dead trainer's session never ended"
+            time.sleep(0.5)
+        client = VLLMClient(server.url, timeout=60)
+        client.resume()
+        assert error_to(server, base) <= TOL   # it generates, with the weights it had
+        client.pause(mode="keep")              # as the dead trainer left it
+        with caplog.at_level("WARNING"), pytest.warns(UserWarning, match="never finished"):
+            last = run([server], toy_dir, tmp_path, steps=2, max_staleness=0)
+        assert "was paused before this run started" in caplog.text
+        assert last["perf/weight_sync_bytes"] > 1e6
+        assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-2").eval()
+        assert error_to(server, model) <= TOL
+    finally:
+        restore([server], toy_dir)
     assert error_to(server, base) <= TOL
 
 

@@ -4,10 +4,12 @@ test_weight_sync.py, test_lora_sync.py), besides the fixtures in train_fixtures.
 - recorded_reward: a module-level reward the rollout process imports by name (--reward
   train_helpers:recorded_reward), so this module imports nothing heavy.
 - SERVER_ARGS, SMALL: a toy server with gloo weight transfer, and a run of a few seconds a step.
-- cli / newest_checkpoint / lines: a trainer as a separate process, and what it leaves on disk.
+- cli / newest_checkpoint / lines: a trainer as a separate process, and what it leaves on disk;
+  kill_launched: what a test left running of them (conftest, after every test).
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -55,5 +57,20 @@ def cli(out: str, url: str, dataset: str, *extra: str,
            os.path.dirname(dataset) + "/model", "--dataset", dataset,
            "--reward", "train_helpers:recorded_reward", "--vllm_server_base_url", url,
            "--output_dir", out, "--disable_tqdm", "true", *flags, *extra]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+    LAUNCHED.append(proc)
+    return proc
+
+
+LAUNCHED: list[subprocess.Popen] = []     # every cli() run; conftest kills what a test left
+
+
+def kill_launched() -> None:
+    """SIGKILL the process group of every cli() run still alive (a test that failed or timed out
+    waiting on one): nothing it started outlives its test."""
+    while LAUNCHED:
+        proc = LAUNCHED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

