@@ -44,12 +44,14 @@ from weight_sync import full_tensor
 
 @dataclass
 class TrainState:
-    """What a resume needs besides the tensors (trainer_state.json, rollout_state.json)."""
+    """What a resume needs besides the tensors (trainer_state.json, rollout_state.json). The one
+    owner of the run's counters: train() advances the step and version, rank 0's Feed (train.py)
+    counts the tokens and drops on it, the metrics read them here, and a resume loads them."""
     global_step: int = 0               # optimizer steps so far
     model_version: int = 0             # weight syncs so far
     num_tokens: int = 0                # forwarded tokens since the start (num_tokens metric)
-    dropped_stale_total: int = 0       # sample/dropped_stale_total
-    dropped_oversize_total: int = 0    # batch/dropped_oversize_total
+    dropped_stale_total: int = 0       # samples dropped as stale (sample/dropped_stale_total)
+    dropped_oversize_total: int = 0    # over token_budget (batch/dropped_oversize_total)
     prompt_index: int = 0              # first prompt not wholly trained (rollout_state.json)
     trained: dict = field(default_factory=dict)   # prompt index ≥ it → samples trained (same)
 

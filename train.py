@@ -10,9 +10,11 @@ process generates. train() is the whole loop; AsyncGRPOTrainer is the spec's cla
 One optimizer step, top-down (each line names the file that does it):
 
     rank 0  samples ← RolloutWorker.get()           rollout_worker.py ← rollout.py (child process)
-            drop the stale ones (staleness > max_staleness), feed the Planner       trie_pack.py
-            until gradient_accumulation_steps micro-batches of world_size rows are planned
-            pack every row as a prefix trie, scatter each rank its rows   (row-slots: GA × world)
+            drop the stale (staleness > max_staleness) and oversize ones, feed the Planner
+            until gradient_accumulation_steps micro-batches of world_size rows are planned,
+            pack every row as a prefix trie (Feed.next_step)                        trie_pack.py
+            count the drops and the forwarded tokens on the run's TrainState       checkpoint.py
+            scatter each rank its rows                                    (row-slots: GA × world)
     all     per row: hidden = Policy(row), tree attention                 tree_attention.py
                      loss = compute_loss(hidden, LM head, row, n)    loss.py (n: the step's tokens)
                      backward (FSDP2 reduce-scatters the gradients)
@@ -115,15 +117,13 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             budget = config.token_budget
             budget = clients[0].max_model_len() if budget is None else budget
             planner = Planner(world, budget, config.per_device_train_batch_size)
-            planner.dropped_oversize_total = state.dropped_oversize_total
             worker = RolloutWorker(config, dataset, reward_funcs, tokenizer, tools=tools,
                                    environment_factory=environment_factory, loop_cls=loop_cls,
                                    eos_token_ids=stop_token_ids(model, tokenizer),
                                    num_processes=world, dataset_start_index=state.prompt_index,
                                    trained=state.trained, model_version=state.model_version,
                                    **sync.worker_kwargs())
-            feed = Feed(worker, planner, config.gradient_accumulation_steps,
-                        dropped_stale_total=state.dropped_stale_total)
+            feed = Feed(worker, planner, config.gradient_accumulation_steps, state)
             log = train_metrics.MetricsLog(
                 config, output_dir, state, policy.model, device, tokenizer,
                 on_log=lambda line: hooks.event("on_log", line["step"], logs=line))
@@ -131,18 +131,17 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             hooks.event("on_train_begin", state.global_step)
         while config.max_steps <= 0 or state.global_step < config.max_steps:
             started = time.perf_counter()
-            step = None                         # rank 0: [GA][world] TreeRow
-            if rank == 0:
-                try:                            # a callback's stop: an empty step ends every rank
-                    step = [] if hooks.should_stop else feed.next_step(state.model_version,
-                                                                       config.max_staleness)
+            step = None                         # rank 0: the packed rows and their trained tokens
+            if rank == 0 and not hooks.should_stop:     # a callback's stop: no step ends every rank
+                try:
+                    step = feed.next_step(state.model_version, config.max_staleness)
                 except BaseException as e:      # the other ranks must not wait for rows forever
                     scatter_rows(None, rank, world, error=f"{type(e).__name__}: {e}")
                     raise
             mine = scatter_rows(step, rank, world)
             if mine is None:                    # the prompts are done
                 break
-            rows, num_tokens, packed = mine
+            rows, num_tokens = mine
             metrics = train_step(policy, optimizer, scheduler, rows, num_tokens, config, world,
                                  aux_coef, scaler)
             state.global_step += 1
@@ -155,11 +154,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                 if rank == 0:
                     feed.worker.set_model_version(state.model_version)
             if rank == 0:
-                state.num_tokens += sum(p.unique_tokens for micro in packed for p in micro)
-                state.dropped_stale_total = feed.dropped_stale_total
-                state.dropped_oversize_total = feed.planner.dropped_oversize_total
                 metrics["perf/step_s"] = time.perf_counter() - started
-                log.step(state, metrics, feed, step, packed)
+                log.step(state, metrics, feed)
                 hooks.event("on_step_end", state.global_step)
             hooks.state.global_step = state.global_step
             if saving and state.global_step % config.every("save_steps") == 0:
@@ -322,13 +318,16 @@ def make_sync(policy: Policy, clients, config, peft_config, output_dir: str):
 
 @dataclass
 class Feed:
-    """Rank 0's end of the rollout queue: the worker, the planner, and what one step took."""
+    """Rank 0's end of the rollout queue: the worker, the planner, the run's TrainState (its
+    counters: samples dropped, tokens forwarded) and what one step took."""
     worker: RolloutWorker
     planner: Planner
     microbatches: int                                  # gradient_accumulation_steps
-    dropped_stale_total: int = 0                       # sample/dropped_stale_total
+    state: checkpoint.TrainState                       # counts dropped_*_total and num_tokens
     finished: bool = False                             # the worker has no more samples
-    # this step's accepted samples, for sample/* metrics
+    # this step: its rows and accepted samples, for the metrics
+    rows: list = field(default_factory=list)           # [GA][world] TreeRow
+    packed: list = field(default_factory=list)         # [GA][world] PackedRow
     samples: list = field(default_factory=list)
     stale_seen: list = field(default_factory=list)     # their staleness
     queue_s: list = field(default_factory=list)        # their time in the queue
@@ -336,10 +335,13 @@ class Feed:
     queue_size: int = 0                                # sample/rollout_queue_size at its start
     version: int = 0                                   # the policy version it trains
 
-    def next_step(self, version: int, max_staleness: int) -> list[list]:
-        """Up to `microbatches` micro-batches (each world_size TreeRows); fewer only at the end of
-        the prompts. A sample older than max_staleness versions is dropped, also one held in an open
-        row since an earlier step (spec: SAMPLE ... dropped if staleness > max_staleness)."""
+    def next_step(self, version: int, max_staleness: int) -> tuple[list[list], int] | None:
+        """The next step packed: up to `microbatches` micro-batches of world_size PackedRows (fewer
+        only at the end of the prompts), and its trained-token count, the loss's divisor; None when
+        the prompts are done. A sample older than max_staleness versions is dropped, also one held
+        in an open row since an earlier step (spec: SAMPLE ... dropped if staleness >
+        max_staleness), and so is one over the token budget; the state counts both drops and the
+        forwarded tokens."""
         self.samples = []
         self.stale_seen = []
         self.queue_s = []
@@ -347,39 +349,49 @@ class Feed:
         self.version = version
         self.queue_size = self.worker.qsize()
         stale = self.planner.drop(lambda s: version - s.model_version > max_staleness)
-        self.dropped_stale_total += stale
-        step = []
-        while len(step) < self.microbatches and not self.finished:
+        self.state.dropped_stale_total += stale
+        self.rows = []
+        while len(self.rows) < self.microbatches and not self.finished:
             start = time.perf_counter()
             sample = self.worker.get()
             self.waited_s += time.perf_counter() - start
             if sample is None:
                 self.finished = True
-                rows = self.planner.flush()
+                micro = self.planner.flush()
             elif version - sample.model_version > max_staleness:
-                self.dropped_stale_total += 1
+                self.state.dropped_stale_total += 1
+                continue
+            elif self.planner.oversize(sample):
+                self.state.dropped_oversize_total += 1
+                logging.getLogger(__name__).warning(
+                    "dropping a sample of %d tokens (%d trained): over token_budget=%d",
+                    len(sample.input_ids), sample.completion_mask.sum(), self.planner.token_budget)
                 continue
             else:
                 self.samples.append(sample)
                 self.stale_seen.append(version - sample.model_version)
                 self.queue_s.append(time.time() - sample.enqueued_at)
-                rows = self.planner.add(sample)
-            if rows:
-                step.append(rows)
-        return step
+                micro = self.planner.add(sample)
+            if micro:
+                self.rows.append(micro)
+        self.packed = [[row.pack() for row in micro] for micro in self.rows]
+        self.state.num_tokens += sum(p.unique_tokens for micro in self.packed for p in micro)
+        trained = sum(p.trained_tokens for micro in self.packed for p in micro)
+        return (self.packed, trained) if self.packed else None
 
 
-def scatter_rows(step: list[list] | None, rank: int, world: int, error: str | None = None):
-    """Rank 0 packs every row and sends rank r its row of each micro-batch. Returns this rank's
-    (packed rows, the step's trained-token count, rank 0: all packed rows), or None when the prompts
-    are done. Every rank leaves together: a failure on rank 0 (`error`) raises on the others."""
+def scatter_rows(step: tuple[list[list], int] | None, rank: int, world: int,
+                 error: str | None = None):
+    """Rank 0 sends rank r its row of each micro-batch and the step's trained-token count (`step`:
+    Feed.next_step's). Returns this rank's ([GA] PackedRow, count), or None when the prompts are
+    done (`step` None). Every rank leaves together: a failure on rank 0 (`error`) raises on the
+    others."""
     if rank == 0:
-        if error is not None or not step:
+        if step is None:
             payload = [{"error": error}] * world
         else:
-            packed = [[row.pack() for row in micro] for micro in step]      # [GA][world] PackedRow
-            n = sum(p.trained_tokens for micro in packed for p in micro)
-            payload = [{"rows": [micro[r] for micro in packed], "num_tokens": n}
+            packed, num_tokens = step                                   # [GA][world] PackedRow
+            payload = [{"rows": [micro[r] for micro in packed], "num_tokens": num_tokens}
                        for r in range(world)]
     box = [payload[0] if rank == 0 else None]
     if world > 1:
@@ -389,7 +401,7 @@ def scatter_rows(step: list[list] | None, rank: int, world: int, error: str | No
         if mine["error"] is not None and rank != 0:
             raise RuntimeError(f"rank 0 stopped: {mine['error']}")
         return None
-    return mine["rows"], mine["num_tokens"], packed if rank == 0 else None
+    return mine["rows"], mine["num_tokens"]
 
 
 # ── all ranks: forward, backward, optimizer ──────────────────────────────────────────────────

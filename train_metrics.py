@@ -5,10 +5,14 @@ writes one line of <output_dir>/metrics.jsonl:
     sample/*  the samples the step took from the queue  forwarded/trained tokens, queue size and
                                                          wait, staleness, dropped_stale_total;
                                                          reward_group_std, rewards/<func>/...
-    batch/*   the planned rows                           the planner's row metrics + *_per_step sums
+    batch/*   the planned rows                           the planner's row metrics, *_per_step sums,
+                                                         dropped_oversize_total
     perf/*    timings (Timer, weight_sync.py)            + tokens/s and MFU on both time bases
     loss.py   loss, sampling/*, clip_ratio/*, entropy    reduced over micro-batches and ranks
     rollout   rollout/*, completions/*, tools/*, env/*, reward, reward_kept, frac_reward_zero_std
+
+num_tokens and the trainer's *_total are the run's TrainState counters (checkpoint.py): a resume
+continues them.
 
 A window of several steps (or rollout emissions) reduces by name (reduce_window). Worked: two steps
 with sample/staleness_max 1 and 3, sample/dropped_stale_total 4 and 6, and perf/step_s 2.0 and 3.0
@@ -75,10 +79,11 @@ def _nan(v) -> bool:
 
 
 def sample_metrics(feed) -> dict[str, float]:
-    """sample/* and the per-sample reward metrics of the samples one step took from the queue."""
+    """sample/* and the per-sample reward metrics of the samples one step took from the queue
+    (train.py's Feed); the running total from the run's TrainState."""
     s = feed.samples
     out = {"sample/rollout_queue_size": float(feed.queue_size),
-           "sample/dropped_stale_total": float(feed.dropped_stale_total)}
+           "sample/dropped_stale_total": float(feed.state.dropped_stale_total)}
     if s:
         lengths = [len(x.input_ids) for x in s]
         trained = [int(x.completion_mask.sum()) for x in s]
@@ -92,15 +97,18 @@ def sample_metrics(feed) -> dict[str, float]:
     return out
 
 
-def batch_metrics(planner, step: list, packed: list) -> dict[str, float]:
-    """batch/*: the planner's row metrics per micro-batch (reduced over the step) and the step's
-    sums."""
+def batch_metrics(feed) -> dict[str, float]:
+    """batch/*: the planner's row metrics per micro-batch of the step Feed planned (reduced over
+    the step), the step's sums, and the running total from the run's TrainState."""
+    packed = feed.packed                                # [GA][world] PackedRow
     rows = [p for micro in packed for p in micro]
-    out = reduce_window([planner.metrics(micro) for micro in packed])
-    out |= {"batch/forwarded_tokens_per_step": sum(p.unique_tokens for p in rows),
+    groups = set().union(*(row.group_ids for micro in feed.rows for row in micro))
+    out = reduce_window([feed.planner.metrics(micro) for micro in packed])
+    out |= {"batch/dropped_oversize_total": float(feed.state.dropped_oversize_total),
+            "batch/forwarded_tokens_per_step": sum(p.unique_tokens for p in rows),
             "batch/trained_tokens_per_step": sum(p.trained_tokens for p in rows),
             "batch/samples_per_step": sum(p.num_samples for p in rows),
-            "batch/groups_per_step": len(set().union(*(r.group_ids for m in step for r in m))),
+            "batch/groups_per_step": len(groups),
             "batch/microbatches_per_step": len(packed)}
     return out
 
@@ -190,9 +198,11 @@ class MetricsLog:
                         initial=state.global_step, unit="step", dynamic_ncols=True,
                         disable=config.disable_tqdm)           # None: on a tty only
 
-    def step(self, state, metrics: dict, feed, step: list, packed: list) -> None:
-        record = dict(metrics) | sample_metrics(feed) | batch_metrics(feed.planner, step, packed)
-        rows = [p for micro in packed for p in micro]
+    def step(self, state, metrics: dict, feed) -> None:
+        """Record one optimizer step: its loss and timings (`metrics`), and what `feed` (train.py's
+        Feed) took and planned for it."""
+        record = dict(metrics) | sample_metrics(feed) | batch_metrics(feed)
+        rows = [p for micro in feed.packed for p in micro]
         forwarded = record["batch/forwarded_tokens_per_step"]
         trained = record["batch/trained_tokens_per_step"]
         record |= {"num_tokens": float(state.num_tokens),
@@ -205,7 +215,7 @@ class MetricsLog:
             record |= {"perf/mfu_fwd_bwd": flops / record["perf/fwd_bwd_s"],
                        "perf/mfu_wall_clock": flops / record["perf/step_s"]}
         self.window.append(record)
-        samples = [s for micro in step for row in micro for s in row.samples]   # trained now
+        samples = [s for micro in feed.rows for row in micro for s in row.samples]  # trained now
         if self.completions_file is not None:
             lines = train_completions.records(state.global_step, feed.version, samples,
                                               self.prompted)

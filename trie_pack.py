@@ -420,7 +420,9 @@ class Planner:
 
     token_budget > 0 bounds unique tokens and loss terms per row (the trainer passes the server's
     max_model_len when the config says None); token_budget <= 0 packs per_device_train_batch_size ×
-    world_size samples per micro-batch instead (_balanced). State is real: the open rows.
+    world_size samples per micro-batch instead (_balanced). A sample no row can hold (oversize())
+    is refused: the trainer drops and counts it first (train.py's Feed). State is real: the open
+    rows.
     """
 
     def __init__(self, world_size: int, token_budget: int, per_device_train_batch_size: int):
@@ -429,7 +431,11 @@ class Planner:
         self.samples_per_microbatch = per_device_train_batch_size * world_size
         self.rows = [TreeRow() for _ in range(world_size)]
         self.pending: list = []              # fixed-count mode: samples of the open micro-batch
-        self.dropped_oversize_total = 0
+
+    def oversize(self, sample) -> bool:
+        """Over token_budget in tokens or loss terms: no row can hold the sample."""
+        budget = self.token_budget
+        return budget > 0 and (len(sample.input_ids) > budget or _trained(sample) > budget)
 
     def add(self, sample) -> list[TreeRow] | None:
         """Place one sample; returns the closed micro-batch (world_size rows) if it did not fit."""
@@ -439,11 +445,10 @@ class Planner:
                 return None
             closed, self.pending = self.pending, []
             return self._balanced(closed)
-        if len(sample.input_ids) > self.token_budget or _trained(sample) > self.token_budget:
-            self.dropped_oversize_total += 1
-            log.warning("dropping a sample of %d tokens (%d trained): over token_budget=%d",
-                        len(sample.input_ids), _trained(sample), self.token_budget)
-            return None
+        if self.oversize(sample):
+            raise ValueError(f"a sample of {len(sample.input_ids)} tokens ({_trained(sample)} "
+                             f"trained) is over token_budget={self.token_budget}: no row can "
+                             "hold it; drop it first (Planner.oversize)")
         placed = self._place(sample)
         closed = None
         if placed is None:
@@ -558,7 +563,6 @@ class Planner:
             "batch/packing_ratio": sum(p.raw_tokens for p in packed) / tokens.sum(),
             "batch/pad_frac": float(1 - tokens.sum() / (len(packed) * tokens.max())),
             "batch/masked_token_frac": sum(p.masked_tokens for p in packed) / tokens.sum(),
-            "batch/dropped_oversize_total": float(self.dropped_oversize_total),
         }
         if self.token_budget > 0:
             out["batch/row_fill_frac"] = float(tokens.mean() / self.token_budget)

@@ -51,6 +51,7 @@ def test_killed_run_resumes_at_the_saved_prompt_with_its_optimizer_state(start_s
     assert 2 <= k < 8, proc.stdout.read()
     rollout_state = os.path.join(out, f"checkpoint-{k}", "rollout_state.json")
     saved = json.load(open(rollout_state))["prompt_index"]
+    counters = json.load(open(os.path.join(out, f"checkpoint-{k}", "trainer_state.json")))
     proc = cli(out, server.url, indexed, "--max_steps", "8", "--save_steps", "2",
                "--resume_from_checkpoint", "true", record=second)
     log, _ = proc.communicate(timeout=300)
@@ -63,8 +64,15 @@ def test_killed_run_resumes_at_the_saved_prompt_with_its_optimizer_state(start_s
     dcp_to_torch_save(os.path.join(out, "checkpoint-8", "fsdp"), tmp_path / "final.pt")
     optim = torch.load(tmp_path / "final.pt", weights_only=False)["optim"]["state"]
     assert {float(s["step"]) for s in optim.values()} == {8.0}     # Adam counted on from step k
-    steps = [r["step"] for r in lines(out)]
-    assert steps[-(8 - k):] == list(range(k + 1, 9))
+    records = lines(out)
+    assert [r["step"] for r in records[-(8 - k):]] == list(range(k + 1, 9))
+    head, last = records[-(8 - k)], records[-1]         # the resumed run's: its counters continue
+    assert head["num_tokens"] == counters["num_tokens"] + head["batch/forwarded_tokens_per_step"]
+    assert head["sample/dropped_stale_total"] >= counters["dropped_stale_total"]
+    assert head["batch/dropped_oversize_total"] >= counters["dropped_oversize_total"]
+    logged = {"num_tokens": "num_tokens", "dropped_stale_total": "sample/dropped_stale_total",
+              "dropped_oversize_total": "batch/dropped_oversize_total"}
+    assert {k: state[k] for k in logged} == {k: last[m] for k, m in logged.items()}   # as logged
 
 
 def test_find_picks_the_newest_complete_checkpoint_and_prune_keeps_the_newest(tmp_path):

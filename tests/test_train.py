@@ -14,11 +14,13 @@ import time
 import pytest
 import torch
 
+import checkpoint
 import toy
 import train
 from rollout_helpers import CurriculumConfig, CurriculumRolloutLoop
 from train import AsyncGRPOConfig, AsyncGRPOTrainer
 from train_helpers import ROOT, SERVER_ARGS, SMALL, cli, lines, newest_checkpoint
+from trie_pack import Planner
 from weight_sync import free_port, full_tensor, language_parameters
 
 pytest_plugins = ["train_fixtures"]
@@ -31,6 +33,40 @@ def test_stale_samples_are_dropped_and_counted(train_run):
     assert all(r["sample/staleness_max"] == 0 for r in records)
     dropped = [r["sample/dropped_stale_total"] for r in records]
     assert dropped == sorted(dropped) and dropped[-1] >= 3    # a running total; one a step boundary
+
+
+def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
+    """Feed.next_step drops the stale and the oversize samples and counts them, and the forwarded
+    tokens, on the TrainState it is given (here as a resume loads it: the counts continue); it
+    returns the step packed with its trained-token count, which scatter_rows hands out as is."""
+    from test_trie_pack import sample
+
+    class Worker:                       # RolloutWorker's get() and qsize()
+        def __init__(self, samples):
+            self.samples = samples
+
+        def get(self):
+            return self.samples.pop(0)
+
+        def qsize(self):
+            return len(self.samples)
+
+    fresh = [sample([1, 2, 3 + i], [0, 1, 1], group=i, version=1) for i in range(2)]
+    stale = sample([1, 2, 9], [0, 1, 1], version=0)
+    big = sample(range(9), [0] + [1] * 8, version=1)                   # over token_budget 8
+    state = checkpoint.TrainState(num_tokens=100, dropped_stale_total=2, dropped_oversize_total=1)
+    feed = train.Feed(Worker([fresh[0], stale, big, fresh[1], None]), Planner(1, 8, 1), 2, state)
+    step = feed.next_step(version=1, max_staleness=0)
+    packed, num_tokens = step
+    assert [[p.num_samples for p in micro] for micro in packed] == [[2]]   # the prompts ran out
+    assert (state.dropped_stale_total, state.dropped_oversize_total) == (3, 2)
+    assert state.num_tokens == 100 + packed[0][0].unique_tokens
+    assert num_tokens == packed[0][0].trained_tokens == 4
+    rows, n = train.scatter_rows(step, rank=0, world=1)
+    assert rows[0] is packed[0][0] and n == 4
+    assert feed.next_step(version=1, max_staleness=0) is None
+    assert train.scatter_rows(None, rank=0, world=1) is None
+    assert (state.num_tokens, state.dropped_stale_total) == (100 + packed[0][0].unique_tokens, 3)
 
 
 def test_two_ranks_give_the_weights_of_one_process(tmp_path):

@@ -154,7 +154,7 @@ def test_spec_example_layout_and_metrics():
         "batch/samples_per_row": 1.5, "batch/row_tokens_mean": 6.0, "batch/row_tokens_max": 8.0,
         "batch/row_fill_frac": 6 / 16, "batch/row_imbalance": 27 / ((27 + 10) / 2),
         "batch/packing_ratio": 14 / 12, "batch/pad_frac": 1 - 12 / 16,
-        "batch/masked_token_frac": (2 + 2) / 12, "batch/dropped_oversize_total": 0.0})
+        "batch/masked_token_frac": (2 + 2) / 12})
 
 
 def test_a_match_is_for_its_row_as_it_was():
@@ -189,7 +189,8 @@ def test_a_trained_first_token_is_refused():
 
 def run_planner(samples, world_size, budget, per_device=2):
     planner = Planner(world_size, budget, per_device)
-    batches = [b for b in map(planner.add, samples) if b is not None]
+    kept = [s for s in samples if not planner.oversize(s)]      # the trainer drops the rest
+    batches = [b for b in map(planner.add, kept) if b is not None]
     tail = planner.flush()
     return planner, batches + ([tail] if tail else [])
 
@@ -206,7 +207,7 @@ def test_planner_invariants(seed, world_size, budget):
             assert r.unique_tokens <= budget and r.trained_tokens <= budget
             seen += [id(s) for s in r.samples]
     oversize = [s for s in samples if len(s.input_ids) > budget or trained(s) > budget]
-    assert planner.dropped_oversize_total == len(oversize)
+    assert [id(s) for s in samples if planner.oversize(s)] == list(map(id, oversize))
     assert len(seen) == len(set(seen))                           # nothing duplicated
     lost = len(samples) - len(oversize) - len(seen)              # a tail too small for every rank
     assert 0 <= lost < world_size
@@ -239,10 +240,13 @@ def test_planner_keeps_groups_together_and_splits_a_full_group():
         assert [len(r.samples) for r in closed or planner.rows] == [6, 1 if closes else 2]
 
 
-def test_oversize_dropped_and_flush_fills_every_rank():
+def test_oversize_refused_and_flush_fills_every_rank():
     planner = Planner(world_size=3, token_budget=10, per_device_train_batch_size=1)
-    assert planner.add(sample(np.arange(11), np.r_[0, np.ones(10)])) is None
-    assert planner.dropped_oversize_total == 1
+    big = sample(np.arange(11), np.r_[0, np.ones(10)])
+    assert planner.oversize(big) and not planner.oversize(sample(np.arange(10), np.zeros(10)))
+    with pytest.raises(ValueError, match="over token_budget=10"):
+        planner.add(big)
+    assert not planner.held()
     for i in range(3):                   # one group, one row: flush spreads it over the three ranks
         planner.add(sample([1, 2, 3 + i], [0, 1, 1]))
     assert [len(r.samples) for r in planner.rows] == [3, 0, 0]
