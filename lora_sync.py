@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import server_checks
 
-from weight_sync import FullSync, SyncStats, full_tensor, language_parameters, on_every_server
+from weight_sync import FullSync, Members, SyncStats, full_tensor, language_parameters
 
 PREFIX = "policy"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values
@@ -112,6 +112,7 @@ class AdapterSync:
     def __init__(self, policy, clients, config, output_dir: str):
         self.policy = policy
         self.clients = clients
+        self.members = Members(clients, config.vllm_server_timeout, "LoRA sync")
         self.config = config
         self.root = os.path.join(os.path.abspath(output_dir), ".vllm_lora")
         self.prefix = f"{PREFIX}-{secrets.token_hex(3)}"    # this run's names: policy-<run>-v<N>
@@ -141,6 +142,7 @@ class AdapterSync:
             os.rename(tmp, final)
             stats.bytes = os.path.getsize(os.path.join(final, "adapter_model.safetensors"))
             t = time.perf_counter()
+            self.members.returning()           # back since the last sync: this adapter reaches it
             self._each(lambda c: c.load_lora_adapter(name, final), f"loading {name}")
             self.loaded.append(version)
             while len(self.loaded) > self.config.max_staleness + 1:    # the new one is in: unload
@@ -183,9 +185,12 @@ class AdapterSync:
         self.loaded = []
 
     def _each(self, call, what: str) -> None:
-        """Every replica, in parallel; a replica that fails stops the run, named (no silent
-        divergence)."""
-        on_every_server(self.clients, call, self.config.vllm_server_timeout, f"LoRA sync: {what}")
+        """Every live replica, in parallel; one that stopped answering is taken out (Members), one
+        that answers and fails stops the run, named (no silent divergence)."""
+        try:
+            self.members.call(call)
+        except RuntimeError as e:
+            raise RuntimeError(f"{what}: {e}") from e
 
 
 # ── merged ──────────────────────────────────────────────────────────────────────────────────

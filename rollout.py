@@ -6,8 +6,9 @@ A spawned process keeps the vLLM servers busy while the trainer trains. `AsyncRo
 spec's hooks, then its two loops: `_generate_loop` starts rollouts, `_score_loop` turns finished
 groups into samples. The pieces it calls live beside it: the prompts (rollout_prompts.py), tools
 and environments (rollout_tools.py), the servers (rollout_servers.py), admission by staleness
-(staleness.py), the records and reconcile (rollout_samples.py), scoring (rollout_scoring.py); the
-trainer's side of the boundary is rollout_worker.py.
+(staleness.py), the records and reconcile (rollout_samples.py), scoring (rollout_scoring.py), the
+channels to the trainer (rollout_channels.py); the trainer's side of the boundary is
+rollout_worker.py.
 
     trainer, rank 0                       spawned child (CUDA_VISIBLE_DEVICES="", one asyncio loop)
     ───────────────                       ──────────────────────────────────────────────────────────
@@ -29,7 +30,8 @@ Departures from the spec, one line each (the why is on the code named):
 - RolloutWorker passes the six inter-process primitives as one `Channels` record, not six.
 - max_completion_length counts the generated tokens of all turns (generate_one).
 - A rollout's requests name the policy version it started under, as a LoRA adapter (adapter_name).
-- A failed rollout drops its group; FAILED_GROUPS_TO_STOP groups in a row stop the run (_rollout).
+- A failed rollout drops its group; FAILED_GROUPS_TO_STOP groups in a row stop the run (_rollout);
+  one whose replica stopped answering runs again on another (_reroute).
 - *_total metrics are running totals; backpressure_s, score_block_s: seconds since the last one.
 - rollout/admission_wait_s (ours): seconds generation waited for staleness admission, not a full
   queue (the spec's rollout/backpressure_s, which counts only that).
@@ -38,24 +40,23 @@ import asyncio
 import contextvars
 import logging
 import queue
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Callable
 
-import httpx
 import numpy as np
 
+from rollout_channels import Channels, spec_channels
 from rollout_prompts import check_prompt_source, filtered_stream, prompt_stream
 from rollout_samples import (FinishedRollout, PendingGroup, Rollout, RolloutGroup, RolloutSample,
                              ToolCall, TurnRecord, parse_completion, parse_generate, reconcile)
 from rollout_scoring import add_totals, score_group
-from rollout_servers import Replica, connect_all, make_replicas, pick, poll_all
+from rollout_servers import (NoReplicaLeft, Replica, connect_all, make_replicas, move, pick,
+                             poll_all, readmit, take_out)
 from rollout_tools import (environment_reward, environment_tools, parse_turn, run_tool_calls,
                            start_environment, tool_call_format, tool_schemas)
-from staleness import admits, prior_rate
+from staleness import admits
 from vllm_client import VLLMError, server_urls
 
 log = logging.getLogger(__name__)
@@ -65,45 +66,6 @@ WAKE_S = 0.05                      # the generate loop re-checks shared values a
 
 
 # ── records ──────────────────────────────────────────────────────────────────────────────────
-
-
-@dataclass
-class Channels:
-    """Everything the parent and the child share (all from one spawn context). The spec's loop
-    takes six of them as arguments (marked spec, with its name where it differs); the rest are
-    ours: resume progress, the staleness window (staleness.py), stop and ready."""
-    rollout_buffer: Any     # spec. Queue: RolloutSample child → parent; None once prompts run out
-    metrics: Any            # spec metrics_queue. Queue: metric dicts child → parent; None ends
-    progress: Any           # ours. Queue: (prompt_index, samples queued) per finished prompt
-    exception_info: Any     # spec exception_info_queue. Queue: (type, message, traceback)
-    model_version: Any      # spec model_version_value. Value('q'), set after each weight sync
-    version_start: Any      # ours. Value('q'): C_v, samples consumed when the version began
-    rate: Any               # ours. Value('d'): R, samples the trainer consumes per version
-    consumed: Any           # ours. Value('q'): samples the parent has handed to the trainer
-    heartbeat: Any          # spec heartbeat_value. Value('d'): time.time() of the child's beat
-    stop: Any               # ours. Event parent → child
-    ready: Any              # ours. Event child → parent: connected and set up
-    failed: Any             # spec failed_event. Event child → parent: see exception_info
-
-
-def spec_channels(config, rollout_buffer, model_version_value, heartbeat_value, failed_event,
-                  exception_info_queue, metrics_queue) -> Channels:
-    """Channels from the spec's six primitives; ours are in-process stand-ins (no trainer
-    publishes a staleness window: the prior rate of one process holds)."""
-    missing = [name for name, v in [("rollout_buffer", rollout_buffer),
-                                    ("model_version_value", model_version_value),
-                                    ("heartbeat_value", heartbeat_value),
-                                    ("failed_event", failed_event),
-                                    ("exception_info_queue", exception_info_queue),
-                                    ("metrics_queue", metrics_queue)] if v is None]
-    if missing:
-        raise TypeError(f"AsyncRolloutLoop needs {', '.join(missing)} (or one `channels` record)")
-    return Channels(rollout_buffer=rollout_buffer, metrics=metrics_queue, progress=queue.Queue(),
-                    exception_info=exception_info_queue, model_version=model_version_value,
-                    version_start=SimpleNamespace(value=0),
-                    rate=SimpleNamespace(value=prior_rate(config, 1)),
-                    consumed=SimpleNamespace(value=0), heartbeat=heartbeat_value,
-                    stop=threading.Event(), ready=threading.Event(), failed=failed_event)
 
 
 @dataclass
@@ -398,7 +360,11 @@ class AsyncRolloutLoop:
             self.pending_rollouts += G
             replica.assigned += G
             for i in range(G):
-                await self._wait_until(lambda: replica.inflight < replica.cap.cap)
+                await self._wait_until(lambda: group.replica.down is not None
+                                       or group.replica.inflight < group.replica.cap.cap)
+                if group.replica.down is not None:      # out while it waited: move the rest
+                    replica = move(self.replicas, group, G - i)
+                    await self._wait_until(lambda: replica.inflight < replica.cap.cap)
                 if i == 0:
                     group.model_version = self.model_version
                 replica.inflight += 1
@@ -449,25 +415,19 @@ class AsyncRolloutLoop:
         A rollout that raises (a 4xx, a malformed reply, 5xx retries exhausted, a tool loop bug)
         drops its group with a logged error. The process stops only once rollouts of
         FAILED_GROUPS_TO_STOP groups have failed in a row (counted by group, so one bad prompt with
-        num_generations ≥ 8 does not stop the run), or at once when a server stops answering."""
+        num_generations ≥ 8 does not stop the run), or when no replica is left. One whose replica
+        stopped answering runs again on another (_reroute): nothing is lost or trained twice."""
         start = time.monotonic()
         replica = group.replica
-        _TURN.set(TurnContext(replica, self.adapter_name(self.model_version)))
         try:
-            prompt = group.row.get("prompt")
-            env = None
-            stats = {}
-            tools = list(self.tools)
-            try:                                # its slot under the replica's cap, freed either way
-                if self.environment_factory is not None:
-                    env, prompt, stats["env/reset_s"] = await start_environment(
-                        self.environment_factory, group.row, self.tool_pool)
-                    tools += environment_tools(env)
-                rollout = await self.generate_one(prompt, tools, group.group_id)
-            finally:
-                replica.inflight -= 1
-                replica.assigned -= 1
-            replica.cap.rollout_done(replica.inflight)
+            while True:
+                try:
+                    prompt, rollout, env, stats = await self._generate_on(replica, group)
+                    break
+                except (VLLMError, TimeoutError) as e:
+                    if await asyncio.to_thread(replica.client.healthy):
+                        raise
+                    replica = await self._reroute(group, replica, e)
             env_reward = None
             if env is not None:
                 env_reward, stats["env/reward_s"] = await environment_reward(env, self.tool_pool)
@@ -478,10 +438,8 @@ class AsyncRolloutLoop:
             self.failures_in_a_row = 0
             self.failed_groups_in_a_row = 0
         except Exception as e:
-            if isinstance(e, VLLMError) and isinstance(e.__cause__, httpx.TransportError):
-                raise RuntimeError(f"the vLLM server at {replica.url} stopped answering ({e}); is "
-                                   "it running? Restart it, or remove it from "
-                                   "vllm_server_base_url") from e
+            if isinstance(e, NoReplicaLeft):
+                raise
             self.failed_groups_in_a_row += not group.failed
             group.failed = True
             self.failures_in_a_row += 1
@@ -500,6 +458,37 @@ class AsyncRolloutLoop:
                 self._finish_prompt(group.prompt_index, group.size, 0)
             else:
                 await self.score_queue.put(group.build(queued_at=time.monotonic()))
+
+    async def _generate_on(self, replica: Replica, group: PendingGroup):
+        """One attempt at a rollout on `replica`, in a slot taken under its cap and freed here:
+        (prompt, Rollout, environment or None, stats)."""
+        _TURN.set(TurnContext(replica, self.adapter_name(self.model_version)))
+        prompt = group.row.get("prompt")
+        env = None
+        stats = {}
+        tools = list(self.tools)
+        try:
+            if self.environment_factory is not None:
+                env, prompt, stats["env/reset_s"] = await start_environment(
+                    self.environment_factory, group.row, self.tool_pool)
+                tools += environment_tools(env)
+            rollout = await self.generate_one(prompt, tools, group.group_id)
+        finally:
+            replica.inflight -= 1
+            replica.assigned -= 1
+        replica.cap.rollout_done(replica.inflight)
+        return prompt, rollout, env, stats
+
+    async def _reroute(self, group: PendingGroup, replica: Replica,
+                       error: BaseException) -> Replica:
+        """`replica` failed a call and /health: out of routing (take_out), and a slot on the
+        group's replica, or, if that one is out too, on the least loaded in routing."""
+        take_out(self.replicas, replica, error)
+        new = group.replica if group.replica.down is None else move(self.replicas, group, 0)
+        new.assigned += 1
+        await self._wait_until(lambda: new.inflight < new.cap.cap)
+        new.inflight += 1
+        return new
 
     def _rollout_ended(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
@@ -565,6 +554,10 @@ class AsyncRolloutLoop:
         (sum them over a logging window); the rest are samples."""
         last_time = time.monotonic()
         while True:
+            version = self.model_version
+            if await readmit(self.replicas, self.adapter_name(version), version,
+                             self.lora_name is not None):
+                self.wake.set()
             metrics = await poll_all(self.replicas)
             now = time.monotonic()
             tokens = self.since_emit["generated_tokens"]

@@ -1,6 +1,7 @@
 """The vLLM servers the rollout process generates from (spec: 並行性 (Concurrency); the seed 003
 note's replicas without a proxy): one `Replica` per URL, its live concurrency cap, the checks at
-start (`connect_all`), routing (`pick`) and the /metrics polls (`poll_all`).
+start (`connect_all`), routing (`pick`), the /metrics polls (`poll_all`) and a replica's way out and
+back (`Replica.down`, `serves`).
 
     config.vllm_server_base_url = "http://a:8000,http://b:8000"      (server_urls splits it)
         └─ Replica a, Replica b: each its VLLMClient, its ConcurrencyCap (bound: the replica's share
@@ -10,6 +11,10 @@ start (`connect_all`), routing (`pick`) and the /metrics polls (`poll_all`).
     the group's num_generations rollouts all run on b (b's prefix cache holds their prompt), each
     waiting for a free slot under b's cap; every metrics_interval_s poll_all() moves the caps
 
+A replica that stops answering (a failed call, then a failed /health) is out of routing; its
+rollouts run again on the others. It is back once /health answers and it serves the current
+policy version, which the trainer's next sync gives it (weight_sync.Members).
+
 A worked example: caps a = 8, b = 8; a has 8 rollouts assigned and 2 requests queued, KV usage
 0.7; b has 8 assigned, none queued, usage 0.3 → load a = 10/8 + 0.7 = 1.95, load b = 8/8 + 0.3 =
 1.3 → b. Equal loads: the replica picked least recently (an idle pool still takes turns).
@@ -17,7 +22,7 @@ A worked example: caps a = 8, b = 8; a has 8 rollouts assigned and 2 requests qu
 Departures from the spec, and why:
 - Replicas are first-class (TRL needs a proxy): the rollout process routes groups itself.
 - max_concurrent_rollouts bounds all servers together: each replica's cap is bounded by its share.
-- A replica that stops answering stops the run naming it, rather than failing its groups one by one.
+- A replica that stops answering is routed around; the run stops, naming them, when none is left.
 """
 import asyncio
 import logging
@@ -100,6 +105,7 @@ class Replica:
     preemptions: float = 0.0        # since the last poll (rollout/vllm_preemptions_total)
     picked: int = 0                 # when it last got a group (pick's count), for ties
     last_counter: float | None = None  # the server's vllm:num_preemptions_total at the last poll
+    down: str | None = None         # why it is out of routing (None: in routing)
 
     def load(self) -> float:
         return (self.assigned + self.waiting) / self.cap.cap + self.kv_usage
@@ -136,9 +142,19 @@ def make_replicas(urls: list[str], bound: int, timeout: float, max_retries: int)
                     ConcurrencyCap(share, share, adaptive=False)) for url in urls]
 
 
+class NoReplicaLeft(RuntimeError):
+    """Every replica is out of routing: the rollout process stops."""
+
+
 def pick(replicas: list[Replica]) -> Replica:
-    """The replica for a new group: the least loaded; on ties, the one picked least recently."""
-    chosen = min(replicas, key=lambda r: (r.load(), r.picked))
+    """The replica for a new group: the least loaded in routing; on ties, the one picked least
+    recently. None in routing: NoReplicaLeft, naming each and why."""
+    live = [r for r in replicas if r.down is None]
+    if not live:
+        whys = "; ".join(f"{r.url}: {r.down}" for r in replicas)
+        raise NoReplicaLeft(f"no vLLM server is left to generate from ({whys}); is it running? "
+                            "Restart it, or remove it from vllm_server_base_url")
+    chosen = min(live, key=lambda r: (r.load(), r.picked))
     chosen.picked = max(r.picked for r in replicas) + 1
     return chosen
 
@@ -159,7 +175,7 @@ async def poll_all(replicas: list[Replica]) -> dict[str, float]:
     """Read each replica's /metrics (moving its cap) and sum up the server side of the periodic
     metrics: KV usage the max over replicas; requests, caps and counters summed. Preemptions are
     those since the last poll (the spec: during the logging window, whose emissions add up)."""
-    polled = [r for r in replicas if r.cap.adaptive]
+    polled = [r for r in replicas if r.cap.adaptive and r.down is None]
     await asyncio.gather(*(r.poll() for r in polled))
     metrics = {"rollout/concurrency": sum(r.inflight for r in replicas),
                "rollout/concurrency_cap": sum(r.cap.cap for r in replicas),
@@ -209,6 +225,53 @@ async def connect(replica: Replica, config, num_top: int | None, probe_token: in
     replica.cap = ConcurrencyCap.start(replica.cap.bound, kv_tokens or None, replica.max_model_len,
                                        has_metrics)
     return served
+
+
+def take_out(replicas: list[Replica], replica: Replica, error: BaseException) -> None:
+    """Out of routing, with a warning (once) naming it."""
+    if replica.down is None:
+        replica.down = f"{type(error).__name__}: {error}"
+        log.warning("the vLLM server at %s stopped answering (%s): out of routing, %d replica(s) "
+                    "left; its rollouts run again on the others", replica.url, replica.down,
+                    sum(r.down is None for r in replicas))
+
+
+def move(replicas: list[Replica], group, rollouts: int) -> Replica:
+    """Route a group (rollout.PendingGroup) whose replica is out to the one pick() gives, with
+    its `rollouts` not started yet."""
+    old, group.replica = group.replica, pick(replicas)
+    old.assigned -= rollouts
+    group.replica.assigned += rollouts
+    return group.replica
+
+
+async def readmit(replicas: list[Replica], model: str, version: int, adapter: bool) -> bool:
+    """Back in routing: each replica out of it that `serves` policy `version` (the trainer's
+    sync gave it the weights or the adapter `model`). Whether any came back."""
+    back = False
+    for r in replicas:
+        if r.down is not None and await serves(r, model, version, adapter):
+            r.down = None
+            back = True
+            log.warning("the vLLM server at %s answers again with policy version %d: back in "
+                        "routing", r.url, version)
+    return back
+
+
+async def serves(replica: Replica, model: str, version: int, adapter: bool) -> bool:
+    """May a replica out of routing come back: does /health answer, and does it serve policy
+    `version` (full sync: /weight_info at least `version`; LoRA: the adapter `model` loaded)?"""
+    client = replica.client
+    if not await asyncio.to_thread(client.healthy):
+        return False
+    try:
+        if adapter:
+            cards = (await asyncio.to_thread(client.models))["data"]
+            return any(c["id"] == model for c in cards)
+        held = await asyncio.to_thread(client.weight_info)
+    except (VLLMError, TimeoutError):
+        return False
+    return held.isdigit() and int(held) >= version
 
 
 def candidates_remedy(info: dict) -> str:

@@ -21,7 +21,7 @@ it, feed it the policy version, take its samples and watch its health.
       .drain_metrics(), .qsize(), .stop()   stop: event → join → terminate → kill
 
 Departures from the spec:
-- The six inter-process primitives travel as one `rollout.Channels` record: one argument, not six.
+- The six inter-process primitives travel as one `rollout_channels.Channels` record: one argument, not six.
 - The trainer also publishes C_v and R (staleness.py): the child admits groups by staleness.
 - A prompt partly or wholly trained past the resume index is generated again after a resume, and
   get() drops the samples of it the checkpoint already trained (ResumeIndex.handed_out).
@@ -39,7 +39,8 @@ import traceback
 import types
 from typing import Callable
 
-from rollout import AsyncRolloutLoop, Channels
+from rollout import AsyncRolloutLoop
+from rollout_channels import Channels
 from rollout_prompts import ResumeIndex, first_prompt_index
 from rollout_samples import RolloutSample
 from rollout_tools import check_tools

@@ -195,7 +195,16 @@ def setup_distributed(config) -> tuple[int, int, torch.device]:
         wait_s = max(config.ddp_timeout, config.vllm_server_timeout + config.rollout_worker_timeout)
         timeout = timedelta(seconds=wait_s)
         if "RANK" in os.environ:                # torchrun: its environment says where to meet
-            dist.init_process_group(backend, timeout=timeout)
+            try:
+                dist.init_process_group(backend, timeout=timeout)
+            except dist.DistError as e:         # a rank that never joins: named, with the wait
+                env = os.environ
+                raise RuntimeError(
+                    f"rank {env['RANK']} of {env.get('WORLD_SIZE')}: the process group at "
+                    f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} did not form within "
+                    f"{wait_s:g}s (max of ddp_timeout and vllm_server_timeout + "
+                    f"rollout_worker_timeout): {e}; start every rank against the same master "
+                    f"(torchrun --nnodes/--nproc_per_node/--rdzv-endpoint)") from e
         else:                                   # alone: nothing written to os.environ
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                     world_size=1, timeout=timeout)
@@ -218,9 +227,9 @@ def load_model(model, config, processing_class=None, peft_config=None):
     head (vision tower, projector) is frozen: no gradients, no optimizer state, not synced."""
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
                               AutoTokenizer)
-    if isinstance(model, str):
-        path = model
-        if model == "toy":
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if path == "toy":
             import toy
             path = toy.ensure_saved()
         kwargs = {"dtype": config.dtype, "trust_remote_code": config.trust_remote_code}

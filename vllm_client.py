@@ -189,7 +189,10 @@ class VLLMClient:
             connection refused (never sent)  retry (REFUSED_RETRIES at most: nothing listens)
             connection dropped mid-request   retry          retry          weights: retry;
                                                                            collective: VLLMError
-            timeout (`timeout` s)            retry          TimeoutError   TimeoutError now
+            timeout (`timeout` s)            retry (async:  TimeoutError   TimeoutError now
+                                             VLLMError now
+                                             if /health
+                                             fails too)
 
         Retry k (k = 0, 1, ...) sleeps min(max_backoff, backoff * 2**k) * U(0.9, 1.1); after
         `retries` retries (max_retries unless the call sets its own) the last error is raised as
@@ -272,6 +275,11 @@ class VLLMClient:
                     response, error = await client.request(method, url, **kwargs), None
                 except httpx.TransportError as e:
                     response, error = None, e
+                if (kind == "generation" and isinstance(error, httpx.TimeoutException)
+                        and not await asyncio.to_thread(self.healthy)):
+                    raise VLLMError(f"{method} got no answer within {self.timeout:g}s "
+                                    f"(vllm_server_timeout), nor GET /health within "
+                                    f"{HEALTH_PROBE_S:g}s: the server is hung", url) from error
                 delay = self._next_delay(method, url, kind, attempt, self.max_retries, response,
                                          error)
                 if delay is None:
@@ -301,6 +309,14 @@ class VLLMClient:
             time.sleep(max(0.0, min(HEALTH_POLL_S, deadline - time.monotonic())))
         raise TimeoutError(f"vLLM server at {url} was not healthy within {limit:g}s (last probe: "
                            f"{last}); is it running, and is vllm_server_base_url right?")
+
+    def healthy(self) -> bool:
+        """One GET /health probe (HEALTH_PROBE_S at most, no retry): does the server answer 200?"""
+        try:
+            return self._client.get(self.base_url + "/health",
+                                    timeout=HEALTH_PROBE_S).status_code == 200
+        except httpx.TransportError:
+            return False
 
     def models(self) -> dict:
         return _field(self._request("GET", "/v1/models"))

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterator
 
-import httpx
 import torch
 import torch.distributed as dist
 
@@ -229,20 +228,21 @@ class WeightSync:
 
     def __init__(self, clients: list[VLLMClient], timeout: float,
                  buffer_bytes: int = PACKED_BUFFER_BYTES):
+        self.members = Members(clients, timeout, "weight sync")   # replicas that can die
         self.clients = clients
         self.timeout = timeout                       # vllm_server_timeout: every call and the group
         self.buffer_bytes = buffer_bytes             # packed_buffer_size_bytes
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.group = None           # rank 0: the group with the servers' workers
+        self.grouped: list[VLLMClient] = []   # rank 0: the servers in that group
+        self.backend = "gloo"
         self.vllm_group = False     # joined through vLLM's helpers (real vLLM, NCCL)
         self.device = torch.device("cpu")
         self.dtype = torch.float32  # the servers' dtype: what is sent
 
     def connect(self, specs: list[tuple[str, torch.Size]] | None = None) -> None:
         """Rank 0: read every server's config, check `specs` (the names and shapes every sync
-        will send) against what it serves, then join one group with all their workers. The
-        trainer is rank 0 of that group; replica i's workers start at rank_offset 1 + the sizes
-        (GET /get_world_size) of the replicas before it."""
+        will send) against what it serves, then join one group with all their workers."""
         if self.rank != 0:
             return
         infos = [c.server_info() for c in self.clients]
@@ -258,25 +258,34 @@ class WeightSync:
         if len(backends) > 1:
             raise ValueError(f"the servers use different weight-transfer backends "
                              f"{sorted(backends)}")
-        backend = backends.pop()
+        self.backend = backends.pop()
         dtypes = {i["model_config"]["dtype"].removeprefix("torch.") for i in infos}
         if len(dtypes) > 1:
             raise ValueError(f"the servers serve different dtypes {sorted(dtypes)}")
         self.dtype = getattr(torch, dtypes.pop())
-        sizes = [c.world_size(include_dp=True) for c in self.clients]
+        self.vllm_group = self.backend == "nccl" and importlib.util.find_spec("vllm") is not None
+        if self.backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._regroup()
+
+    def _regroup(self) -> None:
+        """Rank 0: one group with the workers of every live server (at connect, and after a
+        server left or came back). The trainer is rank 0; replica i's workers start at
+        rank_offset 1 + the sizes (GET /get_world_size) of the live replicas before it."""
+        live = self.members.live
+        sizes = [c.world_size(include_dp=True) for c in live]
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        info = {"master_address": host_ip(self.clients[0].base_url), "master_port": free_port(),
+        info = {"master_address": host_ip(live[0].base_url), "master_port": free_port(),
                 "world_size": 1 + sum(sizes), "packed": True,
                 "packed_buffer_size_bytes": self.buffer_bytes, "packed_num_buffers": 2}
-        self.vllm_group = backend == "nccl" and importlib.util.find_spec("vllm") is not None
-        if backend == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        with ThreadPoolExecutor(len(self.clients)) as pool:
+        self.group = None                  # the old group's sockets close: no server waits on it
+        with ThreadPoolExecutor(len(live)) as pool:
             joins = [pool.submit(c.init_weight_transfer_engine, info | {"rank_offset": offset})
-                     for c, offset in zip(self.clients, offsets)]
-            self.group = self._join(info, backend)
-            for c, j in zip(self.clients, joins):
+                     for c, offset in zip(live, offsets)]
+            self.group = self._join(info, self.backend)
+            for c, j in zip(live, joins):
                 _result(j, self.timeout, f"joining the weight-transfer group of {c.base_url}")
+        self.grouped = live
 
     def _join(self, info: dict, backend: str):
         """Rank 0's side of the rendezvous. Real vLLM (NCCL, vllm importable): vLLM's own
@@ -306,6 +315,8 @@ class WeightSync:
         error = None
         if self.rank == 0:
             error, resume = self._pause()
+            if error is None and self.grouped != resume:     # a server left, or came back
+                error = _attempt(self._regroup)
             stats.pause_s = time.perf_counter() - start
         t = time.perf_counter()
         if dist.is_initialized():
@@ -316,15 +327,15 @@ class WeightSync:
             stats.bytes = self._transfer(specs, tensors, error)
             stats.transfer_s = time.perf_counter() - t
             if self.rank == 0:
-                self._each(lambda c: c.finish_weight_update(str(version)))
+                self.members.call(lambda c: c.finish_weight_update(str(version)))
         except Exception as e:
             if self.rank == 0:
                 still = [why for c in resume if (why := c.resume_confirmed()) is not None]
                 if still:
                     raise RuntimeError(f"{e}; {'; '.join(still)}") from e
             raise
-        if self.rank == 0 and _attempt(lambda: self._each(lambda c: c.resume(), resume)):
-            still = [why for c in resume if (why := c.resume_confirmed()) is not None]
+        if self.rank == 0 and _attempt(lambda: self.members.call(lambda c: c.resume())):
+            still = [why for c in self.members.live if (why := c.resume_confirmed()) is not None]
             if still:
                 raise RuntimeError(f"weight sync to version {version} landed, but "
                                    f"{'; '.join(still)}")
@@ -340,13 +351,15 @@ class WeightSync:
         update = None
         pool = None
         if self.rank == 0 and error is None:
-            error = _attempt(lambda: self._each(begin_update))
+            error = _attempt(lambda: self.members.call(begin_update))
+        if self.rank == 0 and error is None and self.grouped != self.members.live:
+            error = _attempt(self._regroup)                 # one stopped answering just now
         if self.rank == 0 and error is None:
             dtype_name = str(self.dtype).removeprefix("torch.")
             info = {"names": [n for n, _ in specs], "dtype_names": [dtype_name] * len(specs),
                     "shapes": [list(s) for _, s in specs]}
-            pool = ThreadPoolExecutor(len(self.clients))
-            update = [pool.submit(c.update_weights, info) for c in self.clients]
+            pool = ThreadPoolExecutor(len(self.grouped))
+            update = [pool.submit(c.update_weights, info) for c in self.grouped]
         sent = 0
         it = iter(tensors())
         for chunk in plan:
@@ -358,7 +371,7 @@ class WeightSync:
             error = _attempt(lambda: self._broadcast(flat, update))
             sent += flat.numel()
         if self.rank == 0:
-            for c, u in zip(self.clients, update or []):
+            for c, u in zip(self.grouped, update or []):
                 what = f"POST {c.base_url}/update_weights"
                 failure = _attempt(lambda: _result(u, self.timeout, what))
                 error = failure or error
@@ -393,19 +406,66 @@ class WeightSync:
             work.wait()                    # raises the transport's error, if any
 
     def _pause(self) -> tuple[BaseException | None, list[VLLMClient]]:
-        """Pause every server; (the first failure, the servers to resume). A server that refused the
-        connection (down) was never paused: resuming it would only retry for a minute."""
-        failures = each_server(self.clients, lambda c: c.pause(mode="keep"), self.timeout,
-                               "weight sync")
-        resume = [c for c, e in zip(self.clients, failures) if not _refused(e)]
-        return next((e for e in failures if e is not None), None), resume
+        """Pause every live server, and those back since the last sync; (the first failure of
+        one that still answers, the servers to resume). One that stopped answering is taken out
+        (Members): it was never paused."""
+        self.members.returning()
+        error = _attempt(lambda: self.members.call(lambda c: c.pause(mode="keep")))
+        return error, self.members.live
 
-    def _each(self, call: Callable[[VLLMClient], object],
-              clients: list[VLLMClient] | None = None) -> None:
-        """Call every server (or `clients`) in parallel; the first failure is raised, naming the
-        server."""
-        on_every_server(self.clients if clients is None else clients, call, self.timeout,
-                        "weight sync")
+
+
+class Members:
+    """The servers a sync reaches (state is real: who is out, and why). A server that fails a call
+    and then GET /health is taken out, with a warning naming it; one taken out that answers
+    /health again is back from the next sync, which gives it the current weights (or adapter)
+    before rollouts reach it (rollout.py routes to it once it serves the current version). The
+    error comes only when none is left.
+
+        members = Members(clients, timeout, "weight sync")
+        members.returning()                    # each sync first: who is back
+        members.call(lambda c: c.pause())      # on every live server; the dead are taken out
+    """
+
+    def __init__(self, clients: list[VLLMClient], timeout: float, what: str):
+        self.clients = clients
+        self.timeout = timeout
+        self.what = what
+        self.out: dict[str, str] = {}          # base_url → why it was taken out
+
+    @property
+    def live(self) -> list[VLLMClient]:
+        return [c for c in self.clients if c.base_url not in self.out]
+
+    def returning(self) -> list[VLLMClient]:
+        """The servers taken out that answer /health again: live from now on."""
+        back = [c for c in self.clients if c.base_url in self.out and c.healthy()]
+        for c in back:
+            del self.out[c.base_url]
+            warnings.warn(f"{self.what}: {c.base_url} answers again; it rejoins with this sync",
+                          stacklevel=3)
+        return back
+
+    def call(self, call: Callable[[VLLMClient], object]) -> None:
+        """call(c) on every live server in parallel. A server that failed and fails /health is
+        taken out; the first failure of one that answers is raised; none left: RuntimeError."""
+        live = self.live
+        failures = each_server(live, call, self.timeout, self.what)
+        real = []
+        for c, e in zip(live, failures):
+            if e is not None and c.healthy():
+                real.append(e)
+            elif e is not None:
+                self.out[c.base_url] = str(e)
+                warnings.warn(f"{self.what}: {c.base_url} stopped answering and is taken out "
+                              f"(the run goes on with {len(self.live)} of {len(self.clients)}); "
+                              f"{e}", stacklevel=3)
+        if not self.live:
+            whys = "; ".join(f"{url}: {why}" for url, why in self.out.items())
+            raise RuntimeError(f"{self.what}: no vLLM server is left ({whys}); restart them, "
+                               "and resume from the last checkpoint")
+        if real:
+            raise real[0]
 
 
 def begin_update(client: VLLMClient) -> None:
@@ -435,14 +495,6 @@ def each_server(clients: list[VLLMClient], call: Callable[[VLLMClient], object],
                 for c, f in zip(clients, futures)]
 
 
-def on_every_server(clients: list[VLLMClient], call: Callable[[VLLMClient], object],
-                    timeout: float, what: str) -> None:
-    """each_server, raising the first failure."""
-    first = next((e for e in each_server(clients, call, timeout, what) if e is not None), None)
-    if first is not None:
-        raise first
-
-
 def _result(future, timeout: float, what: str):
     try:
         return future.result(timeout=timeout)
@@ -450,15 +502,6 @@ def _result(future, timeout: float, what: str):
         raise TimeoutError(f"{what}: no answer within vllm_server_timeout={timeout:g}s") from e
     except Exception as e:
         raise RuntimeError(f"{what} failed: {e}") from e
-
-
-def _refused(error: BaseException | None) -> bool:
-    """The error chain holds a refused connection (the server is not listening)."""
-    while error is not None:
-        if isinstance(error, httpx.ConnectError):
-            return True
-        error = error.__cause__
-    return False
 
 
 def _attempt(fn: Callable[[], object]) -> BaseException | None:

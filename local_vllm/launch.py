@@ -83,8 +83,8 @@ class LocalServer(ServerProcess):
     name = "local_vllm.server"
 
     def __init__(self, model_dir: str, *args: str, log_path: str | None = None,
-                 startup_timeout: float = 120.0):
-        port = free_port()
+                 startup_timeout: float = 120.0, port: int | None = None):
+        port = port or free_port()              # a port: a restart where a stopped server was
         cmd = [sys.executable, "-m", "local_vllm.server", "--model", model_dir,
                "--port", str(port), *args]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(

@@ -1,9 +1,8 @@
 """rollout_servers.py: the live concurrency cap, routing groups over replicas, the checks at start,
 and several replicas without a proxy against local_vllm (groups stay on one replica, both
 serve, a killed replica stops the run naming it, a wrong API key fails at once with a clear 401)."""
-import queue
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 from datasets import Dataset
@@ -125,29 +124,48 @@ def test_groups_stay_on_one_replica_and_both_replicas_serve(start_server, tokeni
     assert caps and max(caps) <= 6                                                   # split in two
 
 
-def test_a_killed_replica_stops_the_run_naming_it(start_server, tokenizer):
-    a, b, worker = two_replicas(start_server, tokenizer, h.FailFastLoop, prompts=8, max_steps=100,
+def samples_until(worker, stop, timeout=60.0) -> list:
+    """Consume samples, publishing a version per sample as a trainer would, until stop(samples)
+    holds or the prompts run out."""
+    samples = []
+    while not stop(samples) and (sample := worker.get(timeout=timeout)) is not None:
+        samples.append(sample)
+        worker.set_model_version(sample.model_version + 1)
+    return samples
+
+
+def test_a_killed_replica_is_routed_around_and_its_rollouts_run_again(start_server, tokenizer):
+    """b is killed while both serve: the run ends normally on a, and every prompt is in exactly
+    num_generations samples (the rollouts in flight on b ran again on a: none lost, none twice)."""
+    a, b, worker = two_replicas(start_server, tokenizer, h.FailFastLoop, prompts=60,
                                 max_completion_length=32)
     try:
         worker.start()
-        seen = set()
-        for _ in range(40):                               # both replicas serve before the kill
-            seen |= {url for url, _ in h.served(worker.get(timeout=60))}
-            if seen == {a.url, b.url}:
-                break
-        assert seen == {a.url, b.url}
+        before = samples_until(worker, lambda got: {u for s in got for u, _ in h.served(s)}
+                               == {a.url, b.url})
+        b.stop()
+        after = samples_until(worker, lambda got: False)
+    finally:
+        worker.stop()
+    counts = Counter(s.prompt_index for s in before + after)
+    assert counts == {i: 2 for i in range(60)}
+    assert {u for s in after[-8:] for u, _ in h.served(s)} == {a.url}
+
+
+def test_when_every_replica_is_killed_the_run_stops_naming_them(start_server, tokenizer):
+    a, b, worker = two_replicas(start_server, tokenizer, h.FailFastLoop, prompts=400,
+                                max_completion_length=32)
+    try:
+        worker.start()
+        samples_until(worker, lambda got: len(got) >= 4)
+        a.stop()
         b.stop()
         with pytest.raises(RuntimeError) as failure:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                try:
-                    worker.set_model_version(worker.get(timeout=0.5).model_version + 1)
-                except queue.Empty:
-                    pass
+            samples_until(worker, lambda got: False, timeout=120)
     finally:
         worker.stop()
     message = str(failure.value)
-    assert f"the vLLM server at {b.url} stopped answering" in message and a.url not in message
+    assert "no vLLM server is left" in message and a.url in message and b.url in message
 
 
 def test_a_wrong_api_key_fails_at_once_with_a_clear_401(start_server, tokenizer, monkeypatch):

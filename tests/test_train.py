@@ -92,6 +92,21 @@ def test_two_ranks_give_the_weights_of_one_process(tmp_path):
         assert (one[n] - two[n]).abs().max() <= 1e-4 * moved, n
 
 
+def test_a_rank_that_never_joins_fails_within_the_timeout_naming_the_wait(tmp_path):
+    """Rank 0 of 2 under torchrun's variables, rank 1 never started: setup_distributed raises
+    after ddp_timeout, saying how many joined and where, not a hang."""
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    code = ("import train; train.setup_distributed(train.AsyncGRPOConfig(ddp_timeout=3, "
+            "vllm_server_timeout=1, rollout_worker_timeout=1))")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and time.monotonic() - start < 60
+    assert "rank 0 of 2: the process group at 127.0.0.1" in done.stderr
+    assert "did not form within 3s" in done.stderr and "1/2 clients joined" in done.stderr
+
+
 def test_quickstart_and_curriculum_examples_train(start_server, toy_dir, tmp_path):
     """The spec's quickstart and curriculum example, with the toy model and dataset in place of hub
     names."""
