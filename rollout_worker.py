@@ -21,7 +21,7 @@ it, feed it the policy version, take its samples and watch its health.
       .drain_metrics(), .qsize(), .stop()   stop: event → join → terminate → kill
 
 Departures from the spec:
-- The six inter-process primitives travel as one `rollout_channels.Channels` record: one argument, not six.
+- The six inter-process primitives travel as one `rollout_channels.Channels` record, not six.
 - The trainer also publishes C_v and R (staleness.py): the child admits groups by staleness.
 - A prompt partly or wholly trained past the resume index is generated again after a resume, and
   get() drops the samples of it the checkpoint already trained (ResumeIndex.handed_out).

@@ -50,7 +50,8 @@ def test_a_killed_replica_is_left_out_then_rejoins_with_the_current_weights(toy_
         servers.append(LocalServer(toy_dir, *SERVER_ARGS, port=b.port))
     try:
         with pytest.warns(UserWarning, match=f"{b.url} stopped answering and is taken out"):
-            last = run([a, b], tmp_path / "out", 20, At({3: b.stop, 6: restart, 8: lambda: time.sleep(3)}))
+            last = run([a, b], tmp_path / "out", 20,
+                       At({3: b.stop, 6: restart, 8: lambda: time.sleep(3)}))
         assert last["step"] == 20
         for s in (a, b):
             assert httpx.get(s.url + "/weight_info").json() == {"weight_version": "20"}

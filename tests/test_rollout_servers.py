@@ -119,7 +119,7 @@ def test_groups_stay_on_one_replica_and_both_replicas_serve(start_server, tokeni
     for s in samples:
         by_group[s.group_id] |= {url for url, _ in h.served(s)}
     assert len(by_group) >= 4 and all(len(urls) == 1 for urls in by_group.values())  # prefix cache
-    assert set().union(*by_group.values()) == {a.url, b.url}                         # spread by load
+    assert set().union(*by_group.values()) == {a.url, b.url}                       # spread by load
     caps = [m["rollout/concurrency_cap"] for m in metrics if "rollout/concurrency_cap" in m]
     assert caps and max(caps) <= 6                                                   # split in two
 
