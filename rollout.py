@@ -427,7 +427,7 @@ class AsyncRolloutLoop:
                 except (VLLMError, TimeoutError) as e:
                     if await asyncio.to_thread(replica.client.healthy):
                         raise
-                    replica = await self._reroute(group, replica, e)
+                    replica = self._reroute(group, replica, e)
             env_reward = None
             if env is not None:
                 env_reward, stats["env/reward_s"] = await environment_reward(env, self.tool_pool)
@@ -479,14 +479,15 @@ class AsyncRolloutLoop:
         replica.cap.rollout_done(replica.inflight)
         return prompt, rollout, env, stats
 
-    async def _reroute(self, group: PendingGroup, replica: Replica,
-                       error: BaseException) -> Replica:
+    def _reroute(self, group: PendingGroup, replica: Replica,
+                 error: BaseException) -> Replica:
         """`replica` failed a call and /health: out of routing (take_out), and a slot on the
-        group's replica, or, if that one is out too, on the least loaded in routing."""
+        group's replica, or, if that one is out too, on the least loaded in routing. The slot is
+        taken at once, over its cap if need be: waiting behind new groups would hold this group's
+        finished rollouts back (and stale) until the prompts run out."""
         take_out(self.replicas, replica, error)
         new = group.replica if group.replica.down is None else move(self.replicas, group, 0)
         new.assigned += 1
-        await self._wait_until(lambda: new.inflight < new.cap.cap)
         new.inflight += 1
         return new
 

@@ -1,6 +1,8 @@
 """rollout_servers.py: the live concurrency cap, routing groups over replicas, the checks at start,
 and several replicas without a proxy against local_vllm (groups stay on one replica, both
 serve, a killed replica stops the run naming it, a wrong API key fails at once with a clear 401)."""
+import os
+import signal
 import time
 from collections import Counter, defaultdict
 
@@ -137,18 +139,18 @@ def samples_until(worker, stop, timeout=60.0) -> list:
 def test_a_killed_replica_is_routed_around_and_its_rollouts_run_again(start_server, tokenizer):
     """b is killed while both serve: the run ends normally on a, and every prompt is in exactly
     num_generations samples (the rollouts in flight on b ran again on a: none lost, none twice)."""
-    a, b, worker = two_replicas(start_server, tokenizer, h.FailFastLoop, prompts=60,
+    a, b, worker = two_replicas(start_server, tokenizer, h.FailFastLoop, prompts=120,
                                 max_completion_length=32)
     try:
         worker.start()
         before = samples_until(worker, lambda got: {u for s in got for u, _ in h.served(s)}
                                == {a.url, b.url})
-        b.stop()
+        os.killpg(b.proc.pid, signal.SIGKILL)          # at once: generation goes on meanwhile
         after = samples_until(worker, lambda got: False)
     finally:
         worker.stop()
     counts = Counter(s.prompt_index for s in before + after)
-    assert counts == {i: 2 for i in range(60)}
+    assert counts == {i: 2 for i in range(120)}
     assert {u for s in after[-8:] for u, _ in h.served(s)} == {a.url}
 
 

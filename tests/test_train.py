@@ -212,14 +212,12 @@ def test_a_vision_language_model_trains_and_syncs_only_its_language_model(tmp_pa
 
 
 def test_the_toy_demo_learns(tmp_path):
-    """`python train.py` (the toy demo, its own server) on a short schedule, 100 steps at 4x the
-    demo's learning rate: the mean reward of the last steps clearly beats the first steps' (0.12
-    → 0.3-0.4 here; `python -m tools.bench learn` runs the whole demo)."""
+    """`python train.py` (the toy demo, its own server) on a short schedule: the mean reward of the
+    last steps clearly beats the first steps' (`python -m tools.bench learn` runs the whole demo)."""
     out = str(tmp_path / "toy")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--output_dir", out,
-                    "--max_steps", "100", "--learning_rate", "1e-3", "--save_strategy", "no",
-                    "--disable_tqdm", "true"],
+                    "--max_steps", "300", "--save_strategy", "no", "--disable_tqdm", "true"],
                    check=True, env=env, timeout=900, capture_output=True)
     rewards = [r["reward"] for r in lines(out) if "reward" in r]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
