@@ -101,7 +101,7 @@ def planner(argv):
         start = time.process_time()
         packed = []
         metrics = []
-        for rows in [plan.add(s) for s in stream] + [plan.flush()]:
+        for rows in [plan.add(s) for s in stream if not plan.oversize(s)] + [plan.flush()]:
             if rows:
                 packed.append([r.pack() for r in rows])
                 metrics.append(plan.metrics(packed[-1]))
