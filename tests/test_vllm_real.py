@@ -23,6 +23,7 @@ import lora_sync
 import rollout_helpers as h
 import toy
 import train
+import train_callbacks
 from rollout_servers import candidates_remedy
 from rollout_worker import RolloutWorker
 from test_lora_sync import TARGETS, adapter_cards, served_at_close
@@ -76,12 +77,13 @@ def restore(servers, toy_dir) -> None:
     sync_to(servers, AutoModelForCausalLM.from_pretrained(toy_dir), version=0)
 
 
-def run(servers, toy_dir, out, steps=2, peft_config=None, **kwargs):
+def run(servers, toy_dir, out, steps=2, peft_config=None, callbacks=(), **kwargs):
     urls = ",".join(s.url for s in servers)
     fields = SMALL | dict(output_dir=str(out), vllm_server_base_url=urls, max_steps=steps,
                           save_steps=steps, max_staleness=1, vllm_server_timeout=120.0) | kwargs
-    return train.train(AsyncGRPOConfig(**fields), toy.make_dataset(32), [toy.sum_reward],
-                       model=toy_dir, peft_config=peft_config)
+    config = AsyncGRPOConfig(**fields)
+    return train.train(config, toy.make_dataset(32), [toy.sum_reward], model=toy_dir,
+                       peft_config=peft_config, hooks=train_callbacks.Hooks(callbacks, config))
 
 
 @vllm
@@ -283,15 +285,22 @@ def test_resume_sends_the_saved_weights_before_generating(vllm_servers, toy_dir,
 
 
 @vllm
-def test_a_server_killed_mid_run_stops_the_trainer_with_its_name(vllm_servers, toy_dir,
-                                                                 tmp_path):
-    """Last: the second server is killed while a run trains against it; the run stops with an
+def test_a_replica_killed_mid_run_is_routed_around_then_alone_it_stops_a_run(vllm_servers,
+                                                                          toy_dir, tmp_path):
+    """Last: the second server is killed after step 2 of a run on both; the run finishes its 5
+    steps on the first, which then serves version 5. A run on the dead one alone stops with an
     error naming it, within the retries, and leaves no process behind."""
-    server = vllm_servers[1]
-    killer = threading.Timer(20.0, server.stop)
-    killer.start()
+    from test_replicas import At
+    first, second = vllm_servers
+    try:
+        with pytest.warns(UserWarning, match=f"{second.url} stopped answering and is taken out"):
+            last = run(vllm_servers, toy_dir, tmp_path / "both", steps=5, max_staleness=4,
+                       callbacks=[At({2: second.stop})], vllm_server_timeout=30.0)
+        assert last["step"] == 5
+        assert httpx.get(first.url + "/weight_info").json() == {"weight_version": "5"}
+    finally:
+        restore([first], toy_dir)
     start = time.monotonic()
-    with pytest.raises(Exception, match=server.url.removeprefix("http://")):
-        run([server], toy_dir, tmp_path, steps=200, vllm_server_timeout=30.0)
-    killer.join()
+    with pytest.raises(Exception, match=second.url.removeprefix("http://")):
+        run([second], toy_dir, tmp_path / "alone", steps=200, vllm_server_timeout=30.0)
     assert time.monotonic() - start < 240
