@@ -32,10 +32,13 @@ Departures from TRL's client (reference/trl_async_grpo_notes.md §2, §6.6), one
 - wait_for_health caps each probe at the time left, so a short deadline is met to within a poll.
 - A collective call is retried only if refused: the server may already wait inside NCCL for it.
 - Connection pools are unbounded: the rollout's adaptive cap bounds concurrency, not the pool.
-- Async requests take a one-connection client off a stack (_arequest), not one shared pool.
+- Async requests over http:// speak HTTP/1.1 on asyncio streams themselves (_Wire), a stack of
+  keep-alive connections: httpx + httpcore cost 0.54 ms of CPU a request, half the rollout
+  process's (python -m tools.bench rollout). https:// keeps httpx, one client per connection.
 - `timeout` is httpx's per phase; a non-streamed reply sends nothing until done, so it bounds all.
 """
 import asyncio
+import json as _json
 import logging
 import os
 import random
@@ -55,6 +58,96 @@ _POOL = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepa
 _ONE = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=2.0)
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+class _Wire:
+    """One keep-alive HTTP/1.1 connection to an http:// server on asyncio streams, for the async
+    path: a request is written in one go and its reply read by Content-Length (or chunked, or to
+    the close); failures raise httpx's transport errors, so the retry policy is the same. A reused
+    connection the server closed while idle (uvicorn: after 5 s) is reopened once, before any
+    byte of the reply came: the request never reached the server."""
+
+    def __init__(self, host: str, port: int, headers: dict[str, str]):
+        self.host, self.port = host, port
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.head = f"Host: {host}:{port}\r\nUser-Agent: async-grpo\r\n{extra}"
+        self.streams = None                      # (reader, writer) while open ...
+        self.loop = None                         # ... on this event loop
+
+    async def request(self, method: str, url: str, target: str, body: bytes | None,
+                      timeout: float) -> httpx.Response:
+        data = body or b""
+        head = (f"{method} {target} HTTP/1.1\r\n{self.head}Content-Length: {len(data)}\r\n"
+                + ("Content-Type: application/json\r\n" if body is not None else "") + "\r\n")
+        message = head.encode() + data
+        if self.loop is not asyncio.get_running_loop():
+            self.streams = None                  # opened on an earlier loop (asyncio.run again)
+        try:
+            async with asyncio.timeout(timeout):
+                for fresh in ((False, True) if self.streams else (True,)):
+                    if fresh:
+                        await self._open(url)
+                    got = await self._exchange(method, message, url, retry_on_close=not fresh)
+                    if got is not None:
+                        return got
+        except TimeoutError as e:
+            self.close()
+            raise httpx.ReadTimeout(f"no reply within {timeout:g}s") from e
+        except asyncio.IncompleteReadError as e:
+            self.close()
+            raise httpx.RemoteProtocolError("Server disconnected mid-reply.") from e
+        except OSError as e:
+            self.close()
+            raise httpx.ReadError(f"{type(e).__name__}: {e}") from e
+        raise AssertionError("unreachable")
+
+    async def _open(self, url: str) -> None:
+        self.close()
+        try:
+            self.streams = await asyncio.open_connection(self.host, self.port)
+            self.loop = asyncio.get_running_loop()
+        except OSError as e:
+            raise httpx.ConnectError(f"{type(e).__name__}: {e}") from e
+
+    async def _exchange(self, method: str, message: bytes, url: str,
+                        retry_on_close: bool) -> httpx.Response | None:
+        reader, writer = self.streams
+        writer.write(message)
+        status_line = await reader.readline()
+        if not status_line:                      # closed before any byte of the reply
+            self.close()
+            if retry_on_close:
+                return None
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        try:
+            status = int(status_line.split(None, 2)[1])
+        except (IndexError, ValueError) as e:
+            raise httpx.RemoteProtocolError(f"malformed status line {status_line[:80]!r}") from e
+        if "content-length" in headers:
+            content = await reader.readexactly(int(headers["content-length"]))
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            parts = []
+            while size := int((await reader.readline()).split(b";")[0], 16):
+                parts.append(await reader.readexactly(size))
+                await reader.readline()
+            await reader.readline()
+            content = b"".join(parts)
+        else:
+            content = await reader.read()
+            headers["connection"] = "close"
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+        return httpx.Response(status, headers=headers, content=content,
+                              request=httpx.Request(method, url))
+
+    def close(self) -> None:
+        if self.streams is not None:
+            self.streams[1].close()
+            self.streams = None
 
 
 class VLLMError(RuntimeError):
@@ -170,6 +263,10 @@ class VLLMClient:
         self._idle: list[httpx.AsyncClient] = []   # async clients free for a request (a stack) ...
         self._asyncs: list[httpx.AsyncClient] = []  # ... and all of them, tied to one event loop
         self._ssl = None                            # one TLS context shared by the async clients
+        parts = httpx.URL(self.base_url)
+        self._wire = ((parts.host, parts.port or 80) if parts.scheme == "http" else None)
+        self._prefix = parts.raw_path.decode().rstrip("/")   # a base URL's own path, if any
+        self._wires: list[_Wire] = []               # http://: free connections (a stack)
 
     # ---- the retry policy, shared by the sync and async paths ----
 
@@ -253,26 +350,39 @@ class VLLMClient:
             attempt += 1
 
     async def _arequest(self, method: str, path: str, kind: str = "control",
-                        **kwargs) -> httpx.Response:
-        """One request on a client of its own: the newest free one, or a new one (at most as many
-        as requests were ever in flight at once), each with at most one connection. httpcore's
-        pool checks every connection it holds each time a request starts or ends (an idle one's
-        socket too): over one shared pool of the rollout's ~64 connections that was half of the
-        rollout process's CPU (python -m tools.bench rollout --profile)."""
-        if self._idle:
-            client = self._idle.pop()
-        else:
-            if self._ssl is None:
-                self._ssl = httpx.create_ssl_context()   # 20 ms, so made once
-            client = httpx.AsyncClient(timeout=self.timeout, limits=_ONE, headers=self._headers,
-                                       verify=self._ssl)
-            self._asyncs.append(client)
+                        json=None) -> httpx.Response:
+        """One request on a connection of its own: the newest free one, or a new one (at most as
+        many as requests were ever in flight at once). http://: a _Wire; https://: an httpx
+        client with one connection (httpcore's pool checks every connection it holds each time
+        a request starts or ends: over one shared pool of the rollout's ~64 connections that was
+        half of the rollout process's CPU, python -m tools.bench rollout --profile)."""
         url = self.base_url + path
+        if self._wire is not None:
+            conn = self._wires.pop() if self._wires else _Wire(*self._wire, self._headers)
+            free = self._wires
+            body = None if json is None else _json.dumps(json).encode()
+            target = self._prefix + path
+
+            def send():
+                return conn.request(method, url, target, body, self.timeout)
+        else:
+            if self._idle:
+                conn = self._idle.pop()
+            else:
+                if self._ssl is None:
+                    self._ssl = httpx.create_ssl_context()   # 20 ms, so made once
+                conn = httpx.AsyncClient(timeout=self.timeout, limits=_ONE,
+                                         headers=self._headers, verify=self._ssl)
+                self._asyncs.append(conn)
+            free = self._idle
+
+            def send():
+                return conn.request(method, url, json=json)
         attempt = 0
         try:
             while True:
                 try:
-                    response, error = await client.request(method, url, **kwargs), None
+                    response, error = await send(), None
                 except httpx.TransportError as e:
                     response, error = None, e
                 if (kind == "generation" and isinstance(error, httpx.TimeoutException)
@@ -287,7 +397,7 @@ class VLLMClient:
                 await asyncio.sleep(delay)
                 attempt += 1
         finally:
-            self._idle.append(client)
+            free.append(conn)
 
     # ---- health and server info ----
 
@@ -433,5 +543,8 @@ class VLLMClient:
     async def aclose(self) -> None:
         for client in self._asyncs:
             await client.aclose()
+        for wire in self._wires:
+            wire.close()
         self._asyncs = []
         self._idle = []
+        self._wires = []

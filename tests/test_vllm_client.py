@@ -7,6 +7,7 @@ the test ends.
 """
 import asyncio
 import json
+import re
 import math
 import socket
 import threading
@@ -373,3 +374,65 @@ def test_the_api_key_goes_on_every_call_sync_and_async(serve, monkeypatch):
     client.wait_for_health(timeout=5)
     asyncio.run(client.acompletions({"prompt": [1]}))
     assert s.authorizations == ["Bearer k3y"] * 3
+
+
+class RawServer:
+    """A loopback socket server that answers each request with the next scripted bytes (and
+    closes the connection after it if the entry says so): what _Wire must read."""
+
+    def __init__(self, script: list[tuple[bytes, bool]]):
+        import socket
+        self.script = list(script)
+        self.connections = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while self.script:
+            conn, _ = self.sock.accept()
+            self.connections += 1
+            with conn:
+                data = b""
+                while self.script:
+                    while b"\r\n\r\n" not in data:
+                        if not (chunk := conn.recv(65536)):
+                            break
+                        data += chunk
+                    head, _, data = data.partition(b"\r\n\r\n")
+                    if not head:
+                        break
+                    length = int(re.search(rb"Content-Length: (\d+)", head)[1])
+                    while len(data) < length:
+                        data += conn.recv(65536)
+                    data = data[length:]
+                    reply, close = self.script.pop(0)
+                    conn.sendall(reply)
+                    if close:
+                        break
+
+
+def test_the_wire_reads_every_reply_framing_and_reopens_a_connection_closed_while_idle():
+    """http:// async requests (vllm_client._Wire): Content-Length, chunked and read-to-close
+    replies; a kept-alive connection is reused; one the server closed while idle is reopened
+    without a retry; one closed mid-reply is a transport error the policy retries."""
+    body = json.dumps(COMPLETION).encode()
+    plain = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+               % (len(body), body))
+    to_close = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n%s" % body
+    cut = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body[:5])
+    server = RawServer([(plain, False), (chunked, True),       # reused, then closed while idle
+                        (to_close, True), (cut, True), (plain, False)])
+    client = VLLMClient(server.url, **FAST)
+
+    async def run():
+        try:
+            for _ in range(4):
+                assert await client.acompletions({"prompt": [1]}) == COMPLETION
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+    assert client.retry_total == 1            # the cut reply; the idle close was reopened freely
+    assert server.connections == 4            # plain+chunked, to_close, cut, plain
