@@ -324,7 +324,11 @@ class WeightSync:
         stats.barrier_s = time.perf_counter() - t
         t = time.perf_counter()
         try:
-            stats.bytes = self._transfer(specs, tensors, error)
+            try:
+                stats.bytes = self._transfer(specs, tensors, error, again=True)
+            except _Lost:                  # one died mid-transfer: once more, over the others
+                error = _attempt(self._regroup) if self.rank == 0 else None
+                stats.bytes = self._transfer(specs, tensors, error, again=False)
             stats.transfer_s = time.perf_counter() - t
             if self.rank == 0:
                 self.members.call(lambda c: c.finish_weight_update(str(version)))
@@ -342,10 +346,11 @@ class WeightSync:
         stats.total_s = time.perf_counter() - start
         return stats
 
-    def _transfer(self, specs, tensors, error: BaseException | None) -> int:
+    def _transfer(self, specs, tensors, error: BaseException | None, again: bool) -> int:
         """Gather every tensor on every rank; rank 0 broadcasts the buckets while the servers
         receive. A failure on rank 0 stops the sending, not the gathering, so no rank is left in a
-        collective."""
+        collective. `again`: a failure that took a server out (it died mid-transfer) and left
+        others raises _Lost on every rank, for push to send once more."""
         sizes = [math.prod(shape) * self.dtype.itemsize for _, shape in specs]
         plan = buckets(sizes, self.buffer_bytes)
         update = None
@@ -377,8 +382,17 @@ class WeightSync:
                 error = failure or error
             if pool is not None:
                 pool.shutdown(wait=False)
-        _raise_everywhere(error)
+        lost = self.rank == 0 and error is not None and again and self._take_out_dead()
+        _raise_everywhere(error, lost)
         return sent
+
+    def _take_out_dead(self) -> bool:
+        """Rank 0, after a failed transfer: take out every server of the group that fails
+        /health; whether any was and some are left."""
+        dead = [c for c in self.grouped if not c.healthy()]
+        for c in dead:
+            self.members.take_out(c, "it stopped answering during the weight transfer")
+        return bool(dead) and bool(self.members.live)
 
     def _broadcast(self, flat: torch.Tensor, update: list) -> None:
         """Send one bucket and wait for it, polling: a server that refused the update (its POST
@@ -446,6 +460,12 @@ class Members:
                           stacklevel=3)
         return back
 
+    def take_out(self, client: VLLMClient, why: str) -> None:
+        self.out[client.base_url] = why
+        warnings.warn(f"{self.what}: {client.base_url} stopped answering and is taken out (the "
+                      f"run goes on with {len(self.live)} of {len(self.clients)}); {why}",
+                      stacklevel=4)
+
     def call(self, call: Callable[[VLLMClient], object]) -> None:
         """call(c) on every live server in parallel. A server that failed and fails /health is
         taken out; the first failure of one that answers is raised; none left: RuntimeError."""
@@ -456,10 +476,7 @@ class Members:
             if e is not None and c.healthy():
                 real.append(e)
             elif e is not None:
-                self.out[c.base_url] = str(e)
-                warnings.warn(f"{self.what}: {c.base_url} stopped answering and is taken out "
-                              f"(the run goes on with {len(self.live)} of {len(self.clients)}); "
-                              f"{e}", stacklevel=3)
+                self.take_out(c, str(e))
         if not self.live:
             whys = "; ".join(f"{url}: {why}" for url, why in self.out.items())
             raise RuntimeError(f"{self.what}: no vLLM server is left ({whys}); restart them, "
@@ -512,10 +529,16 @@ def _attempt(fn: Callable[[], object]) -> BaseException | None:
     return None
 
 
-def _raise_everywhere(error: BaseException | None) -> None:
-    """Rank 0's failure (or None) reaches every rank: all raise together, or none does."""
-    message = [None if error is None else f"{type(error).__name__}: {error}"]
+class _Lost(RuntimeError):
+    """A server died mid-transfer and others are left: push sends once more (every rank)."""
+
+
+def _raise_everywhere(error: BaseException | None, lost: bool = False) -> None:
+    """Rank 0's failure (or None) reaches every rank: all raise together (_Lost if `lost`), or
+    none does."""
+    message = [None if error is None else f"{type(error).__name__}: {error}", lost]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(message, src=0)
     if message[0] is not None:
-        raise RuntimeError(f"weight sync failed: {message[0]}") from error
+        kind = _Lost if message[1] else RuntimeError
+        raise kind(f"weight sync failed: {message[0]}") from error

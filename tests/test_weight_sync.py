@@ -147,3 +147,27 @@ def test_only_rank_zero_talks_to_the_servers(monkeypatch):
     stats = sync.push([("w", torch.Size([2]))], lambda: iter(gathered.append(1) or [torch.ones(2)]),
                       version=1)
     assert gathered == [1] and stats.bytes == 0
+
+
+def test_a_server_that_dies_mid_transfer_is_taken_out_and_the_sync_lands_on_the_others(
+        start_server, weights):
+    """Two servers; one is killed as its /update_weights is sent: the transfer fails, the dead
+    one is taken out (a warning), and the sync is sent once more to the other, which ends at the
+    version; the next sync reaches it alone."""
+    a, b = start_server(*ARGS), start_server(*ARGS)
+
+    class DiesAtUpdate(VLLMClient):
+        def update_weights(self, update_info):
+            os.killpg(b.proc.pid, signal.SIGKILL)
+            super().update_weights(update_info)
+
+    sync = WeightSync([VLLMClient(a.url, timeout=20.0, max_retries=1),
+                       DiesAtUpdate(b.url, timeout=20.0, max_retries=1)], 20.0)
+    sync.connect()
+    specs = [(n, t.shape) for n, t in weights]
+    with pytest.warns(UserWarning, match=f"{b.url} stopped answering and is taken out"):
+        sync.push(specs, lambda: (t for _, t in weights), version=1)
+    assert httpx.get(a.url + "/weight_info").json() == {"weight_version": "1"}
+    assert httpx.get(a.url + "/is_paused").json() == {"is_paused": False}
+    sync.push(specs, lambda: (t for _, t in weights), version=2)
+    assert httpx.get(a.url + "/weight_info").json() == {"weight_version": "2"}
