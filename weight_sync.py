@@ -26,6 +26,9 @@ Learned from real vLLM 0.32 (reference/vllm_cpu.md): a refused update leaves its
 device and the next forward kills the engine, so nothing is sent that the server could refuse;
 uvicorn closes a connection after a 500, so the closing /resume never reuses a pooled one.
 
+Replicas can die (Members): one that fails a call and /health is taken out and the group re-formed
+over the rest (one that dies mid-transfer: the sync is sent once more); back on /health, it rejoins.
+
 Departures from the spec, one line each:
 - On a CPU both ends form a torch.distributed gloo group (local_vllm, or vLLM with vllm_plugin/).
 - A vision-language model syncs only its language model: the vision tower is frozen (train.py).
