@@ -199,12 +199,10 @@ def setup_distributed(config) -> tuple[int, int, torch.device]:
                 dist.init_process_group(backend, timeout=timeout)
             except dist.DistError as e:         # a rank that never joins: named, with the wait
                 env = os.environ
-                raise RuntimeError(
-                    f"rank {env['RANK']} of {env.get('WORLD_SIZE')}: the process group at "
-                    f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} did not form within "
-                    f"{wait_s:g}s (max of ddp_timeout and vllm_server_timeout + "
-                    f"rollout_worker_timeout): {e}; start every rank against the same master "
-                    f"(torchrun --nnodes/--nproc_per_node/--rdzv-endpoint)") from e
+                raise RuntimeError(f"rank {env['RANK']} of {env.get('WORLD_SIZE')}: the process "
+                                   f"group at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} "
+                                   f"did not form within {wait_s:g}s (ddp_timeout): {e}; start "
+                                   "every rank against the same master") from e
         else:                                   # alone: nothing written to os.environ
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                     world_size=1, timeout=timeout)
@@ -351,15 +349,11 @@ class Feed:
         in an open row since an earlier step (spec: SAMPLE ... dropped if staleness >
         max_staleness), and so is one over the token budget; the state counts both drops and the
         forwarded tokens."""
-        self.samples = []
-        self.stale_seen = []
-        self.queue_s = []
-        self.waited_s = 0.0
-        self.version = version
+        self.samples, self.stale_seen, self.queue_s, self.rows = [], [], [], []
+        self.waited_s, self.version = 0.0, version
         self.queue_size = self.worker.qsize()
         stale = self.planner.drop(lambda s: version - s.model_version > max_staleness)
         self.state.dropped_stale_total += stale
-        self.rows = []
         while len(self.rows) < self.microbatches and not self.finished:
             start = time.perf_counter()
             sample = self.worker.get()
