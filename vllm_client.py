@@ -88,7 +88,8 @@ class _Wire:
     def __init__(self, host: str, port: int, headers: dict[str, str]):
         self.host, self.port = host, port
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        self.head = f"Host: {host}:{port}\r\nUser-Agent: async-grpo\r\n{extra}"
+        name = f"[{host}]" if ":" in host else host            # an IPv6 literal
+        self.head = f"Host: {name}:{port}\r\nUser-Agent: async-grpo\r\n{extra}"
         self.streams = None                      # (reader, writer) while open ...
         self.loop = None                         # ... on this event loop
 

@@ -380,12 +380,15 @@ class RawServer:
     """A loopback socket server that answers each request with the next scripted bytes (and
     closes the connection after it if the entry says so): what _Wire must read."""
 
-    def __init__(self, script: list[tuple[bytes, bool]]):
+    def __init__(self, script: list[tuple[bytes, bool]], host: str = "127.0.0.1"):
         import socket
         self.script = list(script)
         self.connections = 0
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.heads: list[bytes] = []
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.create_server((host, 0), family=family)
+        name = f"[{host}]" if ":" in host else host
+        self.url = f"http://{name}:{self.sock.getsockname()[1]}"
         threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self):
@@ -402,6 +405,7 @@ class RawServer:
                     head, _, data = data.partition(b"\r\n\r\n")
                     if not head:
                         break
+                    self.heads.append(head)
                     length = int(re.search(rb"Content-Length: (\d+)", head)[1])
                     while len(data) < length:
                         data += conn.recv(65536)
@@ -436,3 +440,23 @@ def test_the_wire_reads_every_reply_framing_and_reopens_a_connection_closed_whil
     asyncio.run(run())
     assert client.retry_total == 1            # the cut reply; the idle close was reopened freely
     assert server.connections == 4            # plain+chunked, to_close, cut, plain
+
+
+def test_the_wire_reaches_an_ipv6_literal_with_a_bracketed_host_header():
+    import socket
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    body = json.dumps(COMPLETION).encode()
+    server = RawServer([(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+                         True)], host="::1")
+    client = VLLMClient(server.url, **FAST)
+
+    async def run():
+        try:
+            return await client.acompletions({"prompt": [1]})
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(run()) == COMPLETION
+    port = server.url.rsplit(":", 1)[1]
+    assert f"Host: [::1]:{port}".encode() in server.heads[0]
