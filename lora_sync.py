@@ -142,7 +142,7 @@ class AdapterSync:
             os.rename(tmp, final)
             stats.bytes = os.path.getsize(os.path.join(final, "adapter_model.safetensors"))
             t = time.perf_counter()
-            self.members.returning()           # back since the last sync: this adapter reaches it
+            self.members.returning()           # back since the last sync: it gets this adapter
             self._each(lambda c: c.load_lora_adapter(name, final), f"loading {name}")
             self.loaded.append(version)
             while len(self.loaded) > self.config.max_staleness + 1:    # the new one is in: unload

@@ -232,7 +232,6 @@ class WeightSync:
     def __init__(self, clients: list[VLLMClient], timeout: float,
                  buffer_bytes: int = PACKED_BUFFER_BYTES):
         self.members = Members(clients, timeout, "weight sync")   # replicas that can die
-        self.clients = clients
         self.timeout = timeout                       # vllm_server_timeout: every call and the group
         self.buffer_bytes = buffer_bytes             # packed_buffer_size_bytes
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -248,14 +247,14 @@ class WeightSync:
         will send) against what it serves, then join one group with all their workers."""
         if self.rank != 0:
             return
-        infos = [c.server_info() for c in self.clients]
+        infos = [c.server_info() for c in self.members.clients]
         backends = {(i.get("weight_transfer_config") or {}).get("backend") for i in infos}
         if None in backends:
-            bad = [c.base_url for c, i in zip(self.clients, infos)
+            bad = [c.base_url for c, i in zip(self.members.clients, infos)
                    if not i.get("weight_transfer_config")]
             raise ValueError(f"the vLLM server(s) {bad} have no weight transfer: restart them "
                              f"with {transfer_flags()}")
-        for c, info in zip(self.clients, infos):
+        for c, info in zip(self.members.clients, infos):
             if specs is not None:
                 check_served(specs, info["model_config"]["model"], c.base_url)
         if len(backends) > 1:
@@ -454,14 +453,13 @@ class Members:
     def live(self) -> list[VLLMClient]:
         return [c for c in self.clients if c.base_url not in self.out]
 
-    def returning(self) -> list[VLLMClient]:
-        """The servers taken out that answer /health again: live from now on."""
+    def returning(self) -> None:
+        """The servers taken out that answer /health again are live from now on."""
         back = [c for c in self.clients if c.base_url in self.out and c.healthy()]
         for c in back:
             del self.out[c.base_url]
             warnings.warn(f"{self.what}: {c.base_url} answers again; it rejoins with this sync",
                           stacklevel=3)
-        return back
 
     def take_out(self, client: VLLMClient, why: str) -> None:
         self.out[client.base_url] = why
