@@ -260,7 +260,11 @@ def test_callbacks_state_dashboard_and_save_model(start_server, toy_dir, tmp_pat
     assert [line["step"] for line in trainer.state.log_history] == [1, 2]
     events = EventAccumulator(os.path.join(out, "runs", "cb"))
     events.Reload()
-    assert [e.step for e in events.Scalars("reward")] == [1, 2]
+    assert [e.step for e in events.Scalars("loss")] == [1, 2]
+    # reward comes from groups scored in the window: one the rollout process scored ahead may
+    # leave the second line without it; the dashboard has it exactly where the log has it
+    rewarded = [line["step"] for line in trainer.state.log_history if "reward" in line]
+    assert rewarded and [e.step for e in events.Scalars("reward")] == rewarded
     assert any("completions" in t for t in events.Tags()["tensors"])
     assert not os.path.exists(os.path.join(out, "checkpoint-2", "fsdp"))    # save_only_model
     with pytest.raises(ValueError, match="save_only_model=True"):
