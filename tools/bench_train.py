@@ -77,51 +77,105 @@ def overlap(argv):
     alternating (max_staleness 0: a group is admitted only for the version being trained, so
     generation waits for each sync). async_s and sync_s are the training loops' seconds (the sum of
     perf/step_s: start-up, alike in both, is left out; the wall clocks are printed beside them).
-    Ideal: max(generation-only, training-only) from the async run: its generated tokens at its
-    median rollout/generated_tok_s (generation there waits for nothing when admission_wait_s and
-    backpressure_s are 0), and its forward/backward, optimizer and sync seconds."""
+    Ideal: max(generation-only, training-only). Generation-only is measured: a third run of the
+    same server and rollout process on the generation core with nothing trained and nothing synced
+    (_generation_only), to the async run's number of trained samples. Training-only: the async
+    run's forward/backward, optimizer and sync seconds. --rounds of the three runs, interleaved
+    (this machine drifts by ~10% between runs): the ratios are each round's, then their median."""
     import argparse
     import os
 
     import numpy as np
     parser = argparse.ArgumentParser(prog="python -m tools.bench overlap")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))
     cores = (cpus[-1], cpus[0])                      # (trainer, generation)
     common = ["--max_steps", str(args.steps), "--learning_rate", "1e-4"]
-    runs = {}
-    for name, staleness in (("async", "4"), ("sync", "0")):
-        runs[name] = _toy_run(f"runs/bench-overlap-{name}", *common, "--max_staleness", staleness,
-                              cores=cores)
-    seconds = {}
-    for name, (wall, records) in runs.items():
-        def total(key):
-            return sum(r.get(key, 0) for r in records)
-        rates = [r["rollout/generated_tok_s"] for r in records if r.get("rollout/generated_tok_s")]
-        seconds[name] = total("perf/step_s")
-        print(f"  {name}: loop_s={seconds[name]:.1f} wall_s={wall:.1f} "
-              f"rollout_wait_s={total('perf/rollout_wait_s'):.1f} "
-              f"fwd_bwd_s={total('perf/fwd_bwd_s'):.1f} "
-              f"weight_sync_s={total('perf/weight_sync_s'):.1f} "
-              f"admission_wait_s={total('rollout/admission_wait_s'):.1f} "
-              f"backpressure_s={total('rollout/backpressure_s'):.1f} "
-              f"generated_tok_s median={np.median(rates or [np.nan]):.0f} "
-              f"peak={max(rates or [np.nan]):.0f}")
-    records = runs["async"][1]
-    train_only = sum(r["perf/fwd_bwd_s"] + r["perf/optimizer_s"] + r.get("perf/weight_sync_s", 0)
-                     for r in records)
-    generated = sum(r["batch/samples_per_step"] * r.get("completions/mean_length", 0)
-                    for r in records)
-    rates = [r["rollout/generated_tok_s"] for r in records if r.get("rollout/generated_tok_s")]
-    generation_only = generated / np.median(rates) if rates else float("nan")
-    ideal = max(train_only, generation_only)
-    print(f"overlap async_s={seconds['async']:.1f} sync_s={seconds['sync']:.1f} "
-          f"ideal_s={ideal:.1f} speedup={seconds['sync'] / seconds['async']:.2f} "
-          f"async_over_ideal={seconds['async'] / ideal:.2f} (generation-only "
-          f"{generation_only:.1f} s, training-only {train_only:.1f} s; trainer on core "
-          f"{cores[0]}, generation on core {cores[1]}; load {os.getloadavg()[0]:.2f})")
+    rounds = []
+    for _ in range(args.rounds):
+        seconds = {}
+        for name, staleness in (("async", "4"), ("sync", "0")):
+            wall, records = _toy_run(f"runs/bench-overlap-{name}", *common, "--max_staleness",
+                                     staleness, cores=cores)
+            seconds[name] = _loop_summary(name, wall, records)
+            if name == "async":
+                trained = [r["batch/samples_per_step"] for r in records]
+                seconds["train"] = sum(r["perf/fwd_bwd_s"] + r["perf/optimizer_s"]
+                                       + r.get("perf/weight_sync_s", 0) for r in records)
+        seconds["generation"] = _generation_only(int(sum(trained)), float(np.mean(trained)),
+                                                 cores, common + ["--max_staleness", "4"])
+        seconds["ideal"] = max(seconds["train"], seconds["generation"])
+        print(f"  round: generation-only {seconds['generation']:.1f} s, training-only "
+              f"{seconds['train']:.1f} s; speedup {seconds['sync'] / seconds['async']:.2f}, "
+              f"async/ideal {seconds['async'] / seconds['ideal']:.2f}")
+        rounds.append(seconds)
 
+    def median(f):
+        return float(np.median([f(r) for r in rounds]))
+    print(f"overlap async_s={median(lambda r: r['async']):.1f} "
+          f"sync_s={median(lambda r: r['sync']):.1f} ideal_s={median(lambda r: r['ideal']):.1f} "
+          f"speedup={median(lambda r: r['sync'] / r['async']):.2f} "
+          f"async_over_ideal={median(lambda r: r['async'] / r['ideal']):.2f} (medians of "
+          f"{len(rounds)} rounds; trainer on core {cores[0]}, generation on core {cores[1]}; "
+          f"load {os.getloadavg()[0]:.2f})")
+
+
+def _loop_summary(name: str, wall: float, records: list[dict]) -> float:
+    """Print one run's waits and rates; return its loop seconds (the sum of perf/step_s)."""
+    import numpy as np
+
+    def total(key):
+        return sum(r.get(key, 0) for r in records)
+    rates = [r["rollout/generated_tok_s"] for r in records if r.get("rollout/generated_tok_s")]
+    print(f"  {name}: loop_s={total('perf/step_s'):.1f} wall_s={wall:.1f} "
+          f"rollout_wait_s={total('perf/rollout_wait_s'):.1f} "
+          f"fwd_bwd_s={total('perf/fwd_bwd_s'):.1f} "
+          f"weight_sync_s={total('perf/weight_sync_s'):.1f} "
+          f"admission_wait_s={total('rollout/admission_wait_s'):.1f} "
+          f"backpressure_s={total('rollout/backpressure_s'):.1f} "
+          f"generated_tok_s median={np.median(rates or [np.nan]):.0f}")
+    return total("perf/step_s")
+
+
+def _generation_only(samples: int, per_step: float, cores: tuple[int, int], args: list[str]
+                     ) -> float:
+    """Seconds the toy run's generation takes alone: its server (local_vllm) and rollout process
+    pinned to the generation core, this process on the trainer core taking `samples` samples
+    (trained nothing, synced nothing) and moving the policy version every `per_step` samples, as
+    the trainer's steps would (so admission never waits). Timed from the rollout process's
+    ready, as a run's loop is; filtered groups are generated here as in a run."""
+    import os
+    import time
+
+    import toy
+    import train_cli
+    from local_vllm.launch import LocalServer
+    from rollout_worker import RolloutWorker
+    from train import load_model, stop_token_ids
+
+    os.sched_setaffinity(0, {cores[0]})
+    script, config = train_cli.parse_cli(args)
+    model, tokenizer = load_model("toy", config)
+    server = LocalServer(toy.ensure_saved(), *train_cli.local_server_args(config))
+    pin_threads(server.proc.pid, {cores[1]})
+    config.vllm_server_base_url = server.url
+    worker = RolloutWorker(config, train_cli.load_prompts(script),
+                           [train_cli.import_callable("toy:exact_reward")], tokenizer,
+                           eos_token_ids=stop_token_ids(model, tokenizer))
+    try:
+        worker.start()
+        pin_threads(worker.process.pid, {cores[1]})
+        start = time.perf_counter()
+        for taken in range(1, samples + 1):
+            if worker.get(timeout=120) is None:
+                raise RuntimeError(f"the prompts ran out after {taken - 1} of {samples} samples")
+            worker.set_model_version(int(taken / per_step))
+        return time.perf_counter() - start
+    finally:
+        worker.stop()
+        server.stop()
 
 
 def lora_byte_ratio(name: str, r: int) -> tuple[int, int]:
