@@ -358,7 +358,7 @@ class WeightSync:
         update = None
         pool = None
         if self.rank == 0 and error is None:
-            error = _attempt(lambda: self.members.call(begin_update))
+            error = _attempt(lambda: self.members.call(lambda c: begin_update(c, not again)))
         if self.rank == 0 and error is None and self.grouped != self.members.live:
             error = _attempt(self._regroup)                 # one stopped answering just now
         if self.rank == 0 and error is None:
@@ -486,17 +486,19 @@ class Members:
             raise real[0]
 
 
-def begin_update(client: VLLMClient) -> None:
+def begin_update(client: VLLMClient, resend: bool = False) -> None:
     """POST /start_weight_update. A session a dead run left open (it was killed between start and
     update: vLLM answers "already active") is finished first, with a warning: this update sends
-    every tensor, so nothing of the dead run's stays."""
+    every tensor, so nothing of the dead run's stays. On a resend the open session is this run's
+    own (a survivor of the failed transfer received it all): finished without a warning."""
     try:
         client.start_weight_update()
     except VLLMError as e:
         if "already active" not in e.message:
             raise
-        warnings.warn(f"{client.base_url} holds a weight update another run began and never "
-                      f"finished: finishing it before this run's")
+        if not resend:
+            warnings.warn(f"{client.base_url} holds a weight update another run began and never "
+                          f"finished: finishing it before this run's")
         client.finish_weight_update()
         client.start_weight_update()
 

@@ -42,8 +42,9 @@ def base_card(server) -> str:
 
 
 def served(server, prompt=PROMPT, model=None, tokens=8) -> tuple[list[int], list[float]]:
-    body = {"model": model or base_card(server), "prompt": prompt, "max_tokens": tokens, "ignore_eos": True,
-            "temperature": 1.0, "seed": 3, "logprobs": 0, "return_token_ids": True}
+    body = {"model": model or base_card(server), "prompt": prompt, "max_tokens": tokens,
+            "ignore_eos": True, "temperature": 1.0, "seed": 3, "logprobs": 0,
+            "return_token_ids": True}
     choice = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
@@ -285,20 +286,36 @@ def test_resume_sends_the_saved_weights_before_generating(vllm_servers, toy_dir,
 
 
 @vllm
-def test_a_replica_killed_mid_run_is_routed_around_then_alone_it_stops_a_run(vllm_servers,
-                                                                          toy_dir, tmp_path):
-    """Last: the second server is killed after step 2 of a run on both; the run finishes its 5
-    steps on the first, which then serves version 5. A run on the dead one alone stops with an
-    error naming it, within the retries, and leaves no process behind."""
-    from test_replicas import At
+def test_a_replica_killed_mid_sync_is_routed_around_then_alone_it_stops_a_run(vllm_servers,
+                                                                           toy_dir, tmp_path,
+                                                                           monkeypatch):
+    """Last: the second server is SIGKILLed as step 2's sync posts its /update_weights, while the
+    first is already inside the receive: the sync is sent once more to the first alone, the
+    rollouts in flight on the second run on the first, and the run finishes its 5 steps; the first
+    then serves version 5. A run on the dead one alone stops with an error naming it, within the
+    retries, and leaves no process behind."""
+    import signal
     first, second = vllm_servers
+    posted = []
+    update = VLLMClient.update_weights
+
+    def dies_at_step_2(client, info):         # syncs: at start (version 0), after steps 1 and 2
+        if client.base_url == second.url:
+            posted.append(info)
+            if len(posted) == 3:
+                os.killpg(second.proc.pid, signal.SIGKILL)
+        return update(client, info)
+    monkeypatch.setattr(VLLMClient, "update_weights", dies_at_step_2)
     try:
-        with pytest.warns(UserWarning, match=f"{second.url} stopped answering and is taken out"):
+        with pytest.warns(UserWarning, match=f"{second.url} stopped answering and is taken out"
+                          ) as warned:
             last = run(vllm_servers, toy_dir, tmp_path / "both", steps=5, max_staleness=4,
-                       callbacks=[At({2: second.stop})], vllm_server_timeout=30.0)
-        assert last["step"] == 5
+                       vllm_server_timeout=30.0)
+        assert last["step"] == 5 and len(posted) == 3
+        assert not [w for w in warned if "another run" in str(w.message)]   # the resend's own
         assert httpx.get(first.url + "/weight_info").json() == {"weight_version": "5"}
     finally:
+        monkeypatch.undo()
         restore([first], toy_dir)
     start = time.monotonic()
     with pytest.raises(Exception, match=second.url.removeprefix("http://")):
