@@ -20,8 +20,7 @@ request, and a caller that goes away aborts its sequences between two steps (Eng
     [request] = engine.generate([prompt_ids], SamplingParams(max_tokens=8), adapter=None)
 
 Departures from vLLM, one line each:
-- No KV cache: each step recomputes every running sequence (right-padded): exact, O(L²) per step.
-- "Blocks" are single tokens (block_size 1) and there is no prefix cache.
+- No KV or prefix cache, blocks of one token: each step recomputes every sequence, O(L²), exact.
 - One forward per LoRA adapter in a step; LoRA by forward hooks, so parameter names never change.
 - Plain LoRA only: DoRA, a bias or modules_to_save are refused with 400.
 - Past --max-loras the least recently used adapter is forgotten (vLLM reloads it): 404 after.

@@ -333,7 +333,8 @@ def test_an_environment_supplies_prompts_and_rewards_without_a_dataset(long_serv
 
 
 def test_environment_prompts_resume_from_the_saved_index(long_server, tokenizer):
-    """Without a dataset, prompts are numbered from dataset_start_index, and so is resume_index()."""
+    """Without a dataset, prompts are numbered from dataset_start_index, and so is
+    resume_index()."""
     config = h.config_for(long_server, max_steps=3, max_completion_length=6)
     worker = RolloutWorker(config, None, None, tokenizer, environment_factory=h.PromptEnv,
                            dataset_start_index=5)

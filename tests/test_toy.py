@@ -28,7 +28,8 @@ def test_cli_saves_a_model_directory(tmp_path):
                          capture_output=True, text=True, cwd=toy.__file__.rsplit("/", 1)[0],
                          check=True)
     assert out.stdout.strip() == str(tmp_path / "m")
-    assert (tmp_path / "m" / "config.json").exists() and (tmp_path / "m" / "tokenizer.json").exists()
+    assert (tmp_path / "m" / "config.json").exists()
+    assert (tmp_path / "m" / "tokenizer.json").exists()
 
 
 def test_chat_template_round_trips_with_tools_and_tool_messages():
@@ -40,8 +41,9 @@ def test_chat_template_round_trips_with_tools_and_tool_messages():
     text = tokenizer.apply_chat_template(messages, tools=[toy.add], add_generation_prompt=True,
                                          tokenize=False)
     assert text.startswith("<|im_start|>system\nUse tools.\n\n# Tools\n<tools>\n")
-    assert '"name": "add"' in text and "The first integer." in text   # the schema from the docstring
-    assert '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><|im_end|>\n' in text
+    assert '"name": "add"' in text and "The first integer." in text   # the docstring's schema
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    assert call + '<|im_end|>\n' in text
     assert "<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
     ids = tokenizer.apply_chat_template(messages, tools=[toy.add], add_generation_prompt=True,
@@ -65,7 +67,7 @@ def test_dataset_and_reward():
     texts = ("7", " 7 ", "71", "x7y", "8", "")
     completions = [[{"role": "assistant", "content": c}] for c in texts]
     assert toy.sum_reward(None, completions, ["7"] * 6) == [1.0, 1.0, 0.5, 0.2, 0.0, 0.0]
-    assert toy.sum_reward(None, ["7"], ["7"]) == [1.0]                # standard (string) completions
+    assert toy.sum_reward(None, ["7"], ["7"]) == [1.0]         # standard (string) completions
     assert pickle.loads(pickle.dumps(toy.sum_reward)) is toy.sum_reward   # to the rollout process
 
 
@@ -136,7 +138,8 @@ def test_grpo_learns_the_toy_task_on_cpu():
             logprobs = torch.stack(out.logits, 1).log_softmax(-1)    # [8, T, V] the sampler's q
             completions = []
             for ids, lp in zip(out.sequences[:, len(prompt):].tolist(), logprobs):
-                n = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
+                eos = tokenizer.eos_token_id
+                n = ids.index(eos) + 1 if eos in ids else len(ids)
                 completions.append((ids[:n], lp[:n]))
             texts = [tokenizer.decode(c, skip_special_tokens=True) for c, _ in completions]
             r = np.array(toy.sum_reward(None, texts, [row["answer"]] * 8))
@@ -154,8 +157,9 @@ def test_grpo_learns_the_toy_task_on_cpu():
                 top_lps = np.full((L, 8), -np.inf, np.float32)              # [L, 8]
                 top_lps[P:] = top.values.numpy()
                 mask = np.r_[np.zeros(P), np.ones(len(ids))].astype(np.int8)
-                samples.append(RolloutSample(np.array(prompt + ids), mask, sampler, float(advantage),
-                                             group_id, 0, top_ids=top_ids, top_logprobs=top_lps))
+                samples.append(RolloutSample(np.array(prompt + ids), mask, sampler,
+                                             float(advantage), group_id, 0, top_ids=top_ids,
+                                             top_logprobs=top_lps))
         mean_rewards.append(np.mean(rewards))
         if not samples:
             continue

@@ -213,7 +213,8 @@ def test_a_vision_language_model_trains_and_syncs_only_its_language_model(tmp_pa
 
 def test_the_toy_demo_learns(tmp_path):
     """`python train.py` (the toy demo, its own server) on a short schedule: the mean reward of the
-    last steps clearly beats the first steps' (`python -m tools.bench learn` runs the whole demo)."""
+    last steps clearly beats the first steps' (`python -m tools.bench learn` runs the whole
+    demo)."""
     out = str(tmp_path / "toy")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--output_dir", out,
