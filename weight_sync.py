@@ -430,7 +430,6 @@ class WeightSync:
         return error, self.members.live
 
 
-
 class Members:
     """The servers a sync reaches (state is real: who is out, and why). A server that fails a call
     and then GET /health is taken out, with a warning naming it; one taken out that answers
