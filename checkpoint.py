@@ -20,7 +20,7 @@ model files (AsyncGRPOTrainer.save_model); load_model() reads them back.
 Resume (`resume_from_checkpoint=True`: the newest checkpoint in output_dir; or a path) restores
 all of it; the rollout process starts at prompt_index, the trainer syncs the saved weights to the
 servers before generation starts, and running totals (num_tokens, *_total) continue. A resume
-truncates completions.jsonl to the checkpoint's steps (train_completions.py).
+truncates completions.jsonl to the checkpoint's steps (metrics.py).
 
 Departures from the spec, one line each:
 - One torch.distributed.checkpoint folder, not pytorch_model_fsdp.bin + optimizer.bin: it reshards.

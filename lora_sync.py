@@ -14,7 +14,7 @@ AdapterSync of run 3f9a1c, one sync to version 5 with max_staleness = 2 (3 versi
     load    POST /v1/load_lora_adapter {"lora_name": "policy-3f9a1c-v5", "lora_path": ...}  every
     unload  POST /v1/unload_lora_adapter policy-3f9a1c-v2; delete its dir     replica; loaded: v3-5
     end     unload (and delete) v3 v4 v5: a long-lived server keeps no name of a finished run
-    A rollout started under version N requests model="policy-<run>-vN" to its end (rollout.py,
+    A rollout started under version N requests model="policy-<run>-vN" to its end (rollout/loop.py,
     lora_name), so the oldest loaded version may still be in use: max_loras needs a spare slot.
 
 MergedSync is a weight_sync.FullSync of W + s·B·A (merged()) under the base model's names.
@@ -33,8 +33,6 @@ import warnings
 import torch
 import torch.distributed as dist
 
-import server_checks
-
 from weight_sync import FullSync, Members, SyncStats, full_tensor, language_parameters
 
 PREFIX = "policy"
@@ -44,6 +42,18 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-l
 def max_lora_rank(r: int) -> int:
     """The smallest --max-lora-rank vLLM accepts that serves an adapter of rank r (r=4 → 8)."""
     return next(rank for rank in LORA_RANKS if rank >= r)
+
+
+def adapter_dp_refusal(url: str, info: dict) -> str | None:
+    """Why adapter-only sync cannot run against this server's data parallelism (None: it can):
+    a runtime adapter load reaches one data-parallel engine, and the others would keep sampling
+    from an older policy."""
+    dp = (info.get("parallel_config") or {}).get("data_parallel_size") or 1
+    if dp <= 1:
+        return None
+    return (f"{url} runs --data-parallel-size {dp}, and a runtime adapter load does not reach "
+            "every data-parallel engine; restart it with --data-parallel-size 1 and list each "
+            "replica's URL in vllm_server_base_url instead")
 
 
 def adapter_refusal(infos: list[dict], urls: list[str], peft_config,
@@ -57,7 +67,7 @@ def adapter_refusal(infos: list[dict], urls: list[str], peft_config,
     flags = (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora "
              f"--max-lora-rank {max_lora_rank(peft_config.r)} --max-loras {slots}")
     for url, info in zip(urls, infos):
-        if why := server_checks.adapter_dp_refusal(url, info):
+        if why := adapter_dp_refusal(url, info):
             return why
         lora = info.get("lora_config")
         if not lora:

@@ -1,12 +1,12 @@
 """The trainer's handle on the rollout process (spec: 概要 (Overview): the rollout worker, a separate
 process; チェックポイントと再開 (Checkpoints and resuming): rollout_state.json).
 
-rollout.py is what runs inside the spawned process; this file runs in the trainer (rank 0) to start
+rollout/ is what runs inside the spawned process; this file runs in the trainer (rank 0) to start
 it, feed it the policy version, take its samples and watch its health.
 
     RolloutWorker(config, dataset, reward_funcs, tokenizer, tools=..., loop_cls=...)
       .start()   pickle checks (the spec's TypeError names the object and the fix) → spawn
-                 _child_main (CUDA_VISIBLE_DEVICES="", torchrun's variables removed, the trainer's
+                 rollout.loop.child_main (CUDA_VISIBLE_DEVICES="", torchrun's variables removed, the trainer's
                  script not imported again: spawn()) → wait for `ready`, or raise the child's
                  traceback
       .get()     the next RolloutSample; while waiting, a `failed` child raises RuntimeError chained
@@ -14,20 +14,19 @@ it, feed it the policy version, take its samples and watch its health.
                  queue means a starved trainer (staleness.Window.starved)
       .set_model_version(v)   after each weight sync: the version and the staleness window
                  (staleness.Window.new_version publishes C_v and R)
-      .resume_index()         first prompt not fully handed out (rollout_prompts.ResumeIndex)
+      .resume_index()         first prompt not fully handed out (prompts.ResumeIndex)
       .resume_state(held)     rollout_state.json: that index, less the held samples, and the
                  samples of later prompts trained already; resumed with it (trained=), get()
                  drops what the checkpoint trained, so every sample is trained exactly once
       .drain_metrics(), .qsize(), .stop()   stop: event → join → terminate → kill
 
 Departures from the spec:
-- The six inter-process primitives travel as one `rollout_channels.Channels` record, not six.
-- The trainer also publishes C_v and R (staleness.py): the child admits groups by staleness.
+- The six inter-process primitives travel as one `channels.Channels` record, not six.
+- The trainer also publishes C_v and R (rollout/staleness.py): the child admits groups by staleness.
 - A prompt partly or wholly trained past the resume index is generated again after a resume, and
   get() drops the samples of it the checkpoint already trained (ResumeIndex.handed_out).
 """
 import ast
-import asyncio
 import math
 import multiprocessing as mp
 import os
@@ -35,20 +34,15 @@ import pickle
 import queue
 import sys
 import time
-import traceback
 import types
 from typing import Callable
 
-from rollout import AsyncRolloutLoop
-from rollout_channels import Channels
-from rollout_prompts import ResumeIndex, first_prompt_index
-from rollout_samples import RolloutSample
-from rollout_tools import check_tools
-from staleness import Window, prior_rate
-
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
-
+from rollout.loop import AsyncRolloutLoop, child_main
+from rollout.channels import Channels
+from rollout.prompts import ResumeIndex, first_prompt_index
+from rollout.samples import RolloutSample
+from rollout.tool_calls import check_tools
+from rollout.staleness import Window, prior_rate
 
 class RolloutProcessError(Exception):
     """The rollout process's traceback text, chained under the RuntimeError the trainer sees."""
@@ -80,20 +74,6 @@ def spawn(process, pickled: bytes) -> None:
         process.start()
     finally:
         sys.modules["__main__"] = main
-
-
-def _child_main(loop_cls: type, kwargs: dict, channels: Channels) -> None:
-    """The spawned process's entry point: a CPU-only, non-distributed environment, then the loop."""
-    for name in list(os.environ):
-        if name in TORCHRUN_ENV or name.startswith("TORCHELASTIC_"):
-            del os.environ[name]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        asyncio.run(loop_cls(channels=channels, **kwargs).run())
-    except BaseException as e:
-        channels.exception_info.put((type(e).__name__, str(e), traceback.format_exc()))
-        channels.failed.set()  # after the info, so the parent always finds it
-        raise
 
 
 class RolloutWorker:
@@ -161,7 +141,7 @@ class RolloutWorker:
             consumed=ctx.Value("q", self.consumed, lock=False),
             heartbeat=ctx.Value("d", time.time(), lock=False),
             stop=ctx.Event(), ready=ctx.Event(), failed=ctx.Event())
-        self.process = ctx.Process(target=_child_main, name="rollout", daemon=True,
+        self.process = ctx.Process(target=child_main, name="rollout", daemon=True,
                                    args=(self.loop_cls, self.kwargs, self.channels))
         spawn(self.process, pickled)
         deadline = time.monotonic() + ready_timeout

@@ -9,7 +9,7 @@ process generates. train() is the whole loop; AsyncGRPOTrainer is the spec's cla
 
 One optimizer step, top-down (each line names the file that does it):
 
-    rank 0  samples ← RolloutWorker.get()           rollout_worker.py ← rollout.py (child process)
+    rank 0  samples ← RolloutWorker.get()       rollout_worker.py ← rollout/ (the child process)
             drop the stale (staleness > max_staleness) and oversize ones, feed the Planner
             until gradient_accumulation_steps micro-batches of world_size rows are planned,
             pack every row as a prefix trie (Feed.next_step)                        trie_pack.py
@@ -20,27 +20,32 @@ One optimizer step, top-down (each line names the file that does it):
                      backward (FSDP2 reduce-scatters the gradients)
             clip, optimizer.step(), scheduler.step()
             every weight_sync_steps: sync.push → new policy version    weight_sync.py, lora_sync.py
-    rank 0  RolloutWorker.set_model_version(v); metrics → metrics.jsonl     train_metrics.py
+    rank 0  RolloutWorker.set_model_version(v); metrics → metrics.jsonl           metrics.py
             every save_steps: checkpoint-N/ (+ rollout_state.json)          checkpoint.py
 
 Other spec sections: AsyncGRPOConfig → config.py; 並行性 (Concurrency) and admission by staleness →
-rollout.py, staleness.py; チェックポイントと再開 (Checkpoints and resuming) → checkpoint.py;
-記録されたメトリクス (Logged metrics) → train_metrics.py.
+rollout/; チェックポイントと再開 (Checkpoints and resuming) → checkpoint.py; 記録されたメトリクス
+(Logged metrics) → metrics.py. Below train(): setup, rank 0's step (Step, Feed), every rank's
+train_step, the spec's AsyncGRPOTrainer with its callbacks (Hooks), and the command line (main).
 
 Departures from the spec, one line each:
 - torchrun + torch.distributed FSDP2 (fully_shard per decoder layer, then the root): no accelerate.
 - Rank 0 plans the whole step before the first backward: the loss divides by the step's token count.
 - Stale samples are dropped here too (the spec's promise), though admission rarely lets one by.
 - Rollouts request the server's base model card by name: the id a trainer loads need not match it.
-- callbacks: five events on rank 0 (train_callbacks.py); optimizers: only (None, None).
+- callbacks: five events on rank 0 (Hooks); optimizers: only (None, None).
+- The flags are ours (HfArgumentParser's): the spec's scripts build AsyncGRPOConfig themselves.
 - A script calls the trainer under `if __name__ == "__main__":` (rollout_worker.check_main_guard).
 """
+import argparse
+import importlib
 import logging
 import math
 import os
+import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from datetime import timedelta
 
 import torch
@@ -49,9 +54,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import checkpoint
 import lora_sync
-import server_checks
-import train_callbacks
-import train_metrics
+import metrics
 import tree_attention
 from config import AsyncGRPOConfig        # the spec imports it from the trainer's module
 from loss import (MOE_EXPERT_FIELDS, compute_loss, finalize_metrics, reduce_metrics,
@@ -62,7 +65,8 @@ import rollout_worker
 from rollout_worker import RolloutWorker
 from trie_pack import Planner
 from vllm_client import VLLMClient, server_urls
-from weight_sync import FullSync, free_port, full_tensor, language_parameters
+from weight_sync import (FullSync, check_servers, free_port, full_tensor,
+                         language_parameters)
 
 # ── the loop ─────────────────────────────────────────────────────────────────────────────────
 
@@ -72,11 +76,11 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
           resume_from_checkpoint=None, hooks=None) -> dict:
     """Train `model` with asynchronous GRPO until the prompts run out (num_train_epochs) or
     max_steps; every rank calls it (torchrun). `hooks`: the callbacks and the TrainerState they
-    see (train_callbacks.py). Returns the last logged metrics (rank 0; {} on the other ranks)."""
+    see (Hooks). Returns the last logged metrics (rank 0; {} on the other ranks)."""
     rollout_worker.check_main_guard()
     rank, world, device = setup_distributed(config)
     set_log_level(config, rank)
-    hooks = hooks or train_callbacks.Hooks([], config)
+    hooks = hooks or Hooks([], config)
     torch.manual_seed(config.seed)              # every rank: the weights agree before sharding
     output_dir = config.output_dir or "trainer_output"
     model, tokenizer = load_model(model, config, processing_class, peft_config)
@@ -91,6 +95,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
     if resume:
         state = checkpoint.load(resume, policy, optimizer, scheduler)
+    hooks.state.global_step = state.global_step
     clients = [VLLMClient(url, timeout=config.vllm_server_timeout) for url in server_urls(config)]
     sync = make_sync(policy, clients, config, peft_config, output_dir)
     saving = config.save_strategy == "steps"
@@ -104,13 +109,13 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             state.prompt_index, state.trained = saved["prompt_index"], saved["trained"]
         checkpoint.save(output_dir, state, policy, optimizer, scheduler, tokenizer, config)
         if rank == 0:
-            hooks.event("on_save", state.global_step)
+            hooks.event("on_save")
 
     try:
         if rank == 0:
             for c in clients:
                 c.wait_for_health()
-            server_checks.check_servers(clients, config, tokenizer, device)
+            check_servers(clients, config, tokenizer, device)
         sync.connect()
         sync.start(state.model_version)         # the servers may hold another run's weights
         if rank == 0:
@@ -124,14 +129,14 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                                    trained=state.trained, model_version=state.model_version,
                                    **sync.worker_kwargs())
             feed = Feed(worker, planner, config.gradient_accumulation_steps, state)
-            log = train_metrics.MetricsLog(
-                config, output_dir, state, policy.model, device, tokenizer,
-                on_log=lambda line: hooks.event("on_log", line["step"], logs=line))
+            log = metrics.MetricsLog(config, output_dir, state, policy.model, device,
+                                     rollout_metrics=worker.drain_metrics,
+                                     on_log=lambda line: hooks.event("on_log", logs=line))
             worker.start()
-            hooks.event("on_train_begin", state.global_step)
+            hooks.event("on_train_begin")
         while config.max_steps <= 0 or state.global_step < config.max_steps:
             started = time.perf_counter()
-            step = None                         # rank 0: the packed rows and their trained tokens
+            step = None                         # rank 0: what this step took and planned
             if rank == 0 and not hooks.should_stop:     # a callback's stop: no step ends every rank
                 try:
                     step = feed.next_step(state.model_version, config.max_staleness)
@@ -142,30 +147,30 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             if mine is None:                    # the prompts are done
                 break
             rows, num_tokens = mine
-            metrics = train_step(policy, optimizer, scheduler, rows, num_tokens, config, world,
-                                 aux_coef, scaler)
+            step_metrics = train_step(policy, optimizer, scheduler, rows, num_tokens, config,
+                                      world, aux_coef, scaler)
             state.global_step += 1
+            hooks.state.global_step = state.global_step
             every = config.torch_empty_cache_steps
             if every and state.global_step % every == 0 and device.type == "cuda":
                 torch.cuda.empty_cache()
             if state.global_step % config.weight_sync_steps == 0:
-                metrics |= sync.push(state.model_version + 1)
+                step_metrics |= sync.push(state.model_version + 1)
                 state.model_version += 1
                 if rank == 0:
                     feed.worker.set_model_version(state.model_version)
             if rank == 0:
-                metrics["perf/step_s"] = time.perf_counter() - started
-                log.step(state, metrics, feed)
-                hooks.event("on_step_end", state.global_step)
-            hooks.state.global_step = state.global_step
+                step_metrics["perf/step_s"] = time.perf_counter() - started
+                log.step(state, step_metrics, step)
+                hooks.event("on_step_end")
             if saving and state.global_step % config.every("save_steps") == 0:
                 save()
         if log is not None and log.window and log.every is not None:
-            log.flush(state.global_step, feed.worker)
+            log.flush(state.global_step)
         if saving and state.global_step % config.every("save_steps") != 0:
             save()
         if rank == 0:
-            hooks.event("on_train_end", state.global_step)
+            hooks.event("on_train_end")
         return log.last if log is not None else {}
     finally:
         if feed is not None:
@@ -324,40 +329,45 @@ def make_sync(policy: Policy, clients, config, peft_config, output_dir: str):
 
 
 @dataclass
+class Step:
+    """What one optimizer step took from the queue and planned (Feed.next_step returns it; the
+    metrics read it, metrics.MetricsLog.step)."""
+    version: int                    # the policy version it trains
+    rows: list                      # [GA][world] TreeRow
+    packed: list                    # [GA][world] PackedRow
+    trained_tokens: int             # the loss's divisor: the step's completion tokens
+    row_metrics: list[dict]         # the planner's batch/* metrics, one dict per micro-batch
+    samples: list                   # the samples accepted from the queue this step
+    staleness: list[int]            # theirs: version - model_version
+    queue_s: list[float]            # their seconds in the queue
+    waited_s: float                 # perf/rollout_wait_s: seconds get() blocked
+    queue_size: int                 # sample/rollout_queue_size at its start
+
+
+@dataclass
 class Feed:
-    """Rank 0's end of the rollout queue: the worker, the planner, the run's TrainState (its
-    counters: samples dropped, tokens forwarded) and what one step took."""
+    """Rank 0's end of the rollout queue: the worker, the planner, and the run's TrainState (its
+    counters: samples dropped, tokens forwarded)."""
     worker: RolloutWorker
     planner: Planner
     microbatches: int                                  # gradient_accumulation_steps
     state: checkpoint.TrainState                       # counts dropped_*_total and num_tokens
     finished: bool = False                             # the worker has no more samples
-    # this step: its rows and accepted samples, for the metrics
-    rows: list = field(default_factory=list)           # [GA][world] TreeRow
-    packed: list = field(default_factory=list)         # [GA][world] PackedRow
-    samples: list = field(default_factory=list)
-    stale_seen: list = field(default_factory=list)     # their staleness
-    queue_s: list = field(default_factory=list)        # their time in the queue
-    waited_s: float = 0.0                              # perf/rollout_wait_s
-    queue_size: int = 0                                # sample/rollout_queue_size at its start
-    version: int = 0                                   # the policy version it trains
 
-    def next_step(self, version: int, max_staleness: int) -> tuple[list[list], int] | None:
-        """The next step packed: up to `microbatches` micro-batches of world_size PackedRows (fewer
-        only at the end of the prompts), and its trained-token count, the loss's divisor; None when
-        the prompts are done. A sample older than max_staleness versions is dropped, also one held
-        in an open row since an earlier step (spec: SAMPLE ... dropped if staleness >
-        max_staleness), and so is one over the token budget; the state counts both drops and the
-        forwarded tokens."""
-        self.samples, self.stale_seen, self.queue_s, self.rows = [], [], [], []
-        self.waited_s, self.version = 0.0, version
-        self.queue_size = self.worker.qsize()
+    def next_step(self, version: int, max_staleness: int) -> Step | None:
+        """The next step: up to `microbatches` micro-batches of world_size PackedRows (fewer only
+        at the end of the prompts); None when the prompts are done. A sample older than
+        max_staleness versions is dropped, also one held in an open row since an earlier step
+        (spec: SAMPLE ... dropped if staleness > max_staleness), and so is one over the token
+        budget; the state counts both drops and the forwarded tokens."""
+        samples, staleness, queue_s, rows, waited_s = [], [], [], [], 0.0
+        queue_size = self.worker.qsize()
         stale = self.planner.drop(lambda s: version - s.model_version > max_staleness)
         self.state.dropped_stale_total += stale
-        while len(self.rows) < self.microbatches and not self.finished:
+        while len(rows) < self.microbatches and not self.finished:
             start = time.perf_counter()
             sample = self.worker.get()
-            self.waited_s += time.perf_counter() - start
+            waited_s += time.perf_counter() - start
             if sample is None:
                 self.finished = True
                 micro = self.planner.flush()
@@ -371,20 +381,24 @@ class Feed:
                     len(sample.input_ids), sample.completion_mask.sum(), self.planner.token_budget)
                 continue
             else:
-                self.samples.append(sample)
-                self.stale_seen.append(version - sample.model_version)
-                self.queue_s.append(time.time() - sample.enqueued_at)
+                samples.append(sample)
+                staleness.append(version - sample.model_version)
+                queue_s.append(time.time() - sample.enqueued_at)
                 micro = self.planner.add(sample)
             if micro:
-                self.rows.append(micro)
-        self.packed = [[row.pack() for row in micro] for micro in self.rows]
-        self.state.num_tokens += sum(p.unique_tokens for micro in self.packed for p in micro)
-        trained = sum(p.trained_tokens for micro in self.packed for p in micro)
-        return (self.packed, trained) if self.packed else None
+                rows.append(micro)
+        if not rows:
+            return None
+        packed = [[row.pack() for row in micro] for micro in rows]
+        self.state.num_tokens += sum(p.unique_tokens for micro in packed for p in micro)
+        return Step(version, rows, packed,
+                    trained_tokens=sum(p.trained_tokens for micro in packed for p in micro),
+                    row_metrics=[self.planner.metrics(micro) for micro in packed],
+                    samples=samples, staleness=staleness, queue_s=queue_s, waited_s=waited_s,
+                    queue_size=queue_size)
 
 
-def scatter_rows(step: tuple[list[list], int] | None, rank: int, world: int,
-                 error: str | None = None):
+def scatter_rows(step: Step | None, rank: int, world: int, error: str | None = None):
     """Rank 0 sends rank r its row of each micro-batch and the step's trained-token count (`step`:
     Feed.next_step's). Returns this rank's ([GA] PackedRow, count), or None when the prompts are
     done (`step` None). Every rank leaves together: a failure on rank 0 (`error`) raises on the
@@ -393,9 +407,8 @@ def scatter_rows(step: tuple[list[list], int] | None, rank: int, world: int,
         if step is None:
             payload = [{"error": error}] * world
         else:
-            packed, num_tokens = step                                   # [GA][world] PackedRow
-            payload = [{"rows": [micro[r] for micro in packed], "num_tokens": num_tokens}
-                       for r in range(world)]
+            payload = [{"rows": [micro[r] for micro in step.packed],
+                        "num_tokens": step.trained_tokens} for r in range(world)]
     box = [payload[0] if rank == 0 else None]
     if world > 1:
         dist.scatter_object_list(box, payload if rank == 0 else None, src=0)
@@ -419,7 +432,7 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
     before clipping, and a step with inf/NaN gradients skipped."""
     device = policy.head().weight.device
     softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
-    timer = train_metrics.Timer(device)
+    timer = metrics.Timer(device)
     parts = []                                          # loss.py's metrics, one dict per row
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     aux_sum = 0.0
@@ -428,7 +441,7 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
             out = policy(row, output_router_logits=True) if aux_coef else policy(row)
             head = policy.head()
             hidden = out.last_hidden_state[0]                                   # [N, H]
-            loss, metrics = compute_loss(hidden, head.weight, head.bias, to_device(row, device),
+            loss, terms = compute_loss(hidden, head.weight, head.bias, to_device(row, device),
                                          config, num_tokens, final_logit_softcapping=softcap)
             if aux_coef:                  # this rank's share of the step's mean router loss
                 aux = moe_aux_loss(policy.model, out.router_logits)
@@ -437,7 +450,7 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
         with timer("bwd_s"):
             (loss * world if scaler is None else scaler.scale(loss * world)).backward()
         loss_sum += loss.detach().to(torch.float64)
-        parts.append(metrics)
+        parts.append(terms)
     with timer("optimizer_s"):
         limit = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
         trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -451,13 +464,13 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
             scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    metrics = reduce_metrics(parts) | {"loss": loss_sum}
+    reduced = reduce_metrics(parts) | {"loss": loss_sum}
     if aux_coef:
-        metrics["aux_loss"] = torch.tensor(aux_sum / world, dtype=torch.float64, device=device)
-    for name in sorted(metrics):                        # across ranks: SUM, or MIN / MAX by name
+        reduced["aux_loss"] = torch.tensor(aux_sum / world, dtype=torch.float64, device=device)
+    for name in sorted(reduced):                        # across ranks: SUM, or MIN / MAX by name
         if world > 1:
-            dist.all_reduce(metrics[name], op=rank_reduce_op(name))
-    out = finalize_metrics(metrics)
+            dist.all_reduce(reduced[name], op=rank_reduce_op(name))
+    out = finalize_metrics(reduced)
     out["grad_norm"] = float(full_tensor(grad_norm))
     out["learning_rate"] = scheduler.get_last_lr()[0]
     return out | timer.metrics()
@@ -490,7 +503,7 @@ def to_device(row, device):
     return type(row)(**(vars(row) | moved))
 
 
-# ── the spec's trainer class, and the CLI ────────────────────────────────────────────────────
+# ── the spec's trainer class and its callbacks ────────────────────────────────────────────────────
 
 
 class AsyncGRPOTrainer:
@@ -504,7 +517,7 @@ class AsyncGRPOTrainer:
         trainer.state.global_step, trainer.state.log_history[-1]["reward"]
         trainer.save_model("my_model")   # a from_pretrained directory
 
-    callbacks: TrainerCallback objects, in train_callbacks.py's minimal form. optimizers: only
+    callbacks: TrainerCallback objects, in Hooks' minimal form. optimizers: only
     (None, None); the optimizer is AdamW built after FSDP2 sharding (optim, learning_rate, adam_*).
     """
     loop_cls = AsyncRolloutLoop
@@ -535,7 +548,7 @@ class AsyncGRPOTrainer:
         self.peft_config = peft_config
         self.tools = tools
         self.environment_factory = environment_factory
-        self.hooks = train_callbacks.Hooks(callbacks or [], self.args)
+        self.hooks = Hooks(callbacks or [], self.args)
 
     @property
     def state(self):
@@ -554,14 +567,14 @@ class AsyncGRPOTrainer:
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict:
         """Train (train()); then .model is the trained model from the last checkpoint (the
         sharded training copy is gone with the process group)."""
-        metrics = train(self.args, self.train_dataset, self.reward_funcs, model=self._model,
+        result = train(self.args, self.train_dataset, self.reward_funcs, model=self._model,
                         processing_class=self.processing_class, tools=self.tools,
                         environment_factory=self.environment_factory, loop_cls=self.loop_cls,
                         peft_config=self.peft_config,
                         resume_from_checkpoint=resume_from_checkpoint, hooks=self.hooks)
         found = sorted(checkpoint.checkpoints(self.args.output_dir or "trainer_output"))
         self.trained_checkpoint = found[-1][1] if found else None
-        return metrics
+        return result
 
     @property
     def model(self):
@@ -593,6 +606,177 @@ class AsyncGRPOTrainer:
         return output_dir
 
 
+class Hooks:
+    """The spec's `callbacks` (a list of transformers TrainerCallback) in a minimal form: rank 0
+    calls these events of each callback with transformers' own TrainerState and TrainerControl:
+
+        on_train_begin(args, state, control)          the rollout process is up
+        on_step_end(args, state, control)             after each optimizer step (and weight sync)
+        on_log(args, state, control, logs=line)       each metrics.jsonl line
+        on_save(args, state, control)                 after each checkpoint-N/
+        on_train_end(args, state, control)            after the last step
+
+    control.should_training_stop (say, set in on_log when logs["reward"] > 0.9) stops every rank
+    after that step. state.global_step (every rank; train() is its one writer) and
+    state.log_history (rank 0) are kept whether or not callbacks are given."""
+
+    def __init__(self, callbacks: list, config):
+        from transformers import TrainerControl, TrainerState
+        self.callbacks = list(callbacks)
+        self.config = config
+        self.state = TrainerState(max_steps=config.max_steps,
+                                  num_train_epochs=config.num_train_epochs,
+                                  logging_steps=config.logging_steps, save_steps=config.save_steps)
+        self.control = TrainerControl()
+
+    def event(self, name: str, **kwargs) -> None:
+        """Call `name` on every callback that has it (on_log also records the line)."""
+        if name == "on_log":
+            self.state.log_history.append(dict(kwargs["logs"]))
+        for callback in self.callbacks:
+            method = getattr(callback, name, None)
+            if method is not None:
+                method(self.config, self.state, self.control, **kwargs)
+
+    @property
+    def should_stop(self) -> bool:
+        return self.control.should_training_stop
+
+
+
+# ── the command line: every AsyncGRPOConfig field a flag ─────────────────────────────────────
+# Beside the config's fields, the script's own (ScriptArguments: model, dataset, reward, LoRA, a
+# local server). The toy defaults (toy.TRAIN_DEFAULTS) and the local server depend on the parsed
+# model, never on argv's spelling (parse_cli).
+
+
+def local_server_args(config, peft_config=None) -> list[str]:
+    """local_vllm flags for a run of `config`: gloo weight transfer, processed log-probs, enough
+    top log-probs, candidate sets when top-k/top-p are on, LoRA slots for adapter sync."""
+    args = ["--weight-transfer-config", '{"backend":"gloo"}',
+            "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
+            "--return-sampling-mask", "--enable-scale-out"]
+    if peft_config is not None:
+        args += ["--enable-lora", "--max-lora-rank", str(lora_sync.max_lora_rank(peft_config.r)),
+                 "--max-loras", str(config.max_staleness + 2)]
+    return args
+
+
+@dataclass
+class ScriptArguments:
+    """The CLI's arguments beside AsyncGRPOConfig's fields."""
+    model: str = "toy"                   # a hub id, a local directory, or "toy" (toy.py's model)
+    dataset: str = "toy"                 # a `datasets` name, a .json/.jsonl/.csv/.parquet file with
+                                         # a `prompt` column, or "toy"
+    dataset_split: str = "train"         # the split of a `datasets` name
+    reward: str | None = None            # module:function[,...]; "toy" → toy:exact_reward
+    serve_local: bool | None = None      # start local_vllm; None: for toy without a server URL
+    lora_r: int = 0                      # > 0: train a LoRA adapter of this rank (peft)
+    lora_alpha: int = 32                 # the adapter's scale is lora_alpha / lora_r
+    lora_target_modules: str = "all-linear"   # comma-separated module names, or all-linear
+
+
+def import_callable(spec: str):
+    """module:function → the function."""
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"--reward {spec!r}: expected module:function")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_prompts(script: ScriptArguments):
+    """The prompt dataset of --dataset: the toy prompts, a local file, or a `datasets` name."""
+    if script.dataset == "toy":
+        import toy
+        return toy.make_dataset(toy.NUM_PROMPTS, standard=True, balanced=True)
+    import datasets
+    kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    kind = kinds.get(os.path.splitext(script.dataset)[1])
+    if kind and os.path.isfile(script.dataset):
+        return datasets.load_dataset(kind, data_files=script.dataset, split="train")
+    return datasets.load_dataset(script.dataset, split=script.dataset_split)
+
+
+def lora_config(script: ScriptArguments):
+    """A peft LoraConfig when --lora_r > 0, else None."""
+    if script.lora_r <= 0:
+        return None
+    from peft import LoraConfig
+    targets = script.lora_target_modules
+    return LoraConfig(r=script.lora_r, lora_alpha=script.lora_alpha,
+                      target_modules=targets if targets == "all-linear" else targets.split(","))
+
+
+def given_args(parser, argv: list[str]) -> dict:
+    """The fields `argv` sets, in any form (--name value, --name=value, --name-with-dashes):
+    argparse fills in a default only where the namespace lacks the name, so a namespace of
+    sentinels keeps the rest."""
+    unset = object()
+    names = [f.name for kind in (ScriptArguments, AsyncGRPOConfig) for f in fields(kind)]
+    namespace = argparse.Namespace(**dict.fromkeys(names, unset))
+    parser.parse_known_args(argv, namespace=namespace)
+    return {name: value for name, value in vars(namespace).items() if value is not unset}
+
+
+def parse_cli(argv: list[str]) -> tuple[ScriptArguments, AsyncGRPOConfig]:
+    """The CLI's arguments. The toy model (--model toy, the default) puts toy.TRAIN_DEFAULTS under
+    the fields argv leaves unset, and resolves serve_local=None to "no --vllm_server_base_url
+    given"; any other model gets AsyncGRPOConfig's defaults and no local server unless asked."""
+    from transformers import HfArgumentParser
+    parser = HfArgumentParser((ScriptArguments, AsyncGRPOConfig),
+                              description="Asynchronous GRPO trainer")
+    given = given_args(parser, argv)
+    toy_run = given.get("model", ScriptArguments.model) == "toy"
+    if toy_run:
+        import toy
+        parser.set_defaults(**toy.TRAIN_DEFAULTS)
+    script, config = parser.parse_args_into_dataclasses(argv)
+    if script.serve_local is None:
+        script.serve_local = toy_run and "vllm_server_base_url" not in given
+    return script, config
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python train.py [flags]` (module docstring); `python train.py plot RUN_DIR`."""
+    argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # run the finally
+    if argv[:1] == ["plot"]:
+        print(metrics.plot(argv[1] if len(argv) > 1 else "runs/toy"))
+        return
+    script, config = parse_cli(argv)
+    peft_config = lora_config(script)
+    dataset = load_prompts(script)
+    reward = script.reward or ("toy" if script.dataset == "toy" else None)
+    if reward is None:
+        raise SystemExit("train.py: error: --reward module:function is required for a dataset "
+                         "other than toy")
+    rewards = [import_callable("toy:exact_reward" if r == "toy" else r) for r in reward.split(",")]
+    output_dir = config.output_dir or "trainer_output"
+    server = None
+    if script.serve_local and int(os.environ.get("RANK", "0")) == 0:   # rank 0 talks to servers
+        import toy
+        path = toy.ensure_saved() if script.model == "toy" else script.model
+        os.makedirs(output_dir, exist_ok=True)
+        log_path = os.path.join(output_dir, "serve_local.log")
+        from local_vllm.launch import LocalServer
+        server = LocalServer(path, *local_server_args(config, peft_config), log_path=log_path)
+        config.vllm_server_base_url = server.url
+        print(f"local_vllm on {server.url} (log: {log_path})", flush=True)
+        if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+            # the server (one thread) and the rollout process share these cores: 2 of 2 threads
+            # here made each step 1.4x slower (forward+backward 4.5x) than 1 on a 2-core machine
+            torch.set_num_threads(max(1, torch.get_num_threads() - 2))
+    try:
+        result = train(config, dataset, rewards, model=script.model,
+                              peft_config=peft_config)
+    finally:
+        if server is not None:
+            server.stop()
+    if result:
+        shown = {k: round(v, 4) for k, v in result.items()
+                 if k in ("step", "reward", "loss", "perf/step_s")}
+        print(f"done: {shown}; metrics in {output_dir}/metrics.jsonl", flush=True)
+
+
 if __name__ == "__main__":
-    import train_cli                            # the CLI: flags from AsyncGRPOConfig's fields
-    train_cli.main()
+    main()

@@ -15,7 +15,7 @@ import numpy as np
 import toy
 from config import AsyncGRPOConfig
 from rollout import AsyncRolloutLoop
-from rollout_samples import FinishedRollout, PendingGroup, Rollout, TurnRecord, reconcile
+from rollout.samples import FinishedRollout, PendingGroup, Rollout, TurnRecord, reconcile
 from vllm_client import VLLMError
 
 SERVER_FLAGS = ("--max-model-len", "256", "--logprobs-mode", "processed_logprobs",

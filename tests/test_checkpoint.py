@@ -12,7 +12,7 @@ import torch
 
 import checkpoint
 import toy
-import train_completions
+import metrics
 from train_helpers import SERVER_ARGS, cli, lines, newest_checkpoint
 
 pytest_plugins = ["train_fixtures"]
@@ -123,7 +123,7 @@ def test_every_prompt_is_trained_exactly_once_across_kills_mid_generation_step_a
         assert proc.poll() is None, proc.stdout.read()
         os.killpg(proc.pid, signal.SIGKILL)    # the trainer and its rollout process
         proc.wait()
-        steps = [r["step"] for r in train_completions.load(out)]
+        steps = [r["step"] for r in metrics.load_completions(out)]
         seen.append((moment.__name__, newest_checkpoint(out), max(steps, default=0)))
 
     def mid_save(proc, start):                 # a checkpoint half written after a complete one
@@ -156,7 +156,7 @@ def test_every_prompt_is_trained_exactly_once_across_kills_mid_generation_step_a
     assert proc.returncode == 0, (seen, log[-5000:])
     printed = [x for x in log.splitlines() if x.startswith("  reward ")]
     assert len(printed) == 64 - seen[-1][1], log[-3000:]     # num_completions_to_print a step
-    trained = train_completions.load(out)
+    trained = metrics.load_completions(out)
     counts = {p: 0 for p in range(48)}
     for r in trained:
         counts[r["prompt_index"]] += 1

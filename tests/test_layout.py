@@ -1,6 +1,7 @@
 """The layout's boundaries (README, "Files and the spec sections they implement"): the algorithm
-at the top never imports the stand-in's server (it runs as a process; only its launcher, the
-standard library and httpx, is imported), the stand-in imports nothing of the trainer side, and
+at the top never imports the stand-in's server (it runs as a process; only its launcher is
+imported), the stand-in imports nothing of the trainer side, rollout/ (the spawned child's code)
+imports nothing of the top but vllm_client.py, no module imports itself back through others, and
 the scripts live in tools/."""
 import ast
 import glob
@@ -11,7 +12,9 @@ import sys
 from conftest import ROOT
 
 CORE = sorted(glob.glob(os.path.join(ROOT, "*.py")))
+ROLLOUT = sorted(glob.glob(os.path.join(ROOT, "rollout", "*.py")))
 STAND_IN = sorted(glob.glob(os.path.join(ROOT, "local_vllm", "*.py")))
+FOLDERS = ("rollout", "local_vllm", "vllm_plugin", "tools")
 
 
 def imports(path: str) -> set[str]:
@@ -26,8 +29,71 @@ def imports(path: str) -> set[str]:
     return names
 
 
+def module_name(path: str) -> str:
+    """tools/bench.py → tools.bench; rollout/__init__.py → rollout."""
+    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return name.removesuffix(".__init__")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module → the project's modules it imports (each file a node; `from pkg import mod` names
+    the submodule when it is one)."""
+    paths = CORE + [p for d in FOLDERS for p in glob.glob(os.path.join(ROOT, d, "*.py"))]
+    known = {module_name(p) for p in paths}
+    graph = {}
+    for path in paths:
+        tree, edges = ast.parse(open(path).read()), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in known}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & known
+                edges |= subs or ({node.module} & known)
+        graph[module_name(path)] = edges - {module_name(path)}
+    return graph
+
+
+def test_no_import_cycles():
+    """Depth-first over every module's imports: no path leads back to a module on it (a package
+    importing its own submodules, rollout → rollout.loop, is the one edge allowed inward)."""
+    graph = import_graph()
+    graph = {m: {t for t in edges if not t.startswith(m + ".")} for m, edges in graph.items()}
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph.get(module, ())):
+            assert state.get(target) != "open", " -> ".join(path + [target])
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert "train" in graph and "rollout.loop" in graph and "tools.bench" in graph
+
+
+def test_rollout_imports_nothing_of_the_top_but_vllm_client():
+    top = {os.path.basename(p)[:-3] for p in CORE}
+    for path in ROLLOUT:
+        assert {m.split(".")[0] for m in imports(path)} & top <= {"vllm_client"}, path
+
+
+def test_train_py_runs_once_under_python_train_py():
+    """No module imports train.py back, so `python train.py` executes it once, as __main__ (the
+    CLI cycle made it run a second time as `train`)."""
+    code = ("import runpy, sys\nsys.argv = ['train.py', '--help']\ntry:\n"
+            "    runpy.run_path('train.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('imported as train:', 'train' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert "--max_staleness" in out.stdout, out.stderr[-2000:]        # the CLI ran
+    assert out.stdout.strip().endswith("imported as train: False"), out.stdout[-500:]
+
+
 def test_the_core_imports_only_the_stand_ins_launcher():
-    for path in CORE:
+    for path in CORE + ROLLOUT:
         stand_in = {m for m in imports(path) if m.split(".")[0] == "local_vllm"}
         assert stand_in <= {"local_vllm.launch"}, (os.path.basename(path), stand_in)
 

@@ -1,4 +1,4 @@
-"""Replicas can die (weight_sync.Members, rollout_servers.take_out/readmit): train() against two
+"""Replicas can die (weight_sync.Members, servers.take_out/readmit): train() against two
 local replicas, one killed mid-run and restarted, or both killed; and one that hangs."""
 import os
 import signal
@@ -10,7 +10,6 @@ from transformers import TrainerCallback
 
 import toy
 import train
-import train_callbacks
 from local_vllm.launch import LocalServer
 from train import AsyncGRPOConfig
 from train_helpers import SERVER_ARGS, SMALL
@@ -20,7 +19,7 @@ def run(servers, out, steps, callback, **fields):
     config = AsyncGRPOConfig(**SMALL | dict(output_dir=str(out), max_steps=steps, save_steps=steps,
                                             vllm_server_base_url=",".join(s.url for s in servers))
                              | fields)
-    hooks = train_callbacks.Hooks([callback], config)
+    hooks = train.Hooks([callback], config)
     return train.train(config, toy.make_dataset(200), [toy.sum_reward], model=out.parent / "model",
                        hooks=hooks)
 

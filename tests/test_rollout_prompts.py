@@ -1,10 +1,10 @@
-"""rollout_prompts.py: the prompt stream (epochs, resume, streaming), filter_prompt's epoch rule,
+"""rollout/prompts.py: the prompt stream (epochs, resume, streaming), filter_prompt's epoch rule,
 and the resume index."""
 import pytest
 from datasets import IterableDataset
 
 import toy
-from rollout_prompts import ResumeIndex, filtered_stream, first_prompt_index, prompt_stream
+from rollout.prompts import ResumeIndex, filtered_stream, first_prompt_index, prompt_stream
 
 
 def test_prompt_stream_epochs_resume_and_streaming():

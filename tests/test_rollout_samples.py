@@ -1,8 +1,8 @@
-"""rollout_samples.py: reconcile and fork, the sample layout, server replies, building a group."""
+"""rollout/samples.py: reconcile and fork, the sample layout, server replies, building a group."""
 import numpy as np
 import pytest
 
-from rollout_samples import (FinishedRollout, PendingGroup, Rollout, TurnRecord, parse_completion,
+from rollout.samples import (FinishedRollout, PendingGroup, Rollout, TurnRecord, parse_completion,
                              parse_generate, reconcile, to_sample)
 
 

@@ -1,4 +1,4 @@
-"""rollout_scoring.py: reward sources summed per rollout, flat groups dropped, the group's metrics
+"""rollout/scoring.py: reward sources summed per rollout, flat groups dropped, the group's metrics
 and their running totals."""
 import asyncio
 import functools
@@ -7,8 +7,8 @@ import math
 import pytest
 
 import rollout_helpers as h
-from rollout_samples import ToolCall
-from rollout_scoring import add_totals, score_group
+from rollout.samples import ToolCall
+from rollout.scoring import add_totals, score_group
 
 
 def scored(tokenizer, group, reward_funcs=()):

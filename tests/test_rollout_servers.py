@@ -1,4 +1,4 @@
-"""rollout_servers.py: the live concurrency cap, routing groups over replicas, the checks at start,
+"""rollout/servers.py: the live concurrency cap, routing groups over replicas, the checks at start,
 and several replicas without a proxy against local_vllm (groups stay on one replica, both
 serve, a killed replica stops the run naming it, a wrong API key fails at once with a clear 401)."""
 import os
@@ -11,7 +11,7 @@ from datasets import Dataset
 
 import rollout_helpers as h
 import toy
-from rollout_servers import ConcurrencyCap, Replica, pick
+from rollout.servers import ConcurrencyCap, Replica, pick
 from rollout_worker import RolloutWorker
 
 FLAGS = h.SERVER_FLAGS

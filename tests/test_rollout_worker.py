@@ -78,8 +78,9 @@ def test_the_rollout_process_imports_nothing_of_the_trainer(monkeypatch, script)
     the script (spawn would run it again): no FSDP trainer, checkpoints, peft or local engine."""
     fake_main(monkeypatch, script)
     modules = child_modules(toy.exact_reward)
-    assert {"rollout", "toy", "transformers"} <= modules          # the loop, the reward, tokenizer
-    leaked = {"train", "checkpoint", "weight_sync", "peft", "local_vllm.engine"} & modules
+    assert {"rollout.loop", "toy", "transformers"} <= modules     # the loop, the reward, tokenizer
+    leaked = {"train", "checkpoint", "weight_sync", "lora_sync", "metrics", "rollout_worker",
+              "peft", "torch.distributed.fsdp", "local_vllm.engine"} & modules
     assert not leaked, leaked
 
 

@@ -13,10 +13,11 @@ import textwrap
 
 import pytest
 
-import config_refused
-import server_checks
+import config
+import lora_sync
 import toy
 import train
+import weight_sync
 from config import AsyncGRPOConfig
 from vllm_client import VLLMError
 
@@ -99,7 +100,7 @@ def test_the_spec_lists_141_fields_and_each_is_declared_with_its_default():
 @pytest.mark.parametrize("name", list(SPEC_DEFAULTS))
 def test_a_changed_field_works_or_is_refused_naming_it(name):
     value = changed(name, SPEC_DEFAULTS[name])
-    if name in config_refused.WHY:
+    if name in config.WHY:
         with pytest.raises(ValueError, match=rf"^AsyncGRPOConfig\.{name}="):
             AsyncGRPOConfig(**{name: value})
         return
@@ -112,12 +113,14 @@ def test_a_changed_field_works_or_is_refused_naming_it(name):
 def test_every_accepted_field_is_read_by_the_code():
     """Nothing accepted and ignored: a field that is not refused is read outside its declaration."""
     source = ""
-    for path in glob.glob(os.path.join(ROOT, "*.py")):
-        if not path.endswith("config_refused.py"):
-            with open(path) as f:
-                source += "".join(line for line in f if not re.match(r"    \w+: .+ = ", line))
+    core = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "rollout", "*.py"))
+    for path in core:
+        with open(path) as f:
+            text = f.read().split("# ── the refused fields")[0]     # config.py's WHY table
+        source += "".join(line for line in text.splitlines(True)
+                          if not re.match(r"    \w+: .+ = ", line))
     for name in SPEC_DEFAULTS:
-        if name not in config_refused.WHY and name != "do_train":    # a flag for scripts
+        if name not in config.WHY and name != "do_train":    # a flag for scripts
             assert re.search(rf"[.\"']{name}\b", source), name
 
 
@@ -139,15 +142,15 @@ def test_refusals_say_why_and_the_fix():
 
 DASHBOARD_SCRIPT = """
 import sys
-import train_dashboards
+import metrics
 from config import AsyncGRPOConfig
 config = AsyncGRPOConfig(report_to=[sys.argv[2]], run_name="surface-run", project="surface")
-boards = train_dashboards.open_dashboards(config, sys.argv[1])
+boards = metrics.open_dashboards(config, sys.argv[1])
 for step in (1, 2):
-    train_dashboards.log_line(boards, {"step": step, "time": 0.0, "reward": 0.25 * step,
+    metrics.log_line(boards, {"step": step, "time": 0.0, "reward": 0.25 * step,
                                        "rollout/backpressure_s": 1.5})
-train_dashboards.log_table(boards, 2, [("1+1=", "2", 1.0)])
-train_dashboards.close_dashboards(boards)
+metrics.log_table(boards, 2, [("1+1=", "2", 1.0)])
+metrics.close_dashboards(boards)
 """
 
 
@@ -330,11 +333,11 @@ def test_dtype_mismatch_warns_and_data_parallel_refuses_adapter_sync():
     import torch
     info = {"model_config": {"dtype": "torch.bfloat16"},
             "parallel_config": {"data_parallel_size": 2}}
-    assert server_checks.dtype_warning("http://a", info, torch.bfloat16) is None
-    assert "vllm serve --dtype float32" in server_checks.dtype_warning("http://a", info,
+    assert weight_sync.dtype_warning("http://a", info, torch.bfloat16) is None
+    assert "vllm serve --dtype float32" in weight_sync.dtype_warning("http://a", info,
                                                                          torch.float32)
-    assert "--data-parallel-size 2" in server_checks.adapter_dp_refusal("http://a", info)
-    assert server_checks.adapter_dp_refusal("http://a", {"parallel_config": {}}) is None
+    assert "--data-parallel-size 2" in lora_sync.adapter_dp_refusal("http://a", info)
+    assert lora_sync.adapter_dp_refusal("http://a", {"parallel_config": {}}) is None
 
 
 class SmallVocabServer:
@@ -351,9 +354,9 @@ def test_a_server_with_a_smaller_vocabulary_is_refused(train_server):
     from vllm_client import VLLMClient
     tokenizer = toy.build_tokenizer()
     with pytest.raises(ValueError, match="serves another model"):
-        server_checks.check_vocab(SmallVocabServer(), tokenizer)
+        weight_sync.check_vocab(SmallVocabServer(), tokenizer)
     client = VLLMClient(train_server.url, timeout=60)
     try:
-        server_checks.check_vocab(client, tokenizer)          # the toy server: the same model
+        weight_sync.check_vocab(client, tokenizer)          # the toy server: the same model
     finally:
         client.close()

@@ -112,7 +112,7 @@ def test_grpo_learns_the_toy_task_on_cpu():
 
     import tree_attention
     from loss import compute_loss
-    from rollout_samples import RolloutSample
+    from rollout.samples import RolloutSample
     from config import AsyncGRPOConfig
     from trie_pack import build_row
 

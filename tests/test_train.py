@@ -1,9 +1,9 @@
 """train.py end to end on CPU, against local_vllm: in this process, as a CLI, and on two ranks.
 
 The stale-drop test reads the session's shared run (train_fixtures.train_run, also read by
-test_checkpoint.py, test_train_metrics.py and test_weight_sync.py); the other tests train against
+test_checkpoint.py, test_metrics.py and test_weight_sync.py); the other tests train against
 servers of their own (a sync changes a server's weights), and the two-rank and failure tests start
-processes of their own.
+processes of their own. Last, the command line (parse_cli).
 """
 import os
 import signal
@@ -18,7 +18,8 @@ import checkpoint
 import toy
 import train
 from rollout_helpers import CurriculumConfig, CurriculumRolloutLoop
-from train import AsyncGRPOConfig, AsyncGRPOTrainer
+from config import AsyncGRPOConfig
+from train import AsyncGRPOTrainer
 from train_helpers import ROOT, SERVER_ARGS, SMALL, cli, lines, newest_checkpoint
 from trie_pack import Planner
 from weight_sync import free_port, full_tensor, language_parameters
@@ -38,7 +39,8 @@ def test_stale_samples_are_dropped_and_counted(train_run):
 def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
     """Feed.next_step drops the stale and the oversize samples and counts them, and the forwarded
     tokens, on the TrainState it is given (here as a resume loads it: the counts continue); it
-    returns the step packed with its trained-token count, which scatter_rows hands out as is."""
+    returns the Step: packed, its trained-token count (which scatter_rows hands out as is) and
+    the figures the metrics read."""
     from test_trie_pack import sample
 
     class Worker:                       # RolloutWorker's get() and qsize()
@@ -57,11 +59,13 @@ def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
     state = checkpoint.TrainState(num_tokens=100, dropped_stale_total=2, dropped_oversize_total=1)
     feed = train.Feed(Worker([fresh[0], stale, big, fresh[1], None]), Planner(1, 8, 1), 2, state)
     step = feed.next_step(version=1, max_staleness=0)
-    packed, num_tokens = step
+    packed = step.packed
     assert [[p.num_samples for p in micro] for micro in packed] == [[2]]   # the prompts ran out
     assert (state.dropped_stale_total, state.dropped_oversize_total) == (3, 2)
     assert state.num_tokens == 100 + packed[0][0].unique_tokens
-    assert num_tokens == packed[0][0].trained_tokens == 4
+    assert step.trained_tokens == packed[0][0].trained_tokens == 4
+    assert (step.samples, step.staleness, step.queue_size) == (fresh, [0, 0], 5)
+    assert step.version == 1 and len(step.row_metrics) == 1
     rows, n = train.scatter_rows(step, rank=0, world=1)
     assert rows[0] is packed[0][0] and n == 4
     assert feed.next_step(version=1, max_staleness=0) is None
@@ -235,3 +239,36 @@ def test_a_turn_stops_on_every_eos_the_generation_config_declares(toy_dir):
     assert train.stop_token_ids(model, tokenizer) == sorted({3, 7, tokenizer.eos_token_id})
     model.generation_config.eos_token_id = None
     assert train.stop_token_ids(model, tokenizer) == [tokenizer.eos_token_id]
+
+
+# ── the command line (parse_cli): the toy defaults and the local server follow the parsed
+# --model and --vllm_server_base_url, whichever form argv spells them in ──
+
+
+def parse(*argv: str):
+    return train.parse_cli(list(argv))
+
+
+def test_the_toy_model_gets_its_defaults_and_a_local_server_in_either_form():
+    script, config = parse("--model=toy")
+    assert (script, config) == parse("--model", "toy") == parse()
+    assert script.serve_local is True
+    assert {k: getattr(config, k) for k in toy.TRAIN_DEFAULTS} == toy.TRAIN_DEFAULTS
+
+
+@pytest.mark.parametrize("argv", [["--model=some/other"], ["--model", "some/other"]])
+def test_another_model_gets_no_toy_defaults_and_no_local_server(argv):
+    script, config = parse(*argv)
+    assert script.model == "some/other"
+    assert config == AsyncGRPOConfig()
+    assert script.serve_local is False
+
+
+def test_given_fields_win_over_the_toy_defaults_in_either_form():
+    script, config = parse("--model=toy", "--learning_rate=0.1", "--num_generations", "4")
+    assert (config.learning_rate, config.num_generations) == (0.1, 4)
+    assert config.output_dir == toy.TRAIN_DEFAULTS["output_dir"]
+    for url in (["--vllm_server_base_url=http://gpu0:8000"],
+                ["--vllm_server_base_url", "http://localhost:8000"]):   # the default, given
+        assert parse(*url)[0].serve_local is False
+    assert parse("--model=some/other", "--serve_local=true")[0].serve_local is True

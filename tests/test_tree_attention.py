@@ -10,7 +10,7 @@ import torch
 from transformers import MambaConfig, MambaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import tree_attention
-from rollout_samples import RolloutSample
+from rollout.samples import RolloutSample
 from trie_pack import build_row
 
 VOCAB = 61

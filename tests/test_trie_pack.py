@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from rollout_samples import RolloutSample
+from rollout.samples import RolloutSample
 import trie_pack
 from trie_pack import Planner, TreeRow, build_row
 

@@ -23,8 +23,7 @@ import lora_sync
 import rollout_helpers as h
 import toy
 import train
-import train_callbacks
-from rollout_servers import candidates_remedy
+from rollout.servers import candidates_remedy
 from rollout_worker import RolloutWorker
 from test_lora_sync import TARGETS, adapter_cards, served_at_close
 from test_serve_local import PROMPT, reference_logprobs
@@ -84,7 +83,7 @@ def run(servers, toy_dir, out, steps=2, peft_config=None, callbacks=(), **kwargs
                           save_steps=steps, max_staleness=1, vllm_server_timeout=120.0) | kwargs
     config = AsyncGRPOConfig(**fields)
     return train.train(config, toy.make_dataset(32), [toy.sum_reward], model=toy_dir,
-                       peft_config=peft_config, hooks=train_callbacks.Hooks(callbacks, config))
+                       peft_config=peft_config, hooks=train.Hooks(callbacks, config))
 
 
 @vllm

@@ -1,7 +1,7 @@
 """The trainer tests' fixtures, loaded with `pytest_plugins = ["train_fixtures"]` (a plugin is
 loaded once, so a session-scoped fixture runs once however many test files ask for it):
 `train_server`, a toy server, and `train_run`, one short training run against it that
-test_train.py, test_checkpoint.py, test_train_metrics.py and test_weight_sync.py all read."""
+test_train.py, test_checkpoint.py, test_metrics.py and test_weight_sync.py all read."""
 import json
 import os
 

@@ -1,4 +1,4 @@
-"""What the trainer tests share (test_train.py, test_checkpoint.py, test_train_metrics.py,
+"""What the trainer tests share (test_train.py, test_checkpoint.py, test_metrics.py,
 test_weight_sync.py, test_lora_sync.py), besides the fixtures in train_fixtures.py.
 
 - recorded_reward: a module-level reward the rollout process imports by name (--reward

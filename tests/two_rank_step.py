@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import toy  # noqa: E402
 import train  # noqa: E402
 import tree_attention  # noqa: E402
-from rollout_samples import RolloutSample  # noqa: E402
+from rollout.samples import RolloutSample  # noqa: E402
 from trie_pack import Planner  # noqa: E402
 from weight_sync import full_tensor  # noqa: E402
 

@@ -17,8 +17,8 @@ bench_train.py; the rollout process against an instant server (rollout) in bench
     packing   tree_attention.py      packing speedup=... flop_bound=... efficiency=...
     logprobs  loss.py                logprobs peak_ratio=... max_diff=... max_abs_diff=...
     learn     train.py, toy.py       learn reward_start=... reward_end=... steps=... minutes=...
-    overlap   train.py, rollout.py   overlap async_s=... sync_s=... ideal_s=... speedup=...
-    rollout   rollout*.py            rollout rollouts_per_s=... samples_per_s=...
+    overlap   train.py, rollout/     overlap async_s=... sync_s=... ideal_s=... speedup=...
+    rollout   rollout/               rollout rollouts_per_s=... samples_per_s=...
                                      cpu_per_rollout_ms=...
     sync      lora_sync.py           sync full_s=... adapter_s=... bytes_ratio=... (+2 shape lines)
     servers   the whole pipeline     servers local_s=... local_gen_tok_s=... vllm_s=... (needs
@@ -32,6 +32,7 @@ Departures, one line each:
 - rollout: an instant loopback server, not vLLM: the figure is the rollout process's own cost.
 - sync: a ~25M model on CPU (gloo) to local_vllm; the spec setups' bytes come from shapes alone.
 """
+import re
 import sys
 
 # ---- planner, packing (trie_pack.py, tree_attention.py) ----------------------------------------
@@ -52,7 +53,7 @@ def planner(argv):
     import numpy as np
     import torch
 
-    from rollout_samples import RolloutSample
+    from rollout.samples import RolloutSample
     from trie_pack import Planner
 
     parser = argparse.ArgumentParser(prog="python -m tools.bench planner")
@@ -159,7 +160,7 @@ def packing(argv):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     import tree_attention
-    from rollout_samples import RolloutSample
+    from rollout.samples import RolloutSample
     from trie_pack import build_row
 
     parser = argparse.ArgumentParser(prog="python -m tools.bench packing")
@@ -425,16 +426,6 @@ def _measure_logprobs(args):
                 "grad_hidden": grad_hidden.cpu(), "grad_weight": grad_weight.cpu()}, args.out)
 
 
-def pin_threads(pid: int, cores: set[int]) -> None:
-    """Pin every thread of process `pid` to `cores` (threads it starts later inherit it)."""
-    import os
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except ProcessLookupError:
-            pass                                     # the thread ended meanwhile
-
-
 def _case(name: str):
     """The function of case `name`, from the module that holds it."""
     if name in ("learn", "overlap", "sync", "servers"):
@@ -448,7 +439,23 @@ def _case(name: str):
 
 CASES = ("planner", "packing", "logprobs", "learn", "overlap", "rollout", "sync", "servers")
 
+
+
+def usage() -> str:
+    """The usage line, then each case with the first sentence of its docstring."""
+    lines = [f"usage: python -m tools.bench {{{'|'.join(CASES)}}} [args]   (CASE --help: its "
+             "options)", ""]
+    for name in CASES:
+        first = " ".join((_case(name).__doc__ or "").strip().split("\n\n")[0].split())
+        sentence = re.split(r"(?<=[.:])\s", first)[0].rstrip(".:")
+        lines.append(f"  {name:<9} {sentence}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] not in CASES:
-        sys.exit(f"usage: python -m tools.bench {{{'|'.join(CASES)}}} [args]")
-    _case(sys.argv[1])(sys.argv[2:])
+    if sys.argv[1:2] in (["--help"], ["-h"]):
+        print(usage())
+    elif len(sys.argv) < 2 or sys.argv[1] not in CASES:
+        sys.exit(usage())
+    else:
+        _case(sys.argv[1])(sys.argv[2:])

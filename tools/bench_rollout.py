@@ -3,7 +3,7 @@ departures are tools/bench.py's): the real child, real HTTP, reconcile, scoring 
 against an instant loopback server, so the figure is the rollout process's own cost.
 """
 from rollout import AsyncRolloutLoop
-from tools.bench import pin_threads
+from tools.bench_train import pin_threads
 
 # ---- rollout (rollout*.py, vllm_client.py) ----------------------------------------------------
 

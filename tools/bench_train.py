@@ -4,9 +4,18 @@ alternating generation, full against adapter sync, the stand-in against real vLL
 """
 import sys
 
-from tools.bench import pin_threads
 
 # ---- the trainer (train.py, weight_sync.py, lora_sync.py) ----------------------------------------
+
+def pin_threads(pid: int, cores: set[int]) -> None:
+    """Pin every thread of process `pid` to `cores` (threads it starts later inherit it)."""
+    import os
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:
+            pass                                     # the thread ended meanwhile
+
 
 def _toy_run(out: str, *args: str, cores: tuple[int, int] | None = None
              ) -> tuple[float, list[dict]]:
@@ -150,19 +159,19 @@ def _generation_only(samples: int, per_step: float, cores: tuple[int, int], args
     import time
 
     import toy
-    import train_cli
+    import train
     from local_vllm.launch import LocalServer
     from rollout_worker import RolloutWorker
     from train import load_model, stop_token_ids
 
     os.sched_setaffinity(0, {cores[0]})
-    script, config = train_cli.parse_cli(args)
+    script, config = train.parse_cli(args)
     model, tokenizer = load_model("toy", config)
-    server = LocalServer(toy.ensure_saved(), *train_cli.local_server_args(config))
+    server = LocalServer(toy.ensure_saved(), *train.local_server_args(config))
     pin_threads(server.proc.pid, {cores[1]})
     config.vllm_server_base_url = server.url
-    worker = RolloutWorker(config, train_cli.load_prompts(script),
-                           [train_cli.import_callable("toy:exact_reward")], tokenizer,
+    worker = RolloutWorker(config, train.load_prompts(script),
+                           [train.import_callable("toy:exact_reward")], tokenizer,
                            eos_token_ids=stop_token_ids(model, tokenizer))
     try:
         worker.start()
@@ -212,7 +221,7 @@ def sync(argv):
     import lora_sync
     import toy
     import train
-    import train_cli
+    import train
     from local_vllm.launch import LocalServer
     from vllm_client import VLLMClient
 
@@ -226,7 +235,7 @@ def sync(argv):
     config = train.AsyncGRPOConfig(output_dir=os.path.join(path, "out"),
                                    gradient_checkpointing=False, max_staleness=1)
     peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
-    server = LocalServer(path, *train_cli.local_server_args(config, peft_config))
+    server = LocalServer(path, *train.local_server_args(config, peft_config))
     try:
         rank, world, device = train.setup_distributed(config)
         model, _ = train.load_model(path, config, peft_config=peft_config)

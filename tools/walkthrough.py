@@ -6,12 +6,12 @@ with the values it really takes (WALKTHROUGH.md shows this script's output).
     python -m tools.walkthrough --check WALKTHROUGH.md # exit 1 if a block differs from this run's
 
     toy model ─► local_vllm ─► AsyncRolloutLoop.generate_one ×8 ─► reconcile ─► score_group
-      (step 0)     (a subprocess)     rollout.py (steps 1-2)          (3)          (2: rewards,
+      (step 0)     (a subprocess)     rollout/loop.py (steps 1-2)          (3)          (2: rewards,
                                                                                     advantages)
     ─► build_row(samples).pack() ─► compute_loss, train_step ─► FullSync.push(1) ─► the server
        trie_pack.py (4)              loss.py, train.py (5)      weight_sync.py (6)  answers as v1
 
-Every value comes from the project's own functions, in the order train.py and rollout.py call
+Every value comes from the project's own functions, in the order train.py and rollout/loop.py call
 them; nothing is recomputed here except the displays (the mask grid, per-token tables).
 
 Departures from `python train.py`, to stay within seconds and reproducible:
@@ -41,11 +41,11 @@ import toy  # noqa: E402
 from config import AsyncGRPOConfig  # noqa: E402
 from loss import centering_term, importance_bands, policy_loss, token_logprobs  # noqa: E402
 from rollout import AsyncRolloutLoop  # noqa: E402
-from rollout_samples import RolloutGroup, reconcile  # noqa: E402
-from rollout_scoring import score_group  # noqa: E402
+from rollout.samples import RolloutGroup, reconcile  # noqa: E402
+from rollout.scoring import score_group  # noqa: E402
 from local_vllm.launch import LocalServer  # noqa: E402
 from train import FullSync, Policy, build_optimizer, load_model, train_step  # noqa: E402
-from train_cli import local_server_args  # noqa: E402
+from train import local_server_args  # noqa: E402
 from trie_pack import build_row  # noqa: E402
 from vllm_client import VLLMClient  # noqa: E402
 
@@ -144,7 +144,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
         f"parameters, vocabulary {len(tokenizer)}; warm-up loss {fmt(warm_loss)} "
         f"(floor ln(10)/2 = {fmt(np.log(10) / 2)})")
 
-    # 1. the prompt, rendered by the chat template and tokenized (rollout.py: generate_one)
+    # 1. the prompt, rendered by the chat template and tokenized (rollout/loop.py: generate_one)
     dataset = toy.make_dataset(8, seed=0)
     row, group, advantages, samples, metrics = asyncio.run(rollouts(config, tokenizer, dataset,
                                                                     server.url))
@@ -155,7 +155,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
         f"{len(prompt_ids)} tokens: {prompt_ids}",
         f"as tokens: {show_tokens(tokenizer, prompt_ids)}")
 
-    # 2. the group: completions, sampler log-probs, rewards, advantages (rollout_scoring.py)
+    # 2. the group: completions, sampler log-probs, rewards, advantages (rollout/scoring.py)
     section("group")
     say(" i  completion ids   text          log q (sampler)           reward  advantage")
     for i, r in enumerate(group.rollouts):
@@ -170,7 +170,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
         f"kept: frac_reward_zero_std = {metrics['frac_reward_zero_std']:.0f}; "
         f"{len(samples)} samples queued, model_version {samples[0].model_version}")
 
-    # 3. reconcile: rollout 0's turn → one training sequence → a RolloutSample (rollout_samples.py)
+    # 3. reconcile: rollout 0's turn → one training sequence → a RolloutSample (rollout/samples.py)
     section("reconcile")
     turn = group.rollouts[0].turns[0]
     s = samples[0]

@@ -1,8 +1,8 @@
-"""staleness.py: the admission protocol with plain numbers (the docstrings' worked examples)."""
+"""rollout/staleness.py: the admission protocol with plain numbers (the docstrings' worked examples)."""
 import pytest
 
 from config import AsyncGRPOConfig
-from staleness import Window, admits, prior_rate
+from rollout.staleness import Window, admits, prior_rate
 
 
 def admits_now(**counts) -> bool:

@@ -2,7 +2,7 @@
 (Customising the rollout loop); 報酬とオフポリシー性 (Rewards and off-policyness); the rollout/,
 completions/, tools/ and env/ rows of 記録されたメトリクス (Recorded metrics)).
 
-Pure functions over a RolloutGroup, called by the rollout loop's score loop (rollout.py):
+Pure functions over a RolloutGroup, called by the rollout loop's score loop (rollout/loop.py):
 
     reward sources ─► one column each (NaN where a source did not score a rollout)
         reward_funcs (sync ones in threads, all at once) · environment get_reward() (named after
@@ -25,8 +25,8 @@ from typing import Callable
 
 import numpy as np
 
-from rollout_samples import RolloutGroup, RolloutSample, to_sample
-from rollout_tools import call_maybe_async
+from rollout.samples import RolloutGroup, RolloutSample, to_sample
+from rollout.tool_calls import call_maybe_async
 
 
 async def score_group(group: RolloutGroup, reward_funcs: list[Callable],

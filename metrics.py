@@ -19,27 +19,40 @@ with sample/staleness_max 1 and 3, sample/dropped_stale_total 4 and 6, and perf/
 log sample/staleness_max 3 (a max), sample/dropped_stale_total 6 (a running total: the last) and
 perf/step_s 2.5 (the mean).
 
-report_to's dashboards (train_dashboards.py) get each line as written, and with log_completions
-the completions as a table; on_log (the trainer's callbacks) gets each line too. With
-log_completions every trained sample also goes to completions.jsonl (train_completions.py).
+Sections below: the window reduction and the step's figures; MetricsLog (the JSONL line, the
+progress bar, on_log); completions.jsonl (log_completions: what was trained); report_to's
+dashboards (tensorboard, wandb, trackio: the same line at the same step); plot (a run → PNG).
+
+    completions.jsonl, one line per trained sample (a resume truncates it to its checkpoint):
+    {"step": 12, "prompt_index": 37, "model_version": 10, "staleness": 1, "reward": 0.8,
+     "advantage": 0.5, "completion_tokens": 6, "completion": "3 + 4 = 7", "prompt": "3 + 4 ="}
 
 Departures from the spec, one line each:
 - Completions print as plain text, not with rich: one dependency less.
+- Every trained sample is written to completions.jsonl; the console prints num_completions_to_print.
+- tensorboard has no table type: the completions are a markdown table under the text tab.
+- project names the wandb project too (transformers reads WANDB_PROJECT); that variable still wins.
 """
 import contextlib
+import importlib.util
 import json
 import logging
 import math
 import os
 import time
+from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
-import train_completions
-import train_dashboards
+import tree_attention
+from config import DASHBOARDS
 
 log = logging.getLogger(__name__)
+
+COMPLETIONS = "completions.jsonl"                     # log_completions: every trained sample
+COLUMNS = ["step", "prompt", "completion", "reward"]  # the completions table on a dashboard
 
 # dense peak FLOP/s per device (bf16 tensor cores; fp32 without TF32), from the vendors' datasheets
 PEAK_FLOPS = {"bf16": {"B200": 2.25e15, "H200": 989e12, "H100": 989e12, "H800": 989e12,
@@ -78,38 +91,37 @@ def _nan(v) -> bool:
     return isinstance(v, float) and math.isnan(v)
 
 
-def sample_metrics(feed) -> dict[str, float]:
+def sample_metrics(step, state) -> dict[str, float]:
     """sample/* and the per-sample reward metrics of the samples one step took from the queue
-    (train.py's Feed); the running total from the run's TrainState."""
-    s = feed.samples
-    out = {"sample/rollout_queue_size": float(feed.queue_size),
-           "sample/dropped_stale_total": float(feed.state.dropped_stale_total)}
+    (`step`: train.py's Step); the running total from the run's TrainState."""
+    s = step.samples
+    out = {"sample/rollout_queue_size": float(step.queue_size),
+           "sample/dropped_stale_total": float(state.dropped_stale_total)}
     if s:
         lengths = [len(x.input_ids) for x in s]
         trained = [int(x.completion_mask.sum()) for x in s]
         out |= {"sample/forwarded_tokens_mean": float(np.mean(lengths)),
                 "sample/forwarded_tokens_max": max(lengths),
                 "sample/trained_tokens_mean": float(np.mean(trained)),
-                "sample/time_in_queue_s": float(np.mean(feed.queue_s)),
-                "sample/staleness_mean": float(np.mean(feed.stale_seen)),
-                "sample/staleness_max": max(feed.stale_seen)}
+                "sample/time_in_queue_s": float(np.mean(step.queue_s)),
+                "sample/staleness_mean": float(np.mean(step.staleness)),
+                "sample/staleness_max": max(step.staleness)}
         out |= reduce_window([x.metrics for x in s])   # reward_group_std, rewards/<func>/...
     return out
 
 
-def batch_metrics(feed) -> dict[str, float]:
-    """batch/*: the planner's row metrics per micro-batch of the step Feed planned (reduced over
-    the step), the step's sums, and the running total from the run's TrainState."""
-    packed = feed.packed                                # [GA][world] PackedRow
-    rows = [p for micro in packed for p in micro]
-    groups = set().union(*(row.group_ids for micro in feed.rows for row in micro))
-    out = reduce_window([feed.planner.metrics(micro) for micro in packed])
-    out |= {"batch/dropped_oversize_total": float(feed.state.dropped_oversize_total),
+def batch_metrics(step, state) -> dict[str, float]:
+    """batch/*: the planner's row metrics per micro-batch of the step (reduced over the step),
+    the step's sums, and the running total from the run's TrainState."""
+    rows = [p for micro in step.packed for p in micro]              # [GA × world] PackedRow
+    groups = set().union(*(row.group_ids for micro in step.rows for row in micro))
+    out = reduce_window(step.row_metrics)
+    out |= {"batch/dropped_oversize_total": float(state.dropped_oversize_total),
             "batch/forwarded_tokens_per_step": sum(p.unique_tokens for p in rows),
-            "batch/trained_tokens_per_step": sum(p.trained_tokens for p in rows),
+            "batch/trained_tokens_per_step": step.trained_tokens,
             "batch/samples_per_step": sum(p.num_samples for p in rows),
             "batch/groups_per_step": len(groups),
-            "batch/microbatches_per_step": len(packed)}
+            "batch/microbatches_per_step": len(step.packed)}
     return out
 
 
@@ -148,7 +160,6 @@ class FlopCounter:
     compute precision, times the world size."""
 
     def __init__(self, model):
-        import tree_attention
         text = tree_attention.text_config(model)
         self.p = sum(p.numel() for p in tree_attention.decoder_layers(model).parameters())
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -174,11 +185,12 @@ class MetricsLog:
     report_to dashboard and to on_log, a progress bar, and the completions when log_completions is
     set."""
 
-    def __init__(self, config, output_dir: str, state, model, device, tokenizer, on_log=None):
+    def __init__(self, config, output_dir: str, state, model, device,
+                 rollout_metrics: Callable[[], list[dict]], on_log=None):
         from tqdm import tqdm
         os.makedirs(output_dir, exist_ok=True)
         self.config = config
-        self.tokenizer = tokenizer
+        self.rollout_metrics = rollout_metrics   # the rollout process's since the last call
         self.window: list[dict] = []         # this logging window's per-step records
         self.last: dict = {}                 # the last line written
         self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
@@ -190,35 +202,33 @@ class MetricsLog:
         self.completions: list = []          # the samples trained in this logging window
         truncated = config.top_k > 0 or config.top_p < 1 or config.min_p is not None
         self.warn_bias = truncated           # once, if samples come without candidate sets
-        self.prompted = train_completions.truncate(output_dir, state.global_step)
-        self.completions_file = (open(os.path.join(output_dir, train_completions.FILE), "a")
+        self.prompted = truncate_completions(output_dir, state.global_step)
+        self.completions_file = (open(os.path.join(output_dir, COMPLETIONS), "a")
                                  if config.log_completions else None)
-        self.dashboards = train_dashboards.open_dashboards(config, output_dir)
+        self.dashboards = open_dashboards(config, output_dir)
         self.bar = tqdm(total=config.max_steps if config.max_steps > 0 else None,
                         initial=state.global_step, unit="step", dynamic_ncols=True,
                         disable=config.disable_tqdm)           # None: on a tty only
 
-    def step(self, state, metrics: dict, feed) -> None:
-        """Record one optimizer step: its loss and timings (`metrics`), and what `feed` (train.py's
-        Feed) took and planned for it."""
-        record = dict(metrics) | sample_metrics(feed) | batch_metrics(feed)
-        rows = [p for micro in feed.packed for p in micro]
+    def step(self, state, metrics: dict, step) -> None:
+        """Record one optimizer step: its loss and timings (`metrics`), and what it took from the
+        queue and planned (`step`: train.py's Step)."""
+        record = dict(metrics) | sample_metrics(step, state) | batch_metrics(step, state)
         forwarded = record["batch/forwarded_tokens_per_step"]
-        trained = record["batch/trained_tokens_per_step"]
         record |= {"num_tokens": float(state.num_tokens),
-                   "perf/rollout_wait_s": feed.waited_s,
+                   "perf/rollout_wait_s": step.waited_s,
                    "perf/forwarded_tok_s_fwd_bwd": forwarded / max(record["perf/fwd_bwd_s"], 1e-9),
                    "perf/forwarded_tok_s_wall_clock": forwarded / record["perf/step_s"],
-                   "perf/trained_tok_s_wall_clock": trained / record["perf/step_s"]}
+                   "perf/trained_tok_s_wall_clock": step.trained_tokens / record["perf/step_s"]}
         if self.peak is not None:
-            flops = self.flops(rows) / (self.peak * self.world)
+            flops = self.flops([p for micro in step.packed for p in micro])
+            flops /= self.peak * self.world
             record |= {"perf/mfu_fwd_bwd": flops / record["perf/fwd_bwd_s"],
                        "perf/mfu_wall_clock": flops / record["perf/step_s"]}
         self.window.append(record)
-        samples = [s for micro in feed.rows for row in micro for s in row.samples]  # trained now
+        samples = [s for micro in step.rows for row in micro for s in row.samples]  # trained now
         if self.completions_file is not None:
-            lines = train_completions.records(state.global_step, feed.version, samples,
-                                              self.prompted)
+            lines = completion_records(state.global_step, step.version, samples, self.prompted)
             self.completions_file.writelines(json.dumps(r) + "\n" for r in lines)
             self.completions_file.flush()
         if self.config.log_completions:
@@ -229,23 +239,24 @@ class MetricsLog:
         self.bar.update(1)
         first = self.config.logging_first_step and state.global_step == 1
         if self.every is not None and (state.global_step % self.every == 0 or first):
-            self.flush(state.global_step, feed.worker)
+            self.flush(state.global_step)
 
-    def flush(self, step: int, worker) -> None:
-        rollout = reduce_window(worker.drain_metrics())
-        line = {"step": step, "time": time.time()} | rollout | reduce_window(self.window)
+    def flush(self, global_step: int) -> None:
+        """Write the window's line (with the rollout metrics drained since the last) everywhere."""
+        rollout = reduce_window(self.rollout_metrics())
+        line = {"step": global_step, "time": time.time()} | rollout | reduce_window(self.window)
         self.file.write(json.dumps(line) + "\n")
         self.file.flush()
         self.last = line
         self.window = []
         shown = {k: f"{line[k]:.3g}" for k in ("reward", "loss", "perf/step_s") if k in line}
         self.bar.set_postfix(shown, refresh=False)
-        train_dashboards.log_line(self.dashboards, line)
+        log_line(self.dashboards, line)
         if self.config.log_completions:
             rows = self.completion_rows()
             for prompt, completion, reward in rows:
                 self.bar.write(f"  reward {reward:+.2f}  {prompt!r} → {completion!r}")
-            train_dashboards.log_table(self.dashboards, step, rows)
+            log_table(self.dashboards, global_step, rows)
         self.completions = []
         if self.on_log is not None:
             self.on_log(line)
@@ -256,7 +267,7 @@ class MetricsLog:
         rows = []
         for s in self.completions[:n] if n is not None else self.completions:
             prompt = s.prompt[-1]["content"] if isinstance(s.prompt, list) else s.prompt
-            rows.append((prompt, train_completions.text(s.completion), float(s.reward)))
+            rows.append((prompt, completion_text(s.completion), float(s.reward)))
         return rows
 
     def close(self) -> None:
@@ -264,7 +275,7 @@ class MetricsLog:
         self.file.close()
         if self.completions_file is not None:
             self.completions_file.close()
-        train_dashboards.close_dashboards(self.dashboards)
+        close_dashboards(self.dashboards)
 
 
 def warn_biased_ratios(record: dict, step: int) -> None:
@@ -281,6 +292,180 @@ def warn_biased_ratios(record: dict, step: int) -> None:
                 step, ratio, 100 * (1 - ratio), masked)
 
 
+# ── completions.jsonl (log_completions) ──────────────────────────────────────────────────────
+# One line per trained sample, written by rank 0 after each optimizer step. `step` is the step that
+# trained it (a sample may wait in an open row for the next); `staleness` that step's policy version
+# minus model_version; completion_tokens the tokens the loss covers (tool results excluded);
+# `prompt` on the first line of each prompt_index only. A resume truncates the file to its
+# checkpoint's steps (atomically), so with rollout_state.json's exactly-once resume each
+# prompt_index of an epoch has num_generations lines however often the run was killed.
+
+
+def completion_text(messages) -> str:
+    """A prompt or completion as text: a string as is, a conversation's contents joined."""
+    if isinstance(messages, list):
+        return " ".join(m.get("content") or "" for m in messages)
+    return "" if messages is None else str(messages)
+
+
+def truncate_completions(output_dir: str, step: int) -> set[int]:
+    """Keep the lines of steps <= `step` (atomically: a kill leaves the old file or the new one).
+    Returns the prompt indices whose prompt text is written already."""
+    path = os.path.join(output_dir, COMPLETIONS)
+    if not os.path.exists(path):
+        return set()
+    kept = [r for r in _read_lines(path) if r["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(path + ".tmp", path)
+    return {r["prompt_index"] for r in kept if "prompt" in r}
+
+
+def completion_records(step: int, version: int, samples: list, prompted: set[int]) -> list[dict]:
+    """The lines of the samples one optimizer step trained under policy `version`; `prompted`
+    (updated) holds the prompt indices whose prompt text was written."""
+    out = []
+    for s in samples:
+        line = {"step": step, "prompt_index": s.prompt_index, "model_version": s.model_version,
+                "staleness": version - s.model_version, "reward": float(s.reward),
+                "advantage": float(s.advantage),
+                "completion_tokens": int(s.completion_mask.sum()),
+                "completion": completion_text(s.completion)}
+        if s.prompt_index not in prompted:
+            prompted.add(s.prompt_index)
+            line["prompt"] = completion_text(s.prompt)
+        out.append(line)
+    return out
+
+
+def load_completions(run_dir: str) -> list[dict]:
+    """The lines of <run_dir>/completions.jsonl, each with its prompt text filled in."""
+    lines = _read_lines(os.path.join(run_dir, COMPLETIONS))
+    prompts = {r["prompt_index"]: r["prompt"] for r in lines if "prompt" in r}
+    return [r | {"prompt": prompts.get(r["prompt_index"], "")} for r in lines]
+
+
+def reward_by_prompt(lines: list[dict]) -> dict[int, float]:
+    """prompt_index → the mean reward of its trained samples."""
+    rewards: dict[int, list[float]] = {}
+    for r in lines:
+        rewards.setdefault(r["prompt_index"], []).append(r["reward"])
+    return {p: float(np.mean(v)) for p, v in sorted(rewards.items())}
+
+
+def _read_lines(path: str) -> list[dict]:
+    """The complete lines (a kill mid-write may leave a last one without its newline)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
+
+
+# ── report_to: tensorboard, wandb, trackio ───────────────────────────────────────────────────
+# Each library is imported only when report_to names it ("all": each installed one), and gets the
+# run name, the config, every metrics.jsonl line at its step, and with log_completions a table of
+# (step, prompt, completion, reward). Offline: WANDB_MODE=offline, trackio's local store.
+
+
+@dataclass
+class Dashboard:
+    """One open dashboard: what logging a line, a table and closing mean for its library."""
+    name: str
+    log: Callable[[dict, int], None]              # (metrics, step)
+    table: Callable[[int, list[tuple]], None]     # (step, [(prompt, completion, reward)])
+    close: Callable[[], None]
+
+
+def open_dashboards(config, output_dir: str) -> list[Dashboard]:
+    """The dashboards report_to names, each started with the run name and the config."""
+    installed = [n for n in DASHBOARDS if importlib.util.find_spec(n) is not None]
+    boards = []
+    for name in config.dashboards(installed):
+        if importlib.util.find_spec(name) is None:
+            raise ImportError(f"AsyncGRPOConfig.report_to={config.report_to!r} names {name}, which "
+                              "is not installed: pip install -r requirements-dashboards.txt")
+        run_name = config.run_name or os.path.basename(os.path.abspath(output_dir))
+        boards.append(OPENERS[name](config, output_dir, run_name))
+    return boards
+
+
+def log_line(boards: list[Dashboard], line: dict) -> None:
+    """One metrics.jsonl line (its "step" and "time" are not metrics) on every dashboard."""
+    metrics = {k: v for k, v in line.items() if k not in ("step", "time")}
+    for board in boards:
+        board.log(metrics, line["step"])
+
+
+def log_table(boards: list[Dashboard], step: int, rows: list[tuple]) -> None:
+    for board in boards:
+        board.table(step, rows)
+
+
+def close_dashboards(boards: list[Dashboard]) -> None:
+    for board in boards:
+        board.close()
+
+
+def config_dict(config) -> dict:
+    return json.loads(json.dumps(asdict(config), default=str))
+
+
+# ── one opener per library ───────────────────────────────────────────────────────────────────
+
+
+def open_tensorboard(config, output_dir: str, run_name: str) -> Dashboard:
+    """Event files in logging_dir (None: <output_dir>/runs/<run_name>); the config as text."""
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(config.logging_dir or os.path.join(output_dir, "runs", run_name))
+    writer.add_text("config", "```\n" + json.dumps(config_dict(config), indent=1) + "\n```")
+
+    def log(metrics: dict, step: int) -> None:
+        for name, value in metrics.items():
+            writer.add_scalar(name, value, step)
+        writer.flush()
+
+    def table(step: int, rows: list[tuple]) -> None:
+        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += [f"| {step} | {_cell(p)} | {_cell(c)} | {r:+.3f} |" for p, c, r in rows]
+        writer.add_text("completions", "\n".join(lines), step)
+        writer.flush()
+
+    return Dashboard("tensorboard", log, table, writer.close)
+
+
+def open_wandb(config, output_dir: str, run_name: str) -> Dashboard:
+    """A wandb run in <output_dir> (WANDB_MODE=offline: its files only, `wandb sync` later)."""
+    import wandb
+    run = wandb.init(project=os.environ.get("WANDB_PROJECT", config.project), name=run_name,
+                     config=config_dict(config), dir=output_dir)
+
+    def table(step: int, rows: list[tuple]) -> None:
+        data = [[step, p, c, r] for p, c, r in rows]
+        run.log({"completions": wandb.Table(columns=COLUMNS, data=data)}, step=step)
+
+    return Dashboard("wandb", lambda metrics, step: run.log(metrics, step=step), table,
+                     run.finish)
+
+
+def open_trackio(config, output_dir: str, run_name: str) -> Dashboard:
+    """A trackio run in its local store (TRACKIO_DIR; `trackio show` opens the dashboard)."""
+    import trackio
+    trackio.init(project=config.project, name=run_name, config=config_dict(config),
+                 auto_log_gpu=False, auto_log_cpu=False)
+
+    def table(step: int, rows: list[tuple]) -> None:
+        data = [[step, p, c, r] for p, c, r in rows]
+        trackio.log({"completions": trackio.Table(columns=COLUMNS, data=data)}, step=step)
+
+    return Dashboard("trackio", lambda metrics, step: trackio.log(metrics, step=step), table,
+                     trackio.finish)
+
+
+OPENERS = {"tensorboard": open_tensorboard, "wandb": open_wandb, "trackio": open_trackio}
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
 def plot(run_dir: str) -> str:
     """<run_dir>/metrics.png: reward, loss, staleness and throughput by step, from metrics.jsonl;
     with a completions.jsonl (log_completions) also the mean reward of each prompt_index and the
@@ -294,8 +479,8 @@ def plot(run_dir: str) -> str:
               ("staleness (versions)", ["sample/staleness_mean", "sample/staleness_max"]),
               ("throughput (tokens/s)",
                ["perf/forwarded_tok_s_wall_clock", "perf/trained_tok_s_wall_clock"])]
-    trained = (train_completions.load(run_dir)
-               if os.path.exists(os.path.join(run_dir, train_completions.FILE)) else [])
+    trained = (load_completions(run_dir)
+               if os.path.exists(os.path.join(run_dir, COMPLETIONS)) else [])
     fig, axes = plt.subplots(3 if trained else 2, 2, figsize=(11, 10 if trained else 7))
     for ax, (title, names) in zip(axes.flat, panels):
         for name in names:
@@ -307,7 +492,7 @@ def plot(run_dir: str) -> str:
     for ax in axes[1]:
         ax.set_xlabel("optimizer step")
     if trained:
-        by_prompt = train_completions.reward_by_prompt(trained)
+        by_prompt = reward_by_prompt(trained)
         axes[2, 0].plot(list(by_prompt), list(by_prompt.values()), ".", label="mean reward")
         axes[2, 0].set(title="reward by prompt (completions.jsonl)", xlabel="prompt_index")
         tokens: dict[int, list[int]] = {}

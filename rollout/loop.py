@@ -2,28 +2,9 @@
 AsyncRolloutLoop reference; 並行性 (Concurrency); 記録されたメトリクス (Recorded metrics): the
 rollout/, completions/, tools/ and env/ rows).
 
-A spawned process keeps the vLLM servers busy while the trainer trains. `AsyncRolloutLoop` shows the
-spec's hooks, then its two loops: `_generate_loop` starts rollouts, `_score_loop` turns finished
-groups into samples. The pieces it calls live beside it: the prompts (rollout_prompts.py), tools
-and environments (rollout_tools.py), the servers (rollout_servers.py), admission by staleness
-(staleness.py), the records and reconcile (rollout_samples.py), scoring (rollout_scoring.py), the
-channels to the trainer (rollout_channels.py); the trainer's side of the boundary is
-rollout_worker.py.
-
-    trainer, rank 0                       spawned child (CUDA_VISIBLE_DEVICES="", one asyncio loop)
-    ───────────────                       ──────────────────────────────────────────────────────────
-    RolloutWorker.start() ─ pickle ─────► _child_main → run(): connect_all, setup(), `ready`
-    set_model_version(v) ─ model_version, ► _generate_loop: filtered_stream (filter_prompt) →
-                           C_v, R           room in the score queue → staleness.admits → pick a
-      consumed ─────────────────────────►     replica → G rollouts under its cap, each under the
-                                              version it started in: generate_one → reconcile
-                                                 │ a complete group
-                                                 ▼ score queue (asyncio.Queue, score_queue_maxsize)
-    get() ◄── rollout_buffer (mp.Queue) ── _score_loop: score_group (rewards → compute_advantages
-                                              → samples); None at the end of the prompts
-    resume_index() ◄── progress ────────── (prompt_index, samples queued) per finished prompt
-    drain_metrics() ◄── metrics ────────── per group, and every metrics_interval_s (_metrics_loop)
-    get() checks health ◄── heartbeat, failed + traceback;  stop() ── stop ──► run() returns
+`AsyncRolloutLoop` shows the spec's hooks, then its two loops: `_generate_loop` starts rollouts,
+`_score_loop` turns finished groups into samples; `child_main` is the spawned process's entry point.
+The pieces it calls live beside it in rollout/ (the package docstring maps them and the process line).
 
 Departures from the spec, one line each (the why is on the code named):
 - A group starts only if its samples are consumed before they go stale (staleness.admits).
@@ -39,27 +20,32 @@ Departures from the spec, one line each (the why is on the code named):
 import asyncio
 import contextvars
 import logging
+import os
 import queue
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-from rollout_channels import Channels, spec_channels
-from rollout_prompts import check_prompt_source, filtered_stream, prompt_stream
-from rollout_samples import (FinishedRollout, PendingGroup, Rollout, RolloutGroup, RolloutSample,
+from rollout.channels import Channels, spec_channels
+from rollout.prompts import check_prompt_source, filtered_stream, prompt_stream
+from rollout.samples import (FinishedRollout, PendingGroup, Rollout, RolloutGroup, RolloutSample,
                              ToolCall, TurnRecord, parse_completion, parse_generate, reconcile)
-from rollout_scoring import add_totals, score_group
-from rollout_servers import (NoReplicaLeft, Replica, connect_all, make_replicas, move, pick,
+from rollout.scoring import add_totals, score_group
+from rollout.servers import (NoReplicaLeft, Replica, connect_all, make_replicas, move, pick,
                              poll_all, readmit, take_out)
-from rollout_tools import (environment_reward, environment_tools, parse_turn, run_tool_calls,
+from rollout.tool_calls import (environment_reward, environment_tools, parse_turn, run_tool_calls,
                            start_environment, tool_call_format, tool_schemas)
-from staleness import admits
+from rollout.staleness import admits
 from vllm_client import VLLMError, server_urls
 
 log = logging.getLogger(__name__)
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
 
 FAILED_GROUPS_TO_STOP = 4          # failed rollouts in a row from this many groups stop the process
 WAKE_S = 0.05                      # the generate loop re-checks shared values at least this often
@@ -375,7 +361,7 @@ class AsyncRolloutLoop:
         await self.score_queue.put(None)
 
     async def _score_loop(self) -> None:
-        """Per complete group: score_group (rollout_scoring.py) → its samples on the rollout queue;
+        """Per complete group: score_group (rollout/scoring.py) → its samples on the rollout queue;
         the end markers once the prompts run out."""
         while (group := await self.score_queue.get()) is not None:
             waited = time.monotonic() - group.queued_at
@@ -395,7 +381,7 @@ class AsyncRolloutLoop:
     # ── the machinery ──
 
     async def connect(self) -> None:
-        """Check every replica at start (rollout_servers.connect_all) and start their caps."""
+        """Check every replica at start (servers.connect_all) and start their caps."""
         served, self.max_model_len = await connect_all(self.replicas, self.config, self.num_top,
                                                        self.eos_token_ids[0])
         self.model_name = self.model_name or served
@@ -547,7 +533,7 @@ class AsyncRolloutLoop:
                 start = time.monotonic()
 
     async def _metrics_loop(self) -> None:
-        """At start and every metrics_interval_s: poll the servers (rollout_servers.poll_all, which
+        """At start and every metrics_interval_s: poll the servers (servers.poll_all, which
         moves their caps) and emit the periodic metrics, so a run shorter than the interval has
         them too. Kinds: *_total are running totals since the process started (report the latest),
         except rollout/vllm_preemptions_total, those since the last poll; rollout/backpressure_s,
@@ -587,3 +573,18 @@ class AsyncRolloutLoop:
     async def _wait_for_stop(self) -> None:
         while not self.channels.stop.is_set():
             await asyncio.sleep(0.1)
+
+
+def child_main(loop_cls: type, kwargs: dict, channels: Channels) -> None:
+    """The spawned process's entry point: a CPU-only, non-distributed environment, then the loop;
+    its error reaches the parent as (type, message, traceback) on exception_info."""
+    for name in list(os.environ):
+        if name in TORCHRUN_ENV or name.startswith("TORCHELASTIC_"):
+            del os.environ[name]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        asyncio.run(loop_cls(channels=channels, **kwargs).run())
+    except BaseException as e:
+        channels.exception_info.put((type(e).__name__, str(e), traceback.format_exc()))
+        channels.failed.set()  # after the info, so the parent always finds it
+        raise

@@ -3,10 +3,10 @@ rollout_buffer, model_version_value, heartbeat_value, failed_event, exception_in
 metrics_queue), as one record: RolloutWorker builds it from one spawn context and passes it to the
 child; a loop built from the spec's six gets in-process stand-ins for the rest (spec_channels).
 
-    parent (rollout_worker.py)          Channels                    child (rollout.py)
+    parent (rollout_worker.py)          Channels                    child (rollout/loop.py)
     get() ◄──────────────────────── rollout_buffer, metrics ◄────── _score_loop, _metrics_loop
     resume_index() ◄─────────────── progress ◄───────────────────── _finish_prompt
-    set_model_version(), consumed ─► model_version, version_start,  _admissible (staleness.py)
+    set_model_version(), consumed ─► model_version, version_start,  _admissible (rollout/staleness.py)
                                      rate, consumed
     stop() ────────────────────────► stop; ready, failed, heartbeat ◄ run(), _heartbeat
 
@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from staleness import prior_rate
+from rollout.staleness import prior_rate
 
 
 @dataclass
 class Channels:
     """Everything the parent and the child share (all from one spawn context). The spec's loop
     takes six of them as arguments (marked spec, with its name where it differs); the rest are
-    ours: resume progress, the staleness window (staleness.py), stop and ready."""
+    ours: resume progress, the staleness window (rollout/staleness.py), stop and ready."""
     rollout_buffer: Any     # spec. Queue: RolloutSample child → parent; None once prompts run out
     metrics: Any            # spec metrics_queue. Queue: metric dicts child → parent; None ends
     progress: Any           # ours. Queue: (prompt_index, samples queued) per finished prompt

@@ -1,4 +1,4 @@
-"""rollout.py: the AsyncRolloutLoop's hooks called directly (a fake server reply), then the spawned
+"""rollout/loop.py: the AsyncRolloutLoop's hooks called directly (a fake server reply), then the spawned
 rollout process against local_vllm: tools, forks, environments, candidate sets, admission by
 staleness, filtering, resume, failed rollouts, retries, and the adapter of each policy version."""
 import asyncio
@@ -17,9 +17,9 @@ import toy
 from config import AsyncGRPOConfig
 from rollout import AsyncRolloutLoop
 from rollout_worker import RolloutWorker
-from test_rollout_tools import MISTRAL_LIKE
+from test_rollout_tool_calls import MISTRAL_LIKE
 from test_serve_local import make_adapter
-from train_metrics import reduce_window
+from metrics import reduce_window
 from vllm_client import VLLMClient, VLLMError
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'

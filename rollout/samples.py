@@ -2,13 +2,13 @@
 reconcile → SEQUENCE → SAMPLE diagram of 記録されたメトリクス (Recorded metrics); the reference of
 Rollout, TurnRecord and RolloutGroup).
 
-Pure data and pure functions, a leaf: it imports nothing of ours. The rollout loop (rollout.py)
+Pure data and pure functions, a leaf: it imports nothing of ours. The rollout loop (rollout/loop.py)
 calls them; the planner and the loss read `RolloutSample`, the only per-sample object that crosses
 the process boundary. Each record says which of its fields are the spec's and which are ours.
 
     server reply ─ parse_completion / parse_generate ─► TurnRecord (one per sampling request)
     Rollout (its turns) ─ reconcile ─► TrainingSequence(s), held in a FinishedRollout slot
-    PendingGroup (G slots) ─ build ─► RolloutGroup ─ scored (rollout_scoring.py) ─ to_sample ─►
+    PendingGroup (G slots) ─ build ─► RolloutGroup ─ scored (rollout/scoring.py) ─ to_sample ─►
     RolloutSample (a sequence + the group's advantage) ─► the rollout buffer
 
 Reconcile and fork, a worked example. Each turn re-renders the whole conversation with the chat
@@ -195,7 +195,7 @@ class PendingGroup:
     prompt_index: int
     row: dict
     size: int
-    replica: Any = None             # the server its rollouts run on (rollout_servers.Replica)
+    replica: Any = None             # the server its rollouts run on (servers.Replica)
     model_version: int = 0          # the version when the group's first rollout started
     done: set[int] = field(default_factory=set)
     failed: bool = False

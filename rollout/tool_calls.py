@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from transformers.utils import get_json_schema
 
-from rollout_samples import ToolCall
+from rollout.samples import ToolCall
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 

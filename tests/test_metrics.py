@@ -1,4 +1,4 @@
-"""train_metrics.py: every metric the spec names in the session's shared run
+"""metrics.py: every metric the spec names in the session's shared run
 (train_fixtures.train_run), the plot of that run, and the window reduction by name."""
 import json
 import logging
@@ -10,8 +10,7 @@ import pytest
 
 import toy
 import train
-import train_completions
-import train_metrics
+import metrics
 from train_helpers import SERVER_ARGS, SMALL, lines
 
 pytest_plugins = ["train_fixtures"]
@@ -52,7 +51,7 @@ def test_every_trainer_metric_the_spec_names_is_logged(train_run):
 
 
 def test_plot_draws_the_run(train_run):
-    path = train_metrics.plot(train_run[0])
+    path = metrics.plot(train_run[0])
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(path) > 10_000
@@ -62,23 +61,23 @@ def test_completions_jsonl_holds_one_line_per_trained_sample(train_run, tmp_path
     """log_completions: each step's trained samples (batch/samples_per_step of them), the prompt
     text once per prompt_index; a resume's truncation keeps the checkpoint's steps."""
     out = train_run[0]
-    trained = train_completions.load(out)
+    trained = metrics.load_completions(out)
     per_step = {r["step"]: r["batch/samples_per_step"] for r in lines(out)}
     assert {s: sum(r["step"] == s for r in trained) for s in per_step} == per_step
     for r in trained:
         assert r["staleness"] == 0 and r["model_version"] == r["step"] - 1   # max_staleness 0
         assert r["prompt"] and r["completion_tokens"] > 0 and isinstance(r["completion"], str)
         assert {"reward", "advantage", "prompt_index"} <= set(r)
-    raw = [json.loads(x) for x in open(os.path.join(out, train_completions.FILE))]
+    raw = [json.loads(x) for x in open(os.path.join(out, metrics.COMPLETIONS))]
     assert len([r for r in raw if "prompt" in r]) == len({r["prompt_index"] for r in raw})
-    by_prompt = train_completions.reward_by_prompt(trained)
+    by_prompt = metrics.reward_by_prompt(trained)
     assert sorted(by_prompt) == sorted({r["prompt_index"] for r in trained})
-    shutil.copy(os.path.join(out, train_completions.FILE), tmp_path)
-    with open(tmp_path / train_completions.FILE, "a") as f:
+    shutil.copy(os.path.join(out, metrics.COMPLETIONS), tmp_path)
+    with open(tmp_path / metrics.COMPLETIONS, "a") as f:
         f.write('{"step": 5, "prompt_in')                       # a kill mid-write
-    assert train_completions.truncate(str(tmp_path), 2) == {
+    assert metrics.truncate_completions(str(tmp_path), 2) == {
         r["prompt_index"] for r in raw if "prompt" in r and r["step"] <= 2}
-    assert [r["step"] for r in train_completions.load(str(tmp_path))] == [
+    assert [r["step"] for r in metrics.load_completions(str(tmp_path))] == [
         r["step"] for r in trained if r["step"] <= 2]
 
 
@@ -87,7 +86,7 @@ def test_a_window_reduces_by_name_as_the_module_docstring_works_it():
               "batch/row_tokens_min": 7, "rollout/backpressure_s": 0.5, "loss": math.nan},
              {"sample/staleness_max": 3, "sample/dropped_stale_total": 6, "perf/step_s": 3.0,
               "batch/row_tokens_min": 5, "rollout/backpressure_s": 0.25, "loss": None}]
-    assert train_metrics.reduce_window(steps) == {
+    assert metrics.reduce_window(steps) == {
         "sample/staleness_max": 3.0,          # a max
         "sample/dropped_stale_total": 6,      # a running total: the last value
         "perf/step_s": 2.5,                   # the mean
@@ -119,12 +118,12 @@ def test_without_candidate_sets_the_warning_says_how_biased_the_ratios_are(
     config = train.AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=server.url,
                                    max_steps=2, save_strategy="no",
                                    **(SMALL | dict(learning_rate=0.0, top_k=5)))
-    with caplog.at_level(logging.WARNING, logger="train_metrics"):
+    with caplog.at_level(logging.WARNING, logger="metrics"):
         train.train(config, toy.make_dataset(16), [toy.sum_reward], model=toy_dir)
     first = lines(str(tmp_path))[0]
     ratio = first["sampling/importance_sampling_ratio/mean"]
     assert ratio < 0.9
-    warned = [r.getMessage() for r in caplog.records if r.name == "train_metrics"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "metrics"]
     assert len(warned) == 1, warned
     assert f"is {ratio:.3f}, biased low by {100 * (1 - ratio):.1f}%" in warned[0]
     assert "--return-sampling-mask --enable-scale-out" in warned[0]
