@@ -61,11 +61,12 @@ PEAK_FLOPS = {"bf16": {"B200": 2.25e15, "H200": 989e12, "H100": 989e12, "H800": 
                        "L40S": 91.6e12}}
 SUMMED = ("rollout/backpressure_s", "rollout/admission_wait_s", "rollout/score_block_s",
           "rollout/vllm_preemptions_total")     # amounts since the last emission: a window sums
+LATEST = ("rollout/kv_cache_usage",)            # spec: the value at the last poll
 
 
 def reduce_window(records: list[dict]) -> dict[str, float]:
     """Many metric dicts → one, by name: SUMMED the sum (rollout/vllm_preemptions_total: the
-    spec's count during the window), other `*_total` are running totals (the last value), a name
+    spec's count during the window), other `*_total` and LATEST the last value, a name
     whose last part holds "max" the max, "min" the min, everything else the mean. None and NaN
     values are skipped (module docstring: a worked example)."""
     out: dict[str, float] = {}
@@ -76,7 +77,7 @@ def reduce_window(records: list[dict]) -> dict[str, float]:
             continue
         if name in SUMMED:
             out[name] = float(sum(values))
-        elif name.endswith("_total"):
+        elif name.endswith("_total") or name in LATEST:
             out[name] = values[-1]
         elif "max" in name.rsplit("/", 1)[-1]:
             out[name] = float(max(values))

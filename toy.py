@@ -30,7 +30,7 @@ import random
 import torch
 from datasets import Dataset
 from tokenizers import AddedToken, Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -77,8 +77,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(vocab_size: int, seed: int = 0) -> Qwen3ForCausalLM:
+def build_model(vocab_size: int, seed: int = 0):
     """A Qwen3-shaped causal LM with ~0.3M parameters, random init (deterministic for a seed)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM   # the rollout process needs none
     cfg = Qwen3Config(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,

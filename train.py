@@ -83,7 +83,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     hooks = hooks or Hooks([], config)
     torch.manual_seed(config.seed)              # every rank: the weights agree before sharding
     output_dir = config.output_dir or "trainer_output"
-    model, tokenizer = load_model(model, config, processing_class, peft_config)
+    model, tokenizer = load_model(model, config, processing_class, peft_config, device)
     aux_coef = router_aux_loss_coef(model.config, config.router_aux_loss_coef)
     policy = shard(Policy(model), config, device)
     optimizer, scheduler = build_optimizer(policy, config)
@@ -224,10 +224,12 @@ def set_log_level(config, rank: int) -> None:
         logging.getLogger().setLevel(level.upper())
 
 
-def load_model(model, config, processing_class=None, peft_config=None):
-    """(model, tokenizer) from a hub id, a local path, "toy" or a model object. Vision-language
-    configs load with AutoModelForImageTextToText and everything outside the text decoder and LM
-    head (vision tower, projector) is frozen: no gradients, no optimizer state, not synced."""
+def load_model(model, config, processing_class=None, peft_config=None, device=None):
+    """(model, tokenizer) from a hub id, a local path, "toy" or a model object, with tree
+    attention installed for the device that trains (tree_attention.choose_backend; default the
+    CPU; said once). Vision-language configs load with AutoModelForImageTextToText and
+    everything outside the text decoder and LM head (vision tower, projector) is frozen: no
+    gradients, no optimizer state, not synced."""
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
                               AutoTokenizer)
     if isinstance(model, (str, os.PathLike)):
@@ -251,7 +253,11 @@ def load_model(model, config, processing_class=None, peft_config=None):
     if peft_config is not None:
         from peft import get_peft_model
         model = get_peft_model(model, peft_config)
-    tree_attention.install(model, config.tree_attention_backend)
+    device = device or torch.device("cpu")
+    backend, why = tree_attention.choose_backend(model, device, config.tree_attention_backend)
+    tree_attention.install(model, backend)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"tree attention: {backend} ({why})", flush=True)
     if config.gradient_checkpointing:
         kwargs = {"use_reentrant": False} | (config.gradient_checkpointing_kwargs or {})
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

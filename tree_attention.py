@@ -17,10 +17,11 @@ position_ids[i] - position_ids[j] < window (depth = position). Attention logit s
 
     backend  how                                                    used for
     sdpa     a dense [N, N] boolean mask; softcapped layers eager   the exact reference (CPU)
-    flex     flex_attention, a BlockMask of the rule (+ score_mod)  the CUDA default
-    flash    per segment, K/V gathered along its path; varlen call  the spec's path: _tree_flash
+    flex     flex_attention, a BlockMask of the rule (+ score_mod)  CUDA, where flash cannot
+    flash    per segment, K/V gathered along its path; varlen call  the CUDA default (the spec's)
 
-    install(model)                  # "flex" on CUDA, "sdpa" on CPU; refuses unsupported models
+    install(model, device=device)   # choose_backend: flash on CUDA (flex where flash cannot),
+                                    # sdpa on CPU; refuses what a backend cannot compute exactly
     out = forward_row(model, row)   # batch size 1 (one row per DP rank), masks from row_kwargs
 
 Departures from the spec, one line each:
@@ -248,12 +249,13 @@ def _windows(cfg) -> bool:
     return bool(getattr(cfg, "sliding_window", None))
 
 
-def _refusals(model, backend: str) -> list[str]:
+def _refusals(model, backend: str, kernel=None) -> list[str]:
     """Every reason this backend cannot compute the model exactly (empty: it can): attention
     outside AttentionInterface; layer types other than full, sliding and linear attention (e.g.
     chunked); non-attention layers other than Gated DeltaNet; attention sinks; attention dropout;
     logits that are not lm_head(h) (Granite's logits_scaling, Cohere's logit_scale); and, on
-    flash, a window or softcap its kernel lacks (softcapping on flash-attn4 and aiter, the spec)."""
+    flash, a window or softcap its kernel lacks (softcapping on flash-attn4 and aiter, the spec;
+    `kernel`: a FlashKernel, default flash_kernel())."""
     cfg = text_config(model)
     why = []
     if not model._can_set_attn_implementation():
@@ -276,7 +278,7 @@ def _refusals(model, backend: str) -> list[str]:
     elif deltanets and (reason := gdn.unsupported(deltanets)):
         why.append(reason)
     if backend == "flash":
-        kernel = flash_kernel()
+        kernel = kernel or flash_kernel()
         if _windows(cfg) and not kernel.window:
             why.append(f"sliding-window attention: the flash kernel {kernel.name} has no "
                        "window_size; use 'flex'")
@@ -296,12 +298,34 @@ def _refusals(model, backend: str) -> list[str]:
 
 # ---- the API: install once, then forward rows ----------------------------------------------------
 
-def install(model, backend: str | None = None) -> str:
+def choose_backend(model, device: torch.device, requested: str | None = None,
+                   kernel=None) -> tuple[str, str]:
+    """(backend, why) for training `model` on `device`: the one requested (tree_attention_backend);
+    on a CPU sdpa, the exact reference (flex has no CPU backward in torch 2.13); on CUDA or ROCm
+    the spec's flash kernel (`kernel`, default flash_kernel: flash-attn3, flash-attn4 on Blackwell, aiter on AMD,
+    through `kernels`), or flex where none loads or the kernel refuses the model. Worked, on an
+    H100 for Gemma 2 (attention softcapping): flash-attn3 supports it → "flash"; on a B200,
+    flash-attn4 does not (the spec) → ("flex", "kernels-community/flash-attn4 cannot: ...")."""
+    if requested is not None:
+        return requested, "tree_attention_backend"
+    if device.type != "cuda":
+        return "sdpa", f"{device.type}: the exact dense-mask reference"
+    try:
+        loaded = (kernel or flash_kernel)()
+    except RuntimeError as e:
+        return "flex", str(e)
+    flash_only = [w for w in _refusals(model, "flash", loaded) if w not in _refusals(model, "flex")]
+    if flash_only:
+        return "flex", f"{loaded.name} cannot: " + "; ".join(flash_only)
+    return "flash", f"the spec's kernel, {loaded.name}"
+
+
+def install(model, backend: str | None = None, device: torch.device | None = None) -> str:
     """Switch `model` to tree attention (and its Gated DeltaNet layers to the tree rule); returns
-    the backend (None: flex on CUDA, sdpa on CPU). Refuses, with every reason, what the backend
-    cannot compute exactly."""
-    device = next(model.parameters()).device
-    backend = backend or ("flex" if device.type == "cuda" else "sdpa")
+    the backend (None: choose_backend's for `device`, default the weights' device). Refuses, with
+    every reason, what the backend cannot compute exactly."""
+    device = device or next(model.parameters()).device
+    backend = backend or choose_backend(model, device)[0]
     if backend not in _IMPLS:
         raise ValueError(f"unknown tree attention backend {backend!r}; choose one of {BACKENDS}")
     why = _refusals(model, backend)

@@ -392,84 +392,94 @@ class WeightSync:
 
     def push(self, specs: list[tuple[str, torch.Size]],
              tensors: Callable[[], Iterator[torch.Tensor]], version: int) -> SyncStats:
-        """Send the tensors (every rank iterates `tensors()`: FSDP2 gathers are collectives) as
-        `specs` names and shapes, in that order; publish `version`. Raises on any failure, after
-        every rank has left the gathers and the servers are resumed."""
+        """Send the tensors as `specs` names and shapes, in that order, and publish `version`.
+        Every rank calls it and iterates `tensors()` (FSDP2's gathers are collectives); rank 0
+        talks to the servers. Each phase ends in one agreement (_agree: rank 0's error reaches
+        every rank and all raise together), so no rank is left waiting in a collective. A server
+        that died mid-transfer is taken out and the transfer sent once more, to the others. On
+        any failure the servers are resumed before the error is raised."""
         stats = SyncStats()
         start = time.perf_counter()
-        error = None
-        if self.rank == 0:
-            error, resume = self._pause()
-            if error is None and self.grouped != resume:     # a server left, or came back
-                error = _attempt(self._regroup)
-            stats.pause_s = time.perf_counter() - start
-        t = time.perf_counter()
-        if dist.is_initialized():
-            dist.barrier()
-        stats.barrier_s = time.perf_counter() - t
-        t = time.perf_counter()
         try:
+            error = self._on_rank0(self._pause)
+            stats.pause_s = time.perf_counter() - start
+            t = time.perf_counter()
+            self._agree(error)              # every rank waits for rank 0's pause: the barrier
+            stats.barrier_s = time.perf_counter() - t
+            t = time.perf_counter()
             try:
-                stats.bytes = self._transfer(specs, tensors, error, again=True)
-            except _Lost:                  # one died mid-transfer: once more, over the others
-                error = _attempt(self._regroup) if self.rank == 0 else None
-                stats.bytes = self._transfer(specs, tensors, error, again=False)
+                stats.bytes = self._transfer(specs, tensors, resend=False)
+            except _Lost:                   # a server died mid-transfer: once more, to the others
+                stats.bytes = self._transfer(specs, tensors, resend=True)
             stats.transfer_s = time.perf_counter() - t
-            if self.rank == 0:
-                self.members.call(lambda c: c.finish_weight_update(str(version)))
+            self._agree(self._on_rank0(
+                lambda: self.members.call(lambda c: c.finish_weight_update(str(version)))))
         except Exception as e:
             if self.rank == 0:
-                still = [why for c in resume if (why := c.resume_confirmed()) is not None]
+                still = [why for c in self.members.live if (why := c.resume_confirmed())]
                 if still:
                     raise RuntimeError(f"{e}; {'; '.join(still)}") from e
             raise
         if self.rank == 0 and _attempt(lambda: self.members.call(lambda c: c.resume())):
-            still = [why for c in self.members.live if (why := c.resume_confirmed()) is not None]
+            still = [why for c in self.members.live if (why := c.resume_confirmed())]
             if still:
                 raise RuntimeError(f"weight sync to version {version} landed, but "
                                    f"{'; '.join(still)}")
         stats.total_s = time.perf_counter() - start
         return stats
 
-    def _transfer(self, specs, tensors, error: BaseException | None, again: bool) -> int:
-        """Gather every tensor on every rank; rank 0 broadcasts the buckets while the servers
-        receive. A failure on rank 0 stops the sending, not the gathering, so no rank is left in a
-        collective. `again`: a failure that took a server out (it died mid-transfer) and left
-        others raises _Lost on every rank, for push to send once more."""
+    def _pause(self) -> None:
+        """Rank 0: pause every live server (and those back since the last sync: Members); one
+        that stopped answering is taken out. A server left or came back: re-form the group."""
+        self.members.returning()
+        self.members.call(lambda c: c.pause(mode="keep"))
+        if self.grouped != self.members.live:
+            self._regroup()
+
+    def _transfer(self, specs, tensors, resend: bool) -> int:
+        """Every rank gathers every tensor; rank 0 first opens the update on every server
+        (_begin), then broadcasts the buckets while they receive. A failure while sending stops
+        the sending, never the gathering; the agreement at the end raises it on every rank: as
+        _Lost when it took a dead server out and others are left (not on a resend)."""
+        update, error = [], None          # rank 0: each server's POST /update_weights, receiving
+        if self.rank == 0:
+            try:
+                update = self._begin(specs, resend)
+            except Exception as e:        # noqa: BLE001 (every rank raises it, in _agree)
+                error = e
+        self._agree(error)
         sizes = [math.prod(shape) * self.dtype.itemsize for _, shape in specs]
-        plan = buckets(sizes, self.buffer_bytes)
-        update = None
-        pool = None
-        if self.rank == 0 and error is None:
-            error = _attempt(lambda: self.members.call(lambda c: begin_update(c, not again)))
-        if self.rank == 0 and error is None and self.grouped != self.members.live:
-            error = _attempt(self._regroup)                 # one stopped answering just now
-        if self.rank == 0 and error is None:
-            dtype_name = str(self.dtype).removeprefix("torch.")
-            info = {"names": [n for n, _ in specs], "dtype_names": [dtype_name] * len(specs),
-                    "shapes": [list(s) for _, s in specs]}
-            pool = ThreadPoolExecutor(len(self.grouped))
-            update = [pool.submit(c.update_weights, info) for c in self.grouped]
         sent = 0
         it = iter(tensors())
-        for chunk in plan:
-            # every rank gathers; only rank 0 sends
-            parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]
-            if self.rank != 0 or error is not None:
-                continue
-            flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])   # [Σ bytes] uint8
-            error = _attempt(lambda: self._broadcast(flat, update))
-            sent += flat.numel()
+        for chunk in buckets(sizes, self.buffer_bytes):
+            parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]  # all ranks
+            if self.rank == 0 and error is None:
+                flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])  # [Σ bytes] uint8
+                error = self._on_rank0(lambda: self._broadcast(flat, update))
+                sent += flat.numel()
+        lost = False
         if self.rank == 0:
-            for c, u in zip(self.grouped, update or []):
+            for c, u in zip(self.grouped, update):      # a server's own error comes first
                 what = f"POST {c.base_url}/update_weights"
-                failure = _attempt(lambda: _result(u, self.timeout, what))
-                error = failure or error
-            if pool is not None:
-                pool.shutdown(wait=False)
-        lost = self.rank == 0 and error is not None and again and self._take_out_dead()
-        _raise_everywhere(error, lost)
+                error = _attempt(lambda: _result(u, self.timeout, what)) or error
+            lost = error is not None and not resend and self._take_out_dead()
+        self._agree(error, lost)
         return sent
+
+    def _begin(self, specs, resend: bool) -> list:
+        """Rank 0: open the update on every live server (begin_update), re-form the group if one
+        stopped answering just now, and post each one's /update_weights, which blocks inside the
+        receive (so each in a thread of its own): their futures."""
+        self.members.call(lambda c: begin_update(c, resend))
+        if self.grouped != self.members.live:
+            self._regroup()
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        info = {"names": [n for n, _ in specs], "dtype_names": [dtype_name] * len(specs),
+                "shapes": [list(s) for _, s in specs]}
+        pool = ThreadPoolExecutor(len(self.grouped))
+        update = [pool.submit(c.update_weights, info) for c in self.grouped]
+        pool.shutdown(wait=False)           # the posts run on; their futures still resolve
+        return update
 
     def _take_out_dead(self) -> bool:
         """Rank 0, after a failed transfer: take out every server of the group that fails
@@ -504,13 +514,20 @@ class WeightSync:
         if not self.vllm_group:
             work.wait()                    # raises the transport's error, if any
 
-    def _pause(self) -> tuple[BaseException | None, list[VLLMClient]]:
-        """Pause every live server, and those back since the last sync; (the first failure of
-        one that still answers, the servers to resume). One that stopped answering is taken out
-        (Members): it was never paused."""
-        self.members.returning()
-        error = _attempt(lambda: self.members.call(lambda c: c.pause(mode="keep")))
-        return error, self.members.live
+    def _on_rank0(self, fn: Callable[[], object]) -> BaseException | None:
+        """Run fn on rank 0 and return its failure (None: it succeeded, or another rank), for
+        _agree to hand to every rank."""
+        return _attempt(fn) if self.rank == 0 else None
+
+    def _agree(self, error: BaseException | None, lost: bool = False) -> None:
+        """One collective: rank 0's failure (or None) reaches every rank, and all raise together
+        (_Lost if `lost`), or none does."""
+        message = [None if error is None else f"{type(error).__name__}: {error}", lost]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(message, src=0)
+        if message[0] is not None:
+            raise (_Lost if message[1] else RuntimeError)(
+                f"weight sync failed: {message[0]}") from error
 
 
 class Members:
@@ -609,21 +626,10 @@ def _result(future, timeout: float, what: str):
 def _attempt(fn: Callable[[], object]) -> BaseException | None:
     try:
         fn()
-    except Exception as e:     # noqa: BLE001 (reported to every rank by _raise_everywhere)
+    except Exception as e:     # noqa: BLE001 (the caller reports it)
         return e
     return None
 
 
 class _Lost(RuntimeError):
     """A server died mid-transfer and others are left: push sends once more (every rank)."""
-
-
-def _raise_everywhere(error: BaseException | None, lost: bool = False) -> None:
-    """Rank 0's failure (or None) reaches every rank: all raise together (_Lost if `lost`), or
-    none does."""
-    message = [None if error is None else f"{type(error).__name__}: {error}", lost]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(message, src=0)
-    if message[0] is not None:
-        kind = _Lost if message[1] else RuntimeError
-        raise kind(f"weight sync failed: {message[0]}") from error

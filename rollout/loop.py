@@ -66,6 +66,33 @@ class TurnContext:
 _TURN: contextvars.ContextVar[TurnContext] = contextvars.ContextVar("rollout_turn")
 
 
+@dataclass
+class Counts:
+    """The loop's progress: what admission (staleness.admits) and the failure rule read."""
+    pending_rollouts: int = 0       # rollouts of admitted groups not yet scored
+    queued: int = 0                 # samples put on rollout_buffer
+    rollouts_scored: int = 0        # rollouts of scored or dropped groups
+    failures_in_a_row: int = 0      # rollouts failed since the last success
+    failed_groups_in_a_row: int = 0  # the groups they belong to
+
+
+@dataclass
+class SinceEmit:
+    """What accumulated since the last periodic emission (every metrics_interval_s): seconds
+    the loops waited, by cause, and the tokens generated. take() reports and zeroes them."""
+    backpressure_s: float = 0.0     # rollout/backpressure_s: the rollout queue was full
+    admission_wait_s: float = 0.0   # rollout/admission_wait_s (ours): staleness admission
+    score_block_s: float = 0.0      # rollout/score_block_s: the score queue was full
+    generated_tokens: int = 0       # over the seconds since: rollout/generated_tok_s
+
+    def take(self, seconds: float) -> dict[str, float]:
+        out = {f"rollout/{name}": getattr(self, name)
+               for name in ("backpressure_s", "admission_wait_s", "score_block_s")}
+        out["rollout/generated_tok_s"] = self.generated_tokens / max(seconds, 1e-9)
+        self.__init__()
+        return out
+
+
 # ── the loop ─────────────────────────────────────────────────────────────────────────────────
 
 
@@ -125,16 +152,11 @@ class AsyncRolloutLoop:
         self.warned_tool_format = False
         self.score_queue: asyncio.Queue = asyncio.Queue(score_queue_maxsize)
         self.max_model_len = 0            # the smallest over the replicas
-        self.pending_rollouts = 0         # rollouts of admitted groups not yet scored
-        self.queued = 0                   # samples put on rollout_buffer
-        self.rollouts_scored = 0          # rollouts of scored or dropped groups
-        self.failures_in_a_row = 0        # rollouts failed since the last success
-        self.failed_groups_in_a_row = 0   # the groups they belong to
+        self.counts = Counts()
         self.fatal: BaseException | None = None  # a rollout's error: the generate loop raises it
         self.tasks: set[asyncio.Task] = set()    # the running rollouts
         self.wake = asyncio.Event()              # something the generate loop waits on changed
-        self.since_emit = {"rollout/backpressure_s": 0.0, "rollout/admission_wait_s": 0.0,
-                           "rollout/score_block_s": 0.0, "generated_tokens": 0}
+        self.since_emit = SinceEmit()
         self.totals: dict[str, float] = {}       # the tools/*_total counters since the start
 
     # ── hooks ──
@@ -338,12 +360,12 @@ class AsyncRolloutLoop:
             if not accepted:
                 self.channels.progress.put((prompt_index, 0))
                 continue
-            await self._wait_until(lambda: not self.score_queue.full(), "rollout/score_block_s")
-            await self._wait_until(self._admissible, "rollout/admission_wait_s")
+            await self._wait_until(lambda: not self.score_queue.full(), "score_block_s")
+            await self._wait_until(self._admissible, "admission_wait_s")
             replica = pick(self.replicas)
             group = PendingGroup(group_id, row_index, prompt_index, row, G, replica)
             group_id += 1
-            self.pending_rollouts += G
+            self.counts.pending_rollouts += G
             replica.assigned += G
             for i in range(G):
                 await self._wait_until(lambda: group.replica.down is not None
@@ -388,8 +410,8 @@ class AsyncRolloutLoop:
 
     def _admissible(self) -> bool:
         """May a new group start now? staleness.admits with the trainer's published values."""
-        return admits(queued=self.queued, pending=self.pending_rollouts,
-                      scored=self.rollouts_scored, consumed=self.channels.consumed.value,
+        return admits(queued=self.counts.queued, pending=self.counts.pending_rollouts,
+                      scored=self.counts.rollouts_scored, consumed=self.channels.consumed.value,
                       version_start=self.channels.version_start.value,
                       rate=self.channels.rate.value, num_generations=self.config.num_generations,
                       max_staleness=self.config.max_staleness)
@@ -420,21 +442,21 @@ class AsyncRolloutLoop:
             sequences, drifts = reconcile(rollout.turns)
             stats |= {"duration_s": time.monotonic() - start, "drifts": drifts}
             group.slots[i] = FinishedRollout(prompt, rollout, sequences, env_reward, stats)
-            self.since_emit["generated_tokens"] += len(rollout.completion_ids)
-            self.failures_in_a_row = 0
-            self.failed_groups_in_a_row = 0
+            self.since_emit.generated_tokens += len(rollout.completion_ids)
+            self.counts.failures_in_a_row = 0
+            self.counts.failed_groups_in_a_row = 0
         except Exception as e:
             if isinstance(e, NoReplicaLeft):
                 raise
-            self.failed_groups_in_a_row += not group.failed
+            self.counts.failed_groups_in_a_row += not group.failed
             group.failed = True
-            self.failures_in_a_row += 1
+            self.counts.failures_in_a_row += 1
             log.error("rollout %d of group %d (dataset row %d) failed; the group is dropped: "
                       "%s: %s", i, group.group_id, group.row_index, type(e).__name__, e,
                       exc_info=True)
-            if self.failed_groups_in_a_row >= FAILED_GROUPS_TO_STOP:
-                raise RuntimeError(f"{self.failures_in_a_row} rollouts failed in a row, in "
-                                   f"{self.failed_groups_in_a_row} groups; the last one: "
+            if self.counts.failed_groups_in_a_row >= FAILED_GROUPS_TO_STOP:
+                raise RuntimeError(f"{self.counts.failures_in_a_row} rollouts failed in a row, in "
+                                   f"{self.counts.failed_groups_in_a_row} groups; the last one: "
                                    f"{type(e).__name__}: {e}") from e
         finally:
             group.done.add(i)
@@ -484,9 +506,9 @@ class AsyncRolloutLoop:
         self.wake.set()
 
     def _finish_prompt(self, prompt_index: int, rollouts: int, samples: int) -> None:
-        self.pending_rollouts -= rollouts
-        self.rollouts_scored += rollouts
-        self.queued += samples
+        self.counts.pending_rollouts -= rollouts
+        self.counts.rollouts_scored += rollouts
+        self.counts.queued += samples
         self.channels.progress.put((prompt_index, samples))
         self.wake.set()
 
@@ -499,8 +521,8 @@ class AsyncRolloutLoop:
             _TURN.set(context)
         return context
 
-    async def _wait_until(self, ready: Callable[[], bool], metric: str | None = None) -> None:
-        """Sleep until ready() holds. The time waited is added to since_emit[metric] as it passes,
+    async def _wait_until(self, ready: Callable[[], bool], wait: str | None = None) -> None:
+        """Sleep until ready() holds. The time waited is added to since_emit.<wait> as it passes,
         so a long block shows in every emission, not only once it ends. Raises a rollout's fatal
         error."""
         last = time.monotonic()
@@ -514,9 +536,9 @@ class AsyncRolloutLoop:
                 await asyncio.wait_for(self.wake.wait(), WAKE_S)
             except asyncio.TimeoutError:
                 pass
-            if metric is not None:
+            if wait is not None:
                 now = time.monotonic()
-                self.since_emit[metric] += now - last
+                setattr(self.since_emit, wait, getattr(self.since_emit, wait) + now - last)
                 last = now
 
     async def _put(self, item: RolloutSample | None, channel=None) -> None:
@@ -529,7 +551,7 @@ class AsyncRolloutLoop:
                 return channel.put_nowait(item)
             except queue.Full:
                 await asyncio.sleep(WAKE_S)
-                self.since_emit["rollout/backpressure_s"] += time.monotonic() - start
+                self.since_emit.backpressure_s += time.monotonic() - start
                 start = time.monotonic()
 
     async def _metrics_loop(self) -> None:
@@ -547,14 +569,9 @@ class AsyncRolloutLoop:
                 self.wake.set()
             metrics = await poll_all(self.replicas)
             now = time.monotonic()
-            tokens = self.since_emit["generated_tokens"]
-            metrics |= {"rollout/score_queue_size": self.score_queue.qsize(),
-                        "rollout/generated_tok_s": tokens / max(now - last_time, 1e-9),
-                        "rollout/backpressure_s": self.since_emit["rollout/backpressure_s"],
-                        "rollout/admission_wait_s": self.since_emit["rollout/admission_wait_s"],
-                        "rollout/score_block_s": self.since_emit["rollout/score_block_s"]}
+            metrics |= {"rollout/score_queue_size": self.score_queue.qsize()}
+            metrics |= self.since_emit.take(seconds=now - last_time)
             last_time = now
-            self.since_emit = dict.fromkeys(self.since_emit, 0)
             self._emit(metrics)
             self.wake.set()
             await asyncio.sleep(self.metrics_interval_s)

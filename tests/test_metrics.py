@@ -83,15 +83,18 @@ def test_completions_jsonl_holds_one_line_per_trained_sample(train_run, tmp_path
 
 def test_a_window_reduces_by_name_as_the_module_docstring_works_it():
     steps = [{"sample/staleness_max": 1, "sample/dropped_stale_total": 4, "perf/step_s": 2.0,
-              "batch/row_tokens_min": 7, "rollout/backpressure_s": 0.5, "loss": math.nan},
+              "batch/row_tokens_min": 7, "rollout/backpressure_s": 0.5, "loss": math.nan,
+              "rollout/kv_cache_usage": 0.9},
              {"sample/staleness_max": 3, "sample/dropped_stale_total": 6, "perf/step_s": 3.0,
-              "batch/row_tokens_min": 5, "rollout/backpressure_s": 0.25, "loss": None}]
+              "batch/row_tokens_min": 5, "rollout/backpressure_s": 0.25, "loss": None,
+              "rollout/kv_cache_usage": 0.2}]
     assert metrics.reduce_window(steps) == {
         "sample/staleness_max": 3.0,          # a max
         "sample/dropped_stale_total": 6,      # a running total: the last value
         "perf/step_s": 2.5,                   # the mean
         "batch/row_tokens_min": 5.0,          # a min
-        "rollout/backpressure_s": 0.75}       # a time amount: the sum; NaN and None are skipped
+        "rollout/backpressure_s": 0.75,       # a time amount: the sum; NaN and None are skipped
+        "rollout/kv_cache_usage": 0.2}        # spec: the value at the last poll
 
 
 @pytest.mark.parametrize("sampling", [dict(top_p=0.9, top_k=50), dict(top_k=5)],

@@ -228,6 +228,46 @@ def test_flash_without_a_kernel_names_what_it_tried_and_suggests_flex(monkeypatc
         tree_attention.flash_kernel.cache_clear()
 
 
+def fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+    raise AssertionError("the decision never calls the kernel")
+
+
+@pytest.mark.parametrize("device, repo, family, chosen", [
+    ("cpu", None, "qwen3", "sdpa"),
+    ("cuda", "kernels-community/flash-attn3", "qwen3", "flash"),          # Hopper
+    ("cuda", "kernels-community/flash-attn3", "gemma2", "flash"),         # softcap: FA3 has it
+    ("cuda", "kernels-community/flash-attn4", "qwen3", "flash"),          # Blackwell
+    ("cuda", "kernels-community/flash-attn4", "gemma2", "flex"),          # the spec: no softcap
+    ("cuda", "kernels-community/aiter-flash-attn", "gemma2", "flex"),     # AMD: no softcap
+    ("cuda", "missing", "qwen3", "flex"),                                 # no flash kernel loads
+])
+def test_the_backend_is_chosen_for_the_training_device(device, repo, family, chosen):
+    """choose_backend, with each device kind and model feature, without a GPU: the kernel that
+    would load is the boundary (a FlashKernel from the repo's name and a varlen signature)."""
+    def kernel():
+        if repo == "missing":
+            raise RuntimeError("backend 'flash' needs a flash-attention varlen kernel and none "
+                               "loads: flash-attn3: the `kernels` library is not installed")
+        return tree_attention.FlashKernel.of(repo, fake_varlen)
+
+    net = model(3) if family == "qwen3" else windowed("gemma2", 3)
+    backend, why = tree_attention.choose_backend(net, torch.device(device), kernel=kernel)
+    assert backend == chosen, why
+    if chosen == "flex":
+        assert ("softcapping" if repo != "missing" else "kernels") in why
+    assert tree_attention.choose_backend(net, torch.device(device), "sdpa", kernel)[0] == "sdpa"
+
+
+def test_the_trainer_says_its_backend_once(capsys, tmp_path):
+    """load_model decides for the training device and prints the choice once (CPU: sdpa)."""
+    import train
+    from config import AsyncGRPOConfig
+    train.load_model("toy", AsyncGRPOConfig(), device=torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert out.count("tree attention: sdpa (cpu: the exact dense-mask reference)") == 1, out
+
+
 def test_flash_kernel_comes_from_the_hub_repo_of_the_device(monkeypatch):
     """kernels.get_kernel(repo) for the device (a fake `kernels` module: the hub is a boundary we
     do not own), and the flash-attn package when the hub fails."""
@@ -353,7 +393,7 @@ def test_decoder_layers_are_the_language_models_even_beside_a_vision_tower_of_eq
 # ---- CUDA: flex in bf16 against sdpa ----------------------------------------------------------
 
 def assert_flex_matches_sdpa_bf16(flex, sdpa, row):
-    assert tree_attention.install(flex) == "flex"
+    assert tree_attention.install(flex, "flex") == "flex"
     tree_attention.install(sdpa, "sdpa")
     a, b = packed_logps(flex, row), packed_logps(sdpa, row)
     assert (a - b).abs().max().item() <= 0.05
@@ -385,7 +425,7 @@ def test_flex_rows_of_varying_length_under_compile():
     cost no compile."""
     from torch._dynamo.utils import counters
     flex, sdpa = (model(9).cuda().bfloat16() for _ in range(2))
-    tree_attention.install(flex)
+    tree_attention.install(flex, "flex")
     tree_attention.install(sdpa, "sdpa")
     rows = [to_cuda(pack(samples(seed)[: 3 + seed % 4])) for seed in range(10, 15)]
     assert len({r.unique_tokens for r in rows}) == 5
@@ -395,3 +435,24 @@ def test_flex_rows_of_varying_length_under_compile():
             assert (packed_logps(flex, row) - packed_logps(sdpa, row)).abs().max().item() <= 0.05
         frames.append(counters["stats"]["unique_graphs"])
     assert frames[-1] == frames[2], frames          # no compile after the third length
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_backend_chosen_on_this_gpu_is_the_specs_and_matches_sdpa():
+    """On the real device: flash when the spec's kernel (or an installed flash-attn) loads, else
+    flex; either way the packed log-probs match sdpa's in bf16."""
+    try:
+        tree_attention.flash_kernel()
+        expected = "flash"
+    except RuntimeError:
+        expected = "flex"
+    chosen, sdpa = (model(6).cuda().bfloat16() for _ in range(2))
+    backend, why = tree_attention.choose_backend(chosen, torch.device("cuda"))
+    print(f"chosen backend: {backend} ({why})")
+    assert backend == expected, why
+    tree_attention.install(chosen, backend)
+    tree_attention.install(sdpa, "sdpa")
+    row = to_cuda(pack(samples(6)))
+    with torch.no_grad():
+        assert (packed_logps(chosen, row) - packed_logps(sdpa, row)).abs().max().item() <= 0.05

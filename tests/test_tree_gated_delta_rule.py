@@ -115,7 +115,7 @@ def test_hybrid_on_cuda_packed_equals_unpacked(family):
     row = to_cuda(pack(batch))
     dims = dict(linear_key_head_dim=32, linear_value_head_dim=32)      # fla's Triton tiles: >= 16
     tree, ref = hybrid(family, 6, **dims).cuda(), hybrid(family, 6, **dims)
-    assert tree_attention.install(tree) == "flex"
+    assert tree_attention.install(tree) in ("flash", "flex")          # choose_backend's, on CUDA
     lp_tree = packed_logps(tree, row)
     lp_ref = alone_logps(ref, batch).cuda()                             # the CPU torch reference
     assert (lp_tree - lp_ref).abs().max().item() <= 2e-3

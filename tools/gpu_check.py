@@ -6,7 +6,8 @@ one H200.
     python -m tools.gpu_check --cpu-smoke   # the CPU-safe parts, for CI (tests/test_gpu_check.py)
 
     check       what runs                                                 judged by
-    env         GPU, torch, fla, and the flash kernel that loads          info
+    env         GPU, torch, fla, the flash kernel that loads, and the     info
+                backend choose_backend picks (asserted by a gpu test)
     gpu tests   pytest -m gpu: flex vs sdpa (plain, windowed, softcapped), exit status
                 rows of varying length under compile, Gated DeltaNet
                 hybrids on CUDA, bf16 LM-head gradients
@@ -80,7 +81,10 @@ def env_row() -> tuple[str, str]:
         kernel = f"none ({e})"
     fla = "installed" if importlib.util.find_spec("fla") else "not installed (torch reference GDN)"
     gpu = f"{torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()}"
-    return "INFO", f"{gpu}; torch {torch.__version__}; fla {fla}; flash kernel: {kernel}"
+    import toy
+    backend, _ = tree_attention.choose_backend(toy.build_model(64), torch.device("cuda"))
+    return "INFO", (f"{gpu}; torch {torch.__version__}; fla {fla}; flash kernel: {kernel}; "
+                    f"chosen backend: {backend}")
 
 
 def tests_row(limit: float) -> tuple[str, str]:
