@@ -256,10 +256,11 @@ def centering_term(lp: TokenLogProbs, top_logprobs, adv, config):
 
 
 def policy_loss(lp: TokenLogProbs, sampler_logprobs, advantages, num_tokens, config,
-                top_logprobs=None):
+                top_logprobs=None, fresh=None):
     """(loss, metrics) for one micro-batch. num_tokens: trained tokens of the whole optimizer step
     over all micro-batches and ranks (divide it by the world size when the data-parallel wrapper
-    averages gradients)."""
+    averages gradients). fresh [M] bool: the tokens sampled by the policy the trainer holds now
+    (staleness 0), over which mismatch_metrics measures the served policy against the trained."""
     adv = advantages.to(lp.target.dtype)                                # [M] A_t
     log_ratio = lp.target - sampler_logprobs                            # [M]
     ratio = log_ratio.clamp(-20, 20).exp()                              # [M] ±20 is past any bound
@@ -295,7 +296,27 @@ def policy_loss(lp: TokenLogProbs, sampler_logprobs, advantages, num_tokens, con
     }
     if top_logprobs is not None:
         metrics["sampling/sampler_mass"] = pair(top_logprobs.exp().sum(1))
+    if fresh is not None:
+        metrics |= mismatch_metrics(log_ratio.detach()[fresh])
     return loss, metrics
+
+
+def mismatch_metrics(log_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the served policy q is from the trained one π_θ, over F tokens that q sampled from
+    the very weights π_θ holds (staleness 0): with no train/inference mismatch every log r_t =
+    log π_θ(y_t) - log q(y_t) is 0. The k3 estimator of KL(q ‖ π_θ) from samples of q is
+    E_q[(r - 1) - log r] (Schulman's, unbiased and >= 0 per token). Worked: log r = (0.1, -0.1)
+    → k3 = (e^0.1 - 1.1 + e^-0.1 - 0.9) / 2 = 0.0050, logprob_diff_max 0.1, mismatch_tokens 2.
+
+    log_ratio: [F]. Returns [sum, count] for the mean, a scalar max (-inf without tokens) and the
+    count (summed over micro-batches and ranks)."""
+    F_ = log_ratio.numel()
+    k3 = log_ratio.clamp(-20, 20).exp() - 1 - log_ratio                # [F]
+    count = torch.tensor(F_, dtype=torch.float64, device=log_ratio.device)
+    return {"sampling/mismatch_kl": torch.stack([k3.sum().to(torch.float64), count]),
+            "sampling/logprob_diff_max": (log_ratio.abs().max() if F_
+                                          else log_ratio.new_tensor(float("-inf"))),
+            "sampling/mismatch_tokens": count}
 
 
 @functools.cache
@@ -308,12 +329,13 @@ def _warn_biased_ratios():
 
 
 def compute_loss(hidden, weight, bias, row, config, num_tokens, chunk_size=None,
-                 final_logit_softcapping=None):
+                 final_logit_softcapping=None, version=None):
     """(loss, metrics) of a packed row, from the final hidden states [N, H] and the LM head.
 
     row: any object with PackedRow's tensors (token_index, targets, sampler_logprobs, advantages and
-    optional top_ids, top_logprobs, candidate_ids, candidate_offsets); num_tokens as in
-    `policy_loss`; final_logit_softcapping: the model config's (Gemma 2: 30.0), None without it.
+    optional top_ids, top_logprobs, candidate_ids, candidate_offsets, model_versions); num_tokens
+    as in `policy_loss`; final_logit_softcapping: the model config's (Gemma 2: 30.0), None without
+    it; version: the policy version the trainer holds (its tokens: the sampling/mismatch_* ones).
     """
     top_ids = getattr(row, "top_ids", None)
     top_logprobs = getattr(row, "top_logprobs", None)
@@ -329,25 +351,33 @@ def compute_loss(hidden, weight, bias, row, config, num_tokens, chunk_size=None,
                         candidate_ids=candidate_ids,
                         candidate_offsets=getattr(row, "candidate_offsets", None),
                         final_logit_softcapping=final_logit_softcapping, chunk_size=chunk_size)
-    return policy_loss(lp, row.sampler_logprobs, row.advantages, num_tokens, config, top_logprobs)
+    versions = getattr(row, "model_versions", None)
+    fresh = None if version is None or versions is None else versions == version
+    return policy_loss(lp, row.sampler_logprobs, row.advantages, num_tokens, config, top_logprobs,
+                       fresh)
 
 
 def reduce_metrics(parts: list[dict]) -> dict:
     """Combine metrics of several micro-batches (or gathered ranks) exactly.
 
     A mean is a [sum, count] pair: reduce with SUM, then divide (finalize_metrics); names ending
-    /min and /max are scalars: reduce with MIN and MAX. Across ranks, all_reduce with the same ops.
+    /min and /max (or _max) are scalars: reduce with MIN and MAX; other scalars are counts (SUM).
+    Across ranks, all_reduce with the same ops.
     """
     def op(name):
         if name.endswith("/min"):
             return torch.minimum
-        return torch.maximum if name.endswith("/max") else torch.add
+        return torch.maximum if name.endswith(("/max", "_max")) else torch.add
     return {name: functools.reduce(op(name), [p[name] for p in parts]) for name in parts[0]}
 
 
 def finalize_metrics(metrics: dict) -> dict[str, float]:
-    """Plain floats: a [sum, count] pair becomes sum / count (nan without tokens)."""
-    return {name: (v[0] / v[1]).item() if v.dim() else v.item() for name, v in metrics.items()}
+    """Plain floats: a [sum, count] pair becomes sum / count (nan without tokens), and so does
+    logprob_diff_max over no fresh token."""
+    out = {name: (v[0] / v[1]).item() if v.dim() else v.item() for name, v in metrics.items()}
+    if out.get("sampling/mismatch_tokens") == 0:
+        out["sampling/logprob_diff_max"] = float("nan")
+    return out
 
 
 def router_aux_loss_coef(model_config, coef: float | None) -> float:

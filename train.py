@@ -148,7 +148,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                 break
             rows, num_tokens = mine
             step_metrics = train_step(policy, optimizer, scheduler, rows, num_tokens, config,
-                                      world, aux_coef, scaler)
+                                      world, aux_coef, scaler, state.model_version)
             state.global_step += 1
             hooks.state.global_step = state.global_step
             every = config.torch_empty_cache_steps
@@ -430,12 +430,13 @@ def scatter_rows(step: Step | None, rank: int, world: int, error: str | None = N
 
 
 def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int, config,
-               world: int, aux_coef: float, scaler=None) -> dict:
+               world: int, aux_coef: float, scaler=None, version: int | None = None) -> dict:
     """One optimizer step over this rank's rows; returns the loss metrics reduced over micro-batches
     and ranks, and the timings. A row's loss divides by num_tokens, the whole step's trained tokens,
     so the step's loss is the sum over rows and ranks; FSDP2 averages gradients over ranks, hence
     the backward of loss × world. `scaler` (fp16): the loss is scaled, the gradients unscaled
-    before clipping, and a step with inf/NaN gradients skipped."""
+    before clipping, and a step with inf/NaN gradients skipped. `version`: the policy version the
+    weights are at, whose samples measure the train/inference mismatch (sampling/mismatch_*)."""
     device = policy.head().weight.device
     softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
     timer = metrics.Timer(device)
@@ -448,7 +449,8 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
             head = policy.head()
             hidden = out.last_hidden_state[0]                                   # [N, H]
             loss, terms = compute_loss(hidden, head.weight, head.bias, to_device(row, device),
-                                         config, num_tokens, final_logit_softcapping=softcap)
+                                         config, num_tokens, final_logit_softcapping=softcap,
+                                         version=version)
             if aux_coef:                  # this rank's share of the step's mean router loss
                 aux = moe_aux_loss(policy.model, out.router_logits)
                 loss = loss + aux_coef * aux / (len(rows) * world)
@@ -483,11 +485,11 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
 
 
 def rank_reduce_op(name: str) -> dist.ReduceOp:
-    """How a loss metric combines across ranks: /min and /max by MIN and MAX, the rest (sums and
-    [sum, count] pairs) by SUM."""
+    """How a loss metric combines across ranks: /min and /max (_max) by MIN and MAX, the rest
+    (sums, counts and [sum, count] pairs) by SUM."""
     if name.endswith("/min"):
         return dist.ReduceOp.MIN
-    return dist.ReduceOp.MAX if name.endswith("/max") else dist.ReduceOp.SUM
+    return dist.ReduceOp.MAX if name.endswith(("/max", "_max")) else dist.ReduceOp.SUM
 
 
 def moe_aux_loss(model, router_logits) -> torch.Tensor:

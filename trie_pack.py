@@ -107,6 +107,7 @@ class PackedRow:
     sampler_logprobs: torch.Tensor   # [M] float32
     advantages: torch.Tensor         # [M] float32
     sample_ids: torch.Tensor         # [M] int64   index of the sample in the row
+    model_versions: torch.Tensor     # [M] int64   the policy version that sampled each token
     top_ids: torch.Tensor | None            # [M, k] int64   (-1 pads)
     top_logprobs: torch.Tensor | None       # [M, k] float32 (-inf pads)
     candidate_ids: torch.Tensor | None      # [C] int64      candidate sets laid end to end
@@ -353,6 +354,7 @@ class TreeRow:
         has_top = self.samples[0].top_ids is not None
         has_candidates = self.samples[0].candidate_counts is not None
         token_index, targets, sampler_logprobs, advantages, sample_ids = [], [], [], [], []
+        versions = []
         top_ids, top_logprobs, candidate_ids, candidate_counts = [], [], [], []
         for s, smp in enumerate(self.samples):
             if ((smp.top_ids is not None) != has_top
@@ -365,6 +367,7 @@ class TreeRow:
             sampler_logprobs.append(smp.sampler_logprobs[trained])
             advantages.append(np.full(len(trained), smp.advantage, np.float32))
             sample_ids.append(np.full(len(trained), s, np.int64))
+            versions.append(np.full(len(trained), smp.model_version, np.int64))
             if has_top:
                 top_ids.append(smp.top_ids[trained])
                 top_logprobs.append(smp.top_logprobs[trained])
@@ -381,6 +384,7 @@ class TreeRow:
             sampler_logprobs=_tensor(sampler_logprobs, np.float32),
             advantages=_tensor(advantages, np.float32),
             sample_ids=_tensor(sample_ids, np.int64),
+            model_versions=_tensor(versions, np.int64),
             top_ids=_tensor(top_ids, np.int64) if has_top else None,
             top_logprobs=_tensor(top_logprobs, np.float32) if has_top else None,
             candidate_ids=_tensor(candidate_ids, np.int64) if has_candidates else None,

@@ -320,6 +320,7 @@ class WeightSync:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.group = None           # rank 0: the group with the servers' workers
         self.grouped: list[VLLMClient] = []   # rank 0: the servers in that group
+        self.paused: list[VLLMClient] = []    # rank 0: the servers this sync paused
         self.backend = "gloo"
         self.vllm_group = False     # joined through vLLM's helpers (real vLLM, NCCL)
         self.device = torch.device("cpu")
@@ -416,7 +417,7 @@ class WeightSync:
                 lambda: self.members.call(lambda c: c.finish_weight_update(str(version)))))
         except Exception as e:
             if self.rank == 0:
-                still = [why for c in self.members.live if (why := c.resume_confirmed())]
+                still = [why for c in self.paused if (why := c.resume_confirmed())]
                 if still:
                     raise RuntimeError(f"{e}; {'; '.join(still)}") from e
             raise
@@ -432,6 +433,7 @@ class WeightSync:
         """Rank 0: pause every live server (and those back since the last sync: Members); one
         that stopped answering is taken out. A server left or came back: re-form the group."""
         self.members.returning()
+        self.paused = self.members.live     # resumed whatever happens (one dead since: named)
         self.members.call(lambda c: c.pause(mode="keep"))
         if self.grouped != self.members.live:
             self._regroup()

@@ -493,3 +493,41 @@ def test_bf16_head_gradients_on_cuda_are_as_exact_as_one_matmul():
     single = err(head_grad(hidden, weight))
     chunked = err(head_grad(hidden, weight, chunk=64))
     assert chunked <= 1.05 * single, (chunked, single)
+
+
+def test_mismatch_metrics_replay_the_worked_example():
+    """mismatch_metrics' docstring: log r = (0.1, -0.1) gives k3 0.0050, max 0.1, 2 tokens; no
+    token gives nan after finalize (not a fake 0)."""
+    from loss import finalize_metrics, mismatch_metrics
+    out = finalize_metrics(mismatch_metrics(torch.tensor([0.1, -0.1])))
+    expected = ((math.exp(0.1) - 1.1) + (math.exp(-0.1) - 0.9)) / 2
+    assert out["sampling/mismatch_kl"] == pytest.approx(expected, rel=1e-4)   # fp32 exp
+    assert round(out["sampling/mismatch_kl"], 4) == 0.0050
+    assert out["sampling/logprob_diff_max"] == pytest.approx(0.1)
+    assert out["sampling/mismatch_tokens"] == 2
+    none = finalize_metrics(mismatch_metrics(torch.zeros(0)))
+    assert none["sampling/mismatch_tokens"] == 0
+    assert math.isnan(none["sampling/mismatch_kl"]) and math.isnan(none["sampling/logprob_diff_max"])
+
+
+def test_only_the_tokens_of_the_trainers_version_count_for_the_mismatch():
+    """compute_loss with version v: the tokens whose model_versions is v (staleness 0) are the
+    mismatch's; a stale token with a large log-ratio does not move it."""
+    from types import SimpleNamespace
+
+    from config import AsyncGRPOConfig
+    from loss import compute_loss, finalize_metrics
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(3, 8), torch.randn(16, 8)
+    targets = torch.tensor([1, 2, 3])
+    exact = torch.log_softmax(hidden @ weight.T, -1)[torch.arange(3), targets]
+    row = SimpleNamespace(token_index=torch.arange(3), targets=targets,
+                          sampler_logprobs=exact - torch.tensor([0.0, 0.0, 2.0]),
+                          advantages=torch.ones(3), model_versions=torch.tensor([5, 5, 4]))
+    config = AsyncGRPOConfig(score_centering=False)
+    _, metrics = compute_loss(hidden, weight, None, row, config, 3, version=5)
+    out = finalize_metrics(metrics)
+    assert out["sampling/mismatch_tokens"] == 2
+    assert out["sampling/mismatch_kl"] <= 1e-6 and out["sampling/logprob_diff_max"] <= 1e-6
+    _, metrics = compute_loss(hidden, weight, None, row, config, 3, version=4)
+    assert finalize_metrics(metrics)["sampling/logprob_diff_max"] == pytest.approx(2.0, abs=1e-5)

@@ -22,7 +22,8 @@ SPEC_NAMES = {  # 記録されたメトリクス (Logged metrics): the trainer's
     "rewards/sum_reward/mean", "rewards/sum_reward/group_std",
     "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/min",
     "sampling/importance_sampling_ratio/max", "sampling/sampling_logp_difference/mean",
-    "sampling/sampling_logp_difference/max", "num_tokens",
+    "sampling/sampling_logp_difference/max", "num_tokens", "sampling/mismatch_kl",
+    "sampling/logprob_diff_max", "sampling/mismatch_tokens",
     "batch/forwarded_tokens_per_step", "batch/trained_tokens_per_step", "batch/samples_per_step",
     "batch/groups_per_step", "batch/microbatches_per_step", "batch/masked_token_frac",
     "batch/samples_per_row", "batch/row_tokens_mean", "batch/row_tokens_max", "batch/row_fill_frac",
@@ -48,6 +49,16 @@ def test_every_trainer_metric_the_spec_names_is_logged(train_run):
     tokens = [r["num_tokens"] for r in records]
     assert tokens == sorted(tokens)
     assert tokens[-1] == sum(r["batch/forwarded_tokens_per_step"] for r in records)
+
+
+def test_the_served_policy_is_the_trained_one_at_every_step(train_run):
+    """max_staleness 0: every trained token was sampled by the weights the trainer holds, so the
+    parity figure covers all of them, and in fp32 against the stand-in it is ~0 (k3 <= 1e-6)."""
+    records = lines(train_run[0])
+    for r in records:
+        assert r["sampling/mismatch_tokens"] == r["batch/trained_tokens_per_step"] > 0, r["step"]
+        assert 0 <= r["sampling/mismatch_kl"] <= 1e-6, (r["step"], r["sampling/mismatch_kl"])
+        assert r["sampling/logprob_diff_max"] <= 1e-3, r["step"]
 
 
 def test_plot_draws_the_run(train_run):
