@@ -3,9 +3,10 @@ only the adapter is synced): "アダプタを <output_dir>/.vllm_lora/trl-policy
 原子的なリネームで公開" (save the adapter there, publish it by an atomic rename), then the path goes
 to /v1/load_lora_adapter. Chosen once at start, on rank 0, from every server's /server_info:
 
-    every server has runtime LoRA, max_lora_rank >= r, max_loras >= max_staleness + 2,
-    and the adapter is plain LoRA (no DoRA, no modules_to_save) → AdapterSync
-    otherwise                                                  → MergedSync, with why and the flags
+    every server has runtime LoRA, max_lora_rank >= r (and rank_pattern's), max_loras >=
+    max_staleness + 2, and vLLM loads the adapter (vllm_refusal: no DoRA, lora_bias,
+    modules_to_save...)                                     → AdapterSync
+    otherwise                                               → MergedSync, with why and the flags
 
 AdapterSync of run 3f9a1c, one sync to version 5 with max_staleness = 2 (3 versions stay loaded):
 
@@ -17,13 +18,16 @@ AdapterSync of run 3f9a1c, one sync to version 5 with max_staleness = 2 (3 versi
     A rollout started under version N requests model="policy-<run>-vN" to its end (rollout/loop.py,
     lora_name), so the oldest loaded version may still be in use: max_loras needs a spare slot.
 
-MergedSync is a weight_sync.FullSync of W + s·B·A (merged()) under the base model's names.
+MergedSync is a weight_sync.FullSync of W + s·B·A (merged()) under the base model's names, as
+peft's merge_and_unload() merges it: the bias of lora_B too (lora_bias), GPT-2's transposed
+Conv1D weights (fan_in_fan_out), DoRA; what it cannot merge is refused at start (merge_plan).
 
 Departures from the spec, one line each:
 - Adapters are named policy-<run>-v{N} (spec: trl-policy-v{N}): vLLM keeps a name registered until
   it is unloaded, so a second run (or a crashed one) against the same server never collides.
 - Several replicas are served without a proxy: each load and unload goes to each (TRL refuses that).
 """
+import dataclasses
 import os
 import secrets
 import shutil
@@ -56,24 +60,64 @@ def adapter_dp_refusal(url: str, info: dict) -> str | None:
             "replica's URL in vllm_server_base_url instead")
 
 
+VLLM_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")   # init_lora_weights it loads
+
+
+def adapter_rank(peft_config) -> int:
+    """The largest rank of any adapted module, which --max-lora-rank must hold: r, or a larger one
+    of rank_pattern (r=8, rank_pattern={"q_proj": 16} → 16; vLLM checks the same maximum)."""
+    return max([peft_config.r, *(peft_config.rank_pattern or {}).values()])
+
+
+def vllm_refusal(peft_config) -> str | None:
+    """Why vLLM cannot serve this adapter as a runtime LoRA (None: it can). The features vLLM
+    0.32's loader refuses (vllm/lora/peft_helper.py, PEFTHelper._validate_features), checked on
+    the LoraConfig before anything is saved, then peft's other variants (fields peft tags
+    is_lora_variant), which vLLM does not read and would serve as plain LoRA, wrongly.
+    rslora, rank_pattern and alpha_pattern load (PEFTHelper.get_rank_and_scaling), and so does
+    fan_in_fan_out: lora_A and lora_B keep nn.Linear's [r, in] and [out, r] layout either way."""
+    def given(field: str):
+        """The field's value, None where this peft (>= 0.17) predates the field."""
+        return getattr(peft_config, field, None)
+
+    init, bias = given("init_lora_weights"), given("bias") or "none"
+    refused = [
+        (given("use_dora"), "DoRA adapters have no runtime-LoRA form in vLLM"),
+        (given("lora_bias"), "vLLM refuses adapters with lora_bias (a bias on lora_B)"),
+        (given("modules_to_save"),
+         "modules_to_save trains whole modules, which an adapter load cannot carry"),
+        (bias != "none", f"vLLM refuses adapters that train base biases (bias={bias!r})"),
+        (isinstance(init, str) and init.lower() not in VLLM_INITS,
+         f"init_lora_weights={init!r} changes the base weights, which an adapter load cannot "
+         "carry"),
+        (given("alora_invocation_tokens"),
+         "vLLM does not serve activated LoRA (alora_invocation_tokens)"),
+        (given("layer_replication"), "vLLM does not serve layer_replication"),
+        (given("use_bdlora"), "vLLM does not serve block-diagonal LoRA (use_bdlora)"),
+        (given("use_qalora"), "vLLM does not serve QALoRA (use_qalora)"),
+    ]
+    refused += [(given(f.name), f"vLLM would serve {f.name} as plain LoRA, which it is not")
+                for f in dataclasses.fields(peft_config) if f.metadata.get("is_lora_variant")]
+    return next((why for bad, why in refused if bad), None)
+
+
 def adapter_refusal(infos: list[dict], urls: list[str], peft_config,
                     max_staleness: int) -> str | None:
     """Why adapter-only sync cannot run (None: it can): the first problem, with the fix."""
-    if getattr(peft_config, "use_dora", False):
-        return "DoRA adapters have no runtime-LoRA form in vLLM"
-    if getattr(peft_config, "modules_to_save", None):
-        return "modules_to_save trains whole modules, which an adapter load cannot carry"
+    if why := vllm_refusal(peft_config):
+        return why
+    rank = adapter_rank(peft_config)
     slots = max_staleness + 2              # one per live policy version, and one for the switch
     flags = (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora "
-             f"--max-lora-rank {max_lora_rank(peft_config.r)} --max-loras {slots}")
+             f"--max-lora-rank {max_lora_rank(rank)} --max-loras {slots}")
     for url, info in zip(urls, infos):
         if why := adapter_dp_refusal(url, info):
             return why
         lora = info.get("lora_config")
         if not lora:
             return f"{url} serves no LoRA adapters; restart it with {flags}"
-        if lora.get("max_lora_rank", 0) < peft_config.r:
-            return (f"{url} has --max-lora-rank {lora.get('max_lora_rank')} < r={peft_config.r}; "
+        if lora.get("max_lora_rank", 0) < rank:
+            return (f"{url} has --max-lora-rank {lora.get('max_lora_rank')} < rank {rank}; "
                     f"restart it with {flags}")
         if lora.get("max_loras", 0) < slots:
             return (f"{url} has --max-loras {lora.get('max_loras')} < max_staleness + 2 = {slots} "
@@ -218,45 +262,96 @@ class MergedSync(FullSync):
 
     def push(self, version: int) -> dict[str, float]:
         stats = self.weights.push(
-            self.specs(), lambda: (merged(base, lora) for _, base, lora in self.plan), version)
+            self.specs(), lambda: (merged(base, delta) for _, base, delta in self.plan), version)
         return stats.metrics()
 
 
-def merge_plan(peft_model) -> list[tuple[str, torch.Tensor, tuple | None]]:
-    """(base model name, base weight, LoRA parts or None) for every language-model tensor to send.
-    Names lose PEFT's wrapping: base_model.model.x.base_layer.weight → x.weight."""
+@dataclasses.dataclass
+class Delta:
+    """What peft's merge adds to one base tensor (peft/tuners/lora/layer.py, Linear.merge and
+    get_delta_weight; DoraLinearVariant.merge_safe for DoRA).
+
+        weight: W + s·B·A, with W read as [out, in] (fan_in_fan_out: GPT-2's Conv1D stores
+                [in, out], so peft transposes the delta); DoRA scales each output row to m / ‖row‖
+        bias:   b + s·lora_B.bias (lora_bias; a = None)
+    """
+    a: torch.Tensor | None                 # lora_A.weight [r, in]; None for a bias
+    b: torch.Tensor                        # lora_B.weight [out, r], or lora_B.bias [out]
+    scale: float                           # layer.scaling[adapter]: per module (rslora, patterns)
+    magnitude: torch.Tensor | None = None  # DoRA's m [out]
+    fan_in_fan_out: bool = False           # the base weight is stored [in, out]
+
+
+def merge_plan(peft_model) -> list[tuple[str, torch.Tensor, Delta | None]]:
+    """(base model name, base tensor, what peft's merge adds to it or None) for every language-
+    model tensor to send. Names lose peft's wrapping: base_model.model.x.base_layer.weight →
+    x.weight, x.modules_to_save.<adapter>.weight → x.weight (x.original_module.* is not sent).
+    The scale is each layer's own, so rslora (alpha / √r), rank_pattern and alpha_pattern hold.
+    A layer merge_refusal refuses stops the run here, at start, in one line."""
     from peft.tuners.lora import LoraLayer
     adapter = peft_model.active_adapter
-    layers = {name: m for name, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
+    layers = {}
+    for name, m in peft_model.named_modules():
+        if isinstance(m, LoraLayer) and any(adapter in getattr(m, part)
+                                            for part in m.adapter_layer_names):
+            if why := merge_refusal(m, adapter):
+                raise ValueError(f"merged LoRA sync cannot merge {name}: {why}; adapt Linear "
+                                 f"layers with plain LoRA or DoRA, lora_bias only where the "
+                                 f"layer has a bias")
+            layers[name] = m
     plan = []
     for name, p in language_parameters(peft_model):
         if "lora_" in name or ".original_module." in name:
             continue
-        owner = name.rsplit(".", 2)[0] if ".base_layer." in name else None
-        layer = layers.get(owner) if owner else None
-        lora = None
-        if layer is not None and name.endswith("base_layer.weight") and adapter in layer.lora_A:
+        owner, _, kind = name.rpartition(".base_layer.")
+        layer = layers.get(owner)
+        delta = None
+        if layer is not None and kind == "weight":
             magnitudes = getattr(layer, "lora_magnitude_vector", {})
-            magnitude = magnitudes[adapter].weight if adapter in magnitudes else None
-            lora = (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
-                    layer.scaling[adapter], magnitude)
+            delta = Delta(layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
+                          layer.scaling[adapter],
+                          magnitudes[adapter].weight if adapter in magnitudes else None,
+                          layer.fan_in_fan_out)
+        elif layer is not None and kind == "bias" and layer.lora_bias[adapter]:
+            delta = Delta(None, layer.lora_B[adapter].bias, layer.scaling[adapter])
         clean = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
         clean = clean.replace(f".modules_to_save.{adapter}.", ".")
-        plan.append((clean, p, lora))
+        plan.append((clean, p, delta))
     return plan
 
 
-def merged(base: torch.Tensor, lora: tuple | None) -> torch.Tensor:
-    """W + s·B·A, or for DoRA m ⊙ (W + s·B·A) / ‖W + s·B·A‖ (the norm of each output row); gathered
-    whole."""
+def merge_refusal(layer, adapter: str) -> str | None:
+    """Why merged() cannot give peft's merge of this LoRA layer (None: it can): it merges peft's
+    Linear (over nn.Linear or Conv1D) with plain LoRA or DoRA, not an embedding, a convolution
+    or target_parameters, nor another variant; lora_bias needs a base bias (peft's merge raises
+    "Impossible to merge LoRA with `lora_bias=True`" without one)."""
+    from peft.tuners.lora import Linear
+    from peft.tuners.lora.variants import DoraLinearVariant
+    if not isinstance(layer, Linear):
+        return f"a {type(layer).__name__} layer, not peft's Linear"
+    variant = layer.lora_variant.get(adapter)
+    if variant is not None and not isinstance(variant, DoraLinearVariant):
+        return f"the {type(variant).__name__}, which has no W + s·B·A merge"
+    if layer.lora_bias[adapter] and layer.get_base_layer().bias is None:
+        return "lora_bias on a layer without a bias"
+    return None
+
+
+def merged(base: torch.Tensor, delta: Delta | None) -> torch.Tensor:
+    """The base tensor with peft's merge applied (Delta), computed in fp32 and returned in the base
+    dtype; gathered whole (every rank calls it). A Conv1D weight W [in, out] of GPT-2:
+    (Wᵀ + s·B·A)ᵀ, since B·A is [out, in]."""
     w = full_tensor(base)
-    if lora is None:
+    if delta is None:
         return w
-    a, b, scale, magnitude = lora
-    w = w.float() + scale * (full_tensor(b).float() @ full_tensor(a).float())        # [out, in]
-    if magnitude is not None:
-        w = w * (full_tensor(magnitude).float() / w.norm(dim=1))[:, None]
-    return w.to(base.dtype)
+    b = full_tensor(delta.b).float()
+    if delta.a is None:
+        return (w.float() + delta.scale * b).to(base.dtype)
+    w = w.float().T if delta.fan_in_fan_out else w.float()                           # [out, in]
+    w = w + delta.scale * (b @ full_tensor(delta.a).float())
+    if delta.magnitude is not None:
+        w = w * (full_tensor(delta.magnitude).float() / w.norm(dim=1))[:, None]
+    return (w.T if delta.fan_in_fan_out else w).to(base.dtype)
 
 
 def adapter_bytes(model, peft_config, dtype=torch.bfloat16) -> tuple[int, int]:

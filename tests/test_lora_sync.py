@@ -10,16 +10,16 @@ import os
 import re
 import warnings
 
-import httpx
 import pytest
+import requests
 import torch
-from peft import LoraConfig, PeftModel
-from transformers import AutoModelForCausalLM
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen3ForCausalLM
 
 import lora_sync
 import toy
 import train
-from lora_sync import adapter_refusal, max_lora_rank
+from lora_sync import adapter_refusal, max_lora_rank, merge_plan, merged
 from test_serve_local import PROMPT, reference_logprobs
 from train import AsyncGRPOConfig
 from train_helpers import SERVER_ARGS, SMALL
@@ -48,7 +48,8 @@ def run(servers, toy_dir, out, peft_config, steps=3):
 def served_logprobs(server, model: str | None = None) -> tuple[list[int], list[float]]:
     body = {"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "seed": 3, "logprobs": 0,
             "return_token_ids": True} | ({"model": model} if model else {})
-    choice = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    reply = requests.post(server.url + "/v1/completions", json=body, timeout=60)
+    choice = reply.json()["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
@@ -64,7 +65,7 @@ def trained(toy_dir, checkpoint: str) -> PeftModel:
 
 
 def adapter_cards(server) -> list[str]:
-    return sorted(c["id"] for c in httpx.get(server.url + "/v1/models").json()["data"][1:])
+    return sorted(c["id"] for c in requests.get(server.url + "/v1/models").json()["data"][1:])
 
 
 def served_at_close(monkeypatch, servers) -> list[dict]:
@@ -117,7 +118,7 @@ def test_full_sync_reaches_every_replica(servers, toy_dir, tmp_path):
     run(replicas, toy_dir, tmp_path, None, steps=2)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-2").eval()
     for server in replicas:
-        assert httpx.get(server.url + "/weight_info").json()["weight_version"] == "2"
+        assert requests.get(server.url + "/weight_info").json()["weight_version"] == "2"
         assert_serves(server, model)
 
 
@@ -136,7 +137,7 @@ def test_merged_fallback_sends_the_merged_weights_with_a_warning(servers, toy_di
     assert ("DoRA" in said) if case == "dora" else ("--max-lora-rank 16" in said)
     assert last["perf/weight_sync_bytes"] > 1e6                           # the whole model
     assert_serves(server, trained(toy_dir, str(tmp_path / "checkpoint-2")), tol=2e-5)
-    assert [c["id"] for c in httpx.get(server.url + "/v1/models").json()["data"]][1:] == []
+    assert [c["id"] for c in requests.get(server.url + "/v1/models").json()["data"]][1:] == []
 
 
 def test_adapter_refusals_name_the_problem_and_the_flags():
@@ -154,6 +155,110 @@ def test_adapter_refusals_name_the_problem_and_the_flags():
                                                               plain, 4)
     whole = LoraConfig(r=8, modules_to_save=["lm_head"])
     assert "modules_to_save" in adapter_refusal([lora], ["u"], whole, 4)
+
+
+def test_adapter_refusals_follow_what_vllm_loads():
+    """vLLM 0.32's PEFTHelper refuses lora_bias, base-bias training, base-changing inits and
+    checks the largest rank_pattern rank; it loads rslora, alpha_pattern and fan_in_fan_out
+    adapters (lora_A, lora_B have nn.Linear's layout either way); peft variants it does not read
+    are refused, since it would serve them as plain LoRA."""
+    lora = {"lora_config": {"max_lora_rank": 8, "max_loras": 6}}
+    for loads in (LoraConfig(r=8, use_rslora=True), LoraConfig(r=8, fan_in_fan_out=True),
+                  LoraConfig(r=4, rank_pattern={"q_proj": 8}, alpha_pattern={"v_proj": 32})):
+        assert adapter_refusal([lora], ["u"], loads, 4) is None
+    refusals = {"lora_bias": LoraConfig(r=8, lora_bias=True),
+                "bias='all'": LoraConfig(r=8, bias="all"),
+                "init_lora_weights='pissa'": LoraConfig(r=8, init_lora_weights="pissa"),
+                "velora_config as plain LoRA": LoraConfig(r=8, velora_config={}),
+                "--max-lora-rank 16 --max-loras 6": LoraConfig(r=8, rank_pattern={"q_proj": 16})}
+    for said, peft_config in refusals.items():
+        assert said in adapter_refusal([lora], ["u"], peft_config, 4)
+
+
+def gpt2() -> GPT2LMHeadModel:
+    """A one-layer GPT-2: its c_attn, c_proj and c_fc are Conv1D, whose weight is [in, out]."""
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
+                                      n_positions=32, bos_token_id=0, eos_token_id=0))
+
+
+def toy_qwen3(attention_bias: bool = False) -> Qwen3ForCausalLM:
+    """toy.py's Qwen3, optionally with biases on q/k/v/o_proj (its MLP has none)."""
+    config = toy.build_model(64).config
+    config.attention_bias = attention_bias
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config)
+
+
+VARIANTS = {
+    "gpt2 fan_in_fan_out lora_bias": (gpt2, LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True,
+        lora_bias=True)),
+    "gpt2 fan_in_fan_out dora modules_to_save": (gpt2, LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True,
+        use_dora=True, modules_to_save=["ln_f"])),
+    "qwen3 lora_bias": (lambda: toy_qwen3(attention_bias=True), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        lora_bias=True)),
+    "qwen3 rslora": (toy_qwen3, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                           use_rslora=True)),
+    "qwen3 rank_pattern alpha_pattern": (toy_qwen3, LoraConfig(
+        r=4, lora_alpha=8, target_modules=TARGETS, rank_pattern={"q_proj": 8, "down_proj": 2},
+        alpha_pattern={"v_proj": 32})),
+}
+
+
+def randomized(model, peft_config) -> PeftModel:
+    """model under peft_config with every trained tensor random: peft starts lora_B (and its
+    bias) at zero, so an untouched adapter would merge to the base weights, right or wrong."""
+    peft_model = get_peft_model(model, peft_config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p) * 0.5 + ("magnitude" in name))
+    return peft_model
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_merged_weights_and_biases_equal_peft_merge_and_unload(variant):
+    """Every tensor merged() sends equals the state dict of peft's merge_and_unload() (fp32,
+    1e-6) under the same name; the adapted ones (and a modules_to_save copy) differ from the
+    model before peft (the test is not trivial); only the LM head, tied to the embedding, is not
+    sent."""
+    build, peft_config = VARIANTS[variant]
+    warnings.simplefilter("ignore")                         # peft: Conv1D, fan_in_fan_out notes
+    model = build()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    peft_model = randomized(model, peft_config)
+    plan = merge_plan(peft_model)
+    sent = {name: merged(t, delta).clone() for name, t, delta in plan}
+    reference = peft_model.merge_and_unload().state_dict()
+    assert list(reference) == list(sent) + ["lm_head.weight"]
+    for name, tensor in sent.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6, msg=name)
+    changed = {name for name in sent if not torch.equal(sent[name], before[name])}
+    adapted = {name for name, _, delta in plan if delta is not None}
+    assert adapted <= changed and adapted
+    if peft_config.lora_bias:
+        assert {n for n in adapted if n.endswith(".bias")} == \
+            {n.replace(".weight", ".bias") for n in adapted if n.endswith(".weight")}
+    if peft_config.modules_to_save:
+        assert "transformer.ln_f.weight" in changed
+
+
+@pytest.mark.parametrize("case", ["embedding", "lora_bias without a bias", "velora"])
+def test_what_merged_cannot_merge_is_refused_at_start(case):
+    """merge_plan (MergedSync's start) names the layer and why, where merged() would be wrong."""
+    warnings.simplefilter("ignore")
+    peft_config, said = {
+        "embedding": (LoraConfig(r=4, target_modules=["embed_tokens"]), "Embedding layer"),
+        "lora_bias without a bias": (LoraConfig(r=4, target_modules=["up_proj"], lora_bias=True),
+                                     "lora_bias on a layer without a bias"),
+        "velora": (LoraConfig(r=4, target_modules=["up_proj"], velora_config={}), "Velora"),
+    }[case]
+    with pytest.raises(ValueError, match=f"cannot merge base_model.model.model.*{said}"):
+        merge_plan(get_peft_model(toy_qwen3(), peft_config))
 
 
 def test_max_lora_rank_is_the_smallest_rank_vllm_accepts():
