@@ -143,7 +143,11 @@ class RolloutWorker:
             stop=ctx.Event(), ready=ctx.Event(), failed=ctx.Event())
         self.process = ctx.Process(target=child_main, name="rollout", daemon=True,
                                    args=(self.loop_cls, self.kwargs, self.channels))
-        spawn(self.process, pickled)
+        try:
+            spawn(self.process, pickled)
+        except BaseException:
+            self.process = None         # never started: stop() has nothing to join
+            raise
         deadline = time.monotonic() + ready_timeout
         try:
             while not self.channels.ready.wait(0.1):

@@ -665,7 +665,8 @@ def local_server_args(config, peft_config=None) -> list[str]:
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
             "--return-sampling-mask", "--enable-scale-out"]
     if peft_config is not None:
-        args += ["--enable-lora", "--max-lora-rank", str(lora_sync.max_lora_rank(peft_config.r)),
+        rank = lora_sync.max_lora_rank(lora_sync.adapter_rank(peft_config))
+        args += ["--enable-lora", "--max-lora-rank", str(rank),
                  "--max-loras", str(config.max_staleness + 2)]
     return args
 

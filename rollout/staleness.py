@@ -1,5 +1,5 @@
-"""Admission by staleness (spec: 並行性 (Concurrency) and max_staleness in 概要 (Overview);
-rollout/backpressure_s in ロールアウトキュー (Rollout queue)).
+"""Admission by staleness (spec: 並行性 (Concurrency) and max_staleness in 概要 (Overview); the
+rollout queue's backpressure in ロールアウトキュー (Rollout queue)).
 
 The whole protocol between the two processes, in plain numbers: the trainer publishes where the
 current version began and how fast it consumes; the rollout process admits a group only if every
@@ -10,7 +10,7 @@ sample it will yield is consumed before it goes stale.
     get(): consumed += 1          ── consumed ──►  admits(queued, pending, scored, consumed,
     set_model_version(v):                                 version_start, rate, G, max_staleness)
       Window.new_version(v, consumed) ── C_v, R ─►   True: start the group's G rollouts
-    get() on an empty queue:                         False: wait (rollout/backpressure_s)
+    get() on an empty queue:                         False: wait (rollout/admission_wait_s)
       Window.starved(consumed)    ── R ─────────►
 
     C_v  Window.version_start   samples consumed when version v began
@@ -21,7 +21,8 @@ sample it will yield is consumed before it goes stale.
 Departures from the spec (TRL generates whenever a slot is free and drops stale samples later):
 - A group starts only if its samples can be consumed in time: nothing is generated to be dropped.
 - A window smaller than one group would never admit it: the deadlock exception in `admits`.
-- Time waiting for admission is rollout/backpressure_s: the queue is full in the staleness sense.
+- Time waiting for admission is rollout/admission_wait_s (ours), apart from the spec's
+  rollout/backpressure_s, which counts only the time a full rollout queue blocks.
 """
 from dataclasses import dataclass
 

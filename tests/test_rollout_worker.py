@@ -92,6 +92,23 @@ def test_a_reward_defined_in_the_main_script_still_reaches_the_child(monkeypatch
     assert "rollout_helpers" in child_modules(main.recorded_reward)   # the loop was built
 
 
+def test_a_process_that_cannot_start_raises_its_own_error(monkeypatch):
+    """spawn() failing (the OS refuses a process: a boundary we do not own) raises that error, and
+    stop() afterwards, as train()'s finally calls it, does not replace it with another."""
+    import multiprocessing.process
+
+    def refuse(self):
+        raise OSError(11, "Resource temporarily unavailable (fork refused)")
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    worker = RolloutWorker(AsyncGRPOConfig(), toy.make_dataset(2), [toy.sum_reward],
+                           toy.build_tokenizer())
+    with pytest.raises(OSError, match="fork refused"):
+        worker.start()
+    worker.stop()                       # before the fix: AssertionError (join of an unstarted one)
+    assert worker.process is None
+
+
 def test_dataset_needs_a_prompt_column():
     with pytest.raises(ValueError, match="'prompt' column"):
         RolloutWorker(AsyncGRPOConfig(), Dataset.from_list([{"question": "1+1="}]), toy.sum_reward,
