@@ -224,27 +224,33 @@ def set_log_level(config, rank: int) -> None:
         logging.getLogger().setLevel(level.upper())
 
 
+WHERE_KWARGS = ("revision", "subfolder", "cache_dir", "token", "local_files_only",
+                "trust_remote_code")    # model_init_kwargs that say where the files are
+
+
 def load_model(model, config, processing_class=None, peft_config=None, device=None):
     """(model, tokenizer) from a hub id, a local path, "toy" or a model object, with tree
     attention installed for the device that trains (tree_attention.choose_backend; default the
-    CPU; said once). Vision-language configs load with AutoModelForImageTextToText and
+    CPU; said once). model_init_kwargs go to the model, and those that say where its files are
+    (WHERE_KWARGS: revision, subfolder, ...) to its config and tokenizer too, so all three come
+    from one revision. Vision-language configs load with AutoModelForImageTextToText and
     everything outside the text decoder and LM head (vision tower, projector) is frozen: no
     gradients, no optimizer state, not synced."""
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
                               AutoTokenizer)
+    kwargs = {"dtype": config.dtype, "trust_remote_code": config.trust_remote_code}
+    kwargs |= config.model_init_kwargs or {}                       # its dtype wins (spec)
+    where = {k: v for k, v in kwargs.items() if k in WHERE_KWARGS}   # config, tokenizer too
+    path = getattr(getattr(model, "config", None), "_name_or_path", None)   # a model object's
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if path == "toy":
             import toy
             path = toy.ensure_saved()
-        kwargs = {"dtype": config.dtype, "trust_remote_code": config.trust_remote_code}
-        kwargs |= config.model_init_kwargs or {}                   # its dtype wins (spec)
-        model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
-        vision = getattr(model_config, "vision_config", None) is not None
-        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        vision = getattr(AutoConfig.from_pretrained(path, **where), "vision_config", None)
+        auto = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM
         model = auto.from_pretrained(path, **kwargs)
-    tokenizer = processing_class or AutoTokenizer.from_pretrained(
-        model.config._name_or_path, trust_remote_code=config.trust_remote_code)
+    tokenizer = processing_class or AutoTokenizer.from_pretrained(path, **where)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     language = {id(p) for _, p in language_parameters(model)}

@@ -241,6 +241,19 @@ def test_a_turn_stops_on_every_eos_the_generation_config_declares(toy_dir):
     assert train.stop_token_ids(model, tokenizer) == [tokenizer.eos_token_id]
 
 
+def test_model_init_kwargs_say_where_config_tokenizer_and_model_come_from(tmp_path, toy_dir):
+    """model_init_kwargs={"subfolder": ...} (like "revision" on the hub) reaches AutoConfig and
+    the tokenizer as well as the model: a repository whose files are only in a subfolder loads."""
+    import shutil
+    shutil.copytree(toy_dir, tmp_path / "repo" / "v2")
+    config = AsyncGRPOConfig(model_init_kwargs={"subfolder": "v2"})
+    model, tokenizer = train.load_model(str(tmp_path / "repo"), config)
+    reference, _ = train.load_model(toy_dir, AsyncGRPOConfig())
+    assert len(tokenizer) == len(toy.build_tokenizer())
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(p, q), name
+
+
 # ── the command line (parse_cli): the toy defaults and the local server follow the parsed
 # --model and --vllm_server_base_url, whichever form argv spells them in ──
 
