@@ -467,10 +467,28 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def plot(run_dir: str) -> str:
-    """<run_dir>/metrics.png: reward, loss, staleness and throughput by step, from metrics.jsonl;
-    with a completions.jsonl (log_completions) also the mean reward of each prompt_index and the
-    completion length by step."""
+def smooth(values: list[float], weight: float = 0.6) -> list[float]:
+    """The dashboards' smoothing: an exponential moving average, debiased so the first points
+    are not pulled to 0. Worked, weight 0.5: [1, 3, 3] → EMAs 0.5, 1.75, 2.375 over debias
+    factors 0.5, 0.75, 0.875 → [1.0, 2.333, 2.714]."""
+    out, ema = [], 0.0
+    for i, v in enumerate(values):
+        ema = weight * ema + (1 - weight) * v
+        out.append(ema / (1 - weight ** (i + 1)))
+    return out
+
+
+def _curve(ax, x: list, y: list, label: str) -> None:
+    """The raw points faint, the smoothed line over them in the same colour."""
+    raw, = ax.plot(x, y, alpha=0.25, linewidth=1)
+    ax.plot(x, smooth(y), color=raw.get_color(), linewidth=1.8, label=label)
+
+
+def figure(run_dir: str):
+    """The figure `python train.py plot RUN` saves: reward, loss, staleness and throughput by
+    step from metrics.jsonl, each a smoothed line over its faint raw curve; with a
+    completions.jsonl (log_completions) also the mean reward of each prompt_index and the
+    completion length by step. Titled with the run's name (its directory's)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -487,27 +505,34 @@ def plot(run_dir: str) -> str:
         for name in names:
             points = [(r["step"], r[name]) for r in lines if name in r]
             if points:
-                ax.plot(*zip(*points), label=name)
+                _curve(ax, *map(list, zip(*points)), name)
         ax.set_title(title)
         ax.legend(fontsize=8)
     for ax in axes[1]:
         ax.set_xlabel("optimizer step")
     if trained:
         by_prompt = reward_by_prompt(trained)
-        axes[2, 0].plot(list(by_prompt), list(by_prompt.values()), ".", label="mean reward")
+        _curve(axes[2, 0], list(by_prompt), list(by_prompt.values()), "mean reward")
         axes[2, 0].set(title="reward by prompt (completions.jsonl)", xlabel="prompt_index")
         tokens: dict[int, list[int]] = {}
         for r in trained:
             tokens.setdefault(r["step"], []).append(r["completion_tokens"])
-        axes[2, 1].plot(list(tokens), [np.mean(v) for v in tokens.values()],
-                        label="completion_tokens")
+        _curve(axes[2, 1], list(tokens), [float(np.mean(v)) for v in tokens.values()],
+               "completion_tokens")
         axes[2, 1].set(title="completion length (tokens)", xlabel="optimizer step")
         for ax in axes[2]:
             ax.legend(fontsize=8)
     for ax in axes.flat:
         ax.grid(alpha=0.3)
-    fig.suptitle(os.path.abspath(run_dir))
+    fig.suptitle(os.path.basename(os.path.normpath(os.path.abspath(run_dir))))
     fig.tight_layout()
+    return fig
+
+
+def plot(run_dir: str) -> str:
+    """<run_dir>/metrics.png of figure(run_dir); returns its path."""
+    import matplotlib.pyplot as plt
+    fig = figure(run_dir)
     path = os.path.join(run_dir, "metrics.png")
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -68,6 +68,30 @@ def test_plot_draws_the_run(train_run):
     assert os.path.getsize(path) > 10_000
 
 
+def test_the_plot_is_smoothed_over_faint_raw_curves_and_titled_with_the_runs_name(train_run):
+    """Each curve is drawn twice: the raw points faint, the smoothed line (smooth) over them; the
+    title is the run directory's name, not its path; reward by prompt index is a panel."""
+    import matplotlib.pyplot as plt
+    out = train_run[0]
+    fig = metrics.figure(out)
+    try:
+        assert fig._suptitle.get_text() == os.path.basename(out)
+        reward = fig.axes[0]
+        raw, smoothed = reward.lines[0], reward.lines[1]
+        assert raw.get_alpha() < 0.5 and smoothed.get_alpha() is None
+        rewards = [r["reward"] for r in lines(out) if "reward" in r]
+        assert list(raw.get_ydata()) == rewards
+        assert list(smoothed.get_ydata()) == pytest.approx(metrics.smooth(rewards))
+        titles = [ax.get_title() for ax in fig.axes]
+        assert "reward by prompt (completions.jsonl)" in titles
+    finally:
+        plt.close(fig)
+
+
+def test_smooth_replays_its_worked_example():
+    assert metrics.smooth([1, 3, 3], weight=0.5) == pytest.approx([1.0, 7 / 3, 2.375 / 0.875])
+
+
 def test_completions_jsonl_holds_one_line_per_trained_sample(train_run, tmp_path):
     """log_completions: each step's trained samples (batch/samples_per_step of them), the prompt
     text once per prompt_index; a resume's truncation keeps the checkpoint's steps."""
