@@ -1,7 +1,10 @@
-"""AsyncGRPOConfig: the configuration class (設定クラス). Its groups are the spec's: モデル (model),
-生成 (generation), vLLMサーバー (vLLM server), 学習 (training), 非同期ロールアウトパイプライン
-(asynchronous rollout pipeline), ログ出力 (logging) を制御するパラメータ (the parameters that
-control them). Names and defaults are the spec's; the CLI (train.py) has one flag per field.
+"""AsyncGRPOConfig: the configuration class (設定クラス). The fields are declared in the order of
+the spec's signature, so a positional argument means what it means there (AsyncGRPOConfig("out",
+16) sets per_device_train_batch_size): TrainingArguments' fields, then the spec's groups, モデル
+(model), 生成 (generation), vLLMサーバー (vLLM server), 学習 (training), 非同期ロールアウト
+パイプライン (asynchronous rollout pipeline), ログ出力 (logging) を制御するパラメータ (the
+parameters that control them), then ours. Names and defaults are the spec's; the CLI (train.py)
+has one flag per field.
 
 A worked example of the derived values (a fraction < 1 is of max_steps):
 
@@ -9,6 +12,8 @@ A worked example of the derived values (a fraction < 1 is of max_steps):
     config.every("save_steps")                              → 50   (0.25 × 200)
     config.every("warmup_steps")                            → 20   (0.1 × 200)
     config.default_max_concurrent_rollouts(num_processes=4) → 128  (max(4, 1) × 8 × 1 × 4)
+    config.shuffle_seed()                                   → 42   (seed: data_seed is None)
+    config.process_group_timeout()                          → 2100 (1800 + 300 > ddp_timeout)
     AsyncGRPOConfig(top_p=0.95)   → ValueError: AsyncGRPOConfig.top_k: top_p < 1 and min_p also ...
     AsyncGRPOConfig(push_to_hub=True) → ValueError: AsyncGRPOConfig.push_to_hub=True: no hub ...
 
@@ -17,7 +22,7 @@ Departures from the spec, one line each:
 - `bf16=None` is True on CUDA only (spec: True): CPU bf16 matmuls are slow, the tests compare fp32.
 - `tree_attention_backend` and `logging_dir` are ours: the spec has one attention kernel.
 - `optim` offers the two AdamW variants only: train.py builds torch.optim.AdamW itself.
-- `train_sampling_strategy="random"` shuffles each epoch only when data_seed is set.
+- `ddp_timeout` is at least vllm_server_timeout + rollout_worker_timeout (set lower: a warning).
 """
 import json
 import warnings
@@ -34,16 +39,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
 class AsyncGRPOConfig:
     # ── run ──
     output_dir: str | None = None           # checkpoints and metrics.jsonl; None: trainer_output
-    seed: int = 42                          # torch seed on every rank (the same initial weights)
-    data_seed: int | None = None            # seeds the prompt order (train_sampling_strategy)
-    train_sampling_strategy: str = "random"  # random: data_seed set → each epoch shuffled
-                                            # (None: dataset order); sequential: dataset order
     per_device_train_batch_size: int = 8    # samples per rank per micro-batch (token_budget <= 0)
-    gradient_accumulation_steps: int = 1    # micro-batches per optimizer step
     num_train_epochs: float = 3.0           # passes over the prompts; stops unless max_steps
     max_steps: int = -1                     # > 0: stop after this many optimizer steps instead
-    do_train: bool = False                  # a flag for your own script (transformers reads it
-                                            # neither): train() trains whatever its value
     # ── optimizer and schedule ──
     learning_rate: float = 1e-6             # AdamW's peak learning rate
     lr_scheduler_type: str = "constant"     # one of SCHEDULES; decaying ones need max_steps > 0
@@ -51,11 +49,13 @@ class AsyncGRPOConfig:
     warmup_steps: float = 0                 # >= 1: steps; < 1: a fraction of max_steps
     optim: str = "adamw_torch_fused"        # one of OPTIMIZERS (fused only where torch has it)
     optim_args: str | None = None           # the optimizer's extra arguments (refused)
-    weight_decay: float = 0.0               # AdamW's decoupled weight decay
+    weight_decay: float = 0.0               # AdamW's decoupled weight decay, on every tensor:
+                                            # biases and norms too (transformers exempts them)
     adam_beta1: float = 0.9                 # AdamW's first-moment decay
     adam_beta2: float = 0.999               # AdamW's second-moment decay
     adam_epsilon: float = 1e-8              # AdamW's denominator floor
     optim_target_modules: None | str | list[str] = None  # modules of GaLore-style optim (refused)
+    gradient_accumulation_steps: int = 1    # micro-batches per optimizer step
     average_tokens_across_devices: bool = True  # the loss's token mean spans every rank (always)
     max_grad_norm: float = 1.0              # clip the global gradient norm to this; <= 0: no clip
     label_smoothing_factor: float = 0.0     # label smoothing (refused: no labels)
@@ -65,8 +65,6 @@ class AsyncGRPOConfig:
     bf16_full_eval: bool = False            # bf16 evaluation (refused: no evaluation)
     fp16_full_eval: bool = False            # fp16 evaluation (refused: no evaluation)
     tf32: bool | None = None                # TF32 matmuls on Ampere+ CUDA; None: torch's setting
-    dtype: str = "float32"                  # weights load in: auto|bfloat16|float16|float32;
-                                            # the master weights are fp32 whatever it is
     gradient_checkpointing: bool = True     # recompute each decoder layer in backward
     gradient_checkpointing_kwargs: dict | str | None = None  # its kwargs (JSON); default
                                             # {"use_reentrant": False}
@@ -79,9 +77,107 @@ class AsyncGRPOConfig:
     neftune_noise_alpha: float | None = None  # NEFTune embedding noise (refused)
     torch_empty_cache_steps: int | None = None  # torch.cuda.empty_cache() every N steps
     auto_find_batch_size: bool = False      # halve the batch on OOM (refused: token_budget)
-    tree_attention_backend: str | None = None  # ours: sdpa|flex|flash; None: CUDA flex, else sdpa
+    # ── logging ──
+    logging_strategy: str = "steps"         # steps: every logging_steps; no: no metric lines
+    logging_steps: float = 1                # >= 1: steps; < 1: a fraction of max_steps
+    logging_first_step: bool = False        # also log after the first optimizer step
+    log_on_each_node: bool = True           # log_level on each node's local rank 0, else rank 0
+    logging_nan_inf_filter: bool = True     # leave NaN out of logged means (always)
+    include_num_input_tokens_seen: str = "no"  # count input tokens (refused: num_tokens is);
+                                            # False means "no", as in transformers
+    log_level: str = "passive"              # the trainer's logging level on the main process:
+                                            # debug|info|warning|error|critical|passive (as is)
+    log_level_replica: str = "warning"      # the same on the other ranks
+    disable_tqdm: bool | None = None        # None: the progress bar shows on a terminal
+    report_to: None | str | list[str] = "none"  # tensorboard|wandb|trackio|all|none, or a list;
+                                            # metrics.jsonl is written whatever it is
+    run_name: str | None = None             # the dashboards' run name; None: output_dir's name
+    project: str = "huggingface"            # the wandb/trackio project
+    trackio_space_id: str | None = None     # a trackio hub Space (refused: local store)
+    trackio_bucket_id: str | None = None    # a trackio hub bucket (refused: local store)
+    trackio_static_space_id: str | None = None  # a static trackio Space (refused: local store);
+                                            # False: none, as None does without a hub upload
+    # ── evaluation (refused: there is no evaluation loop) ──
+    eval_strategy: str = "no"               # when to evaluate
+    eval_steps: float | None = None         # evaluate every N steps
+    eval_delay: float = 0                   # steps or epochs before the first evaluation
+    per_device_eval_batch_size: int = 8     # evaluation batch size per device
+    prediction_loss_only: bool = False      # evaluation returns the loss only
+    eval_on_start: bool = False             # evaluate before training
+    eval_do_concat_batches: bool = True     # concatenate evaluation batches
+    eval_use_gather_object: bool = False    # gather evaluation objects across ranks
+    eval_accumulation_steps: int | None = None  # evaluation steps before moving to CPU
+    include_for_metrics: list[str] = field(default_factory=list)  # extra inputs to metrics
+    batch_eval_metrics: bool = False        # compute metrics per evaluation batch
+    # ── checkpoints ──
+    save_only_model: bool = False           # model files only: no fsdp/ state, cannot resume
+    save_strategy: str = "steps"            # steps | no
+    save_steps: float = 500                 # >= 1: steps; < 1: a fraction of max_steps
+    save_on_each_node: bool = False         # every node writes (refused: a shared output_dir)
+    save_total_limit: int | None = None     # keep the newest N checkpoints; None: all
+    enable_jit_checkpoint: bool = False     # checkpoint on SIGTERM (refused: save_steps)
+    push_to_hub: bool = False               # upload checkpoints (refused: `hf upload`)
+    hub_token: str | None = None            # the hub token (refused)
+    hub_private_repo: bool | None = None    # a private hub repo (refused)
+    hub_model_id: str | None = None         # the hub repo (refused)
+    hub_strategy: str = "every_save"        # when to upload (refused)
+    hub_always_push: bool = False           # upload even while one is running (refused)
+    hub_revision: str | None = None         # the hub branch (refused)
+    # ── the best model (refused: there is no evaluation loop) ──
+    load_best_model_at_end: bool = False    # keep the best checkpoint by an evaluation metric
+    metric_for_best_model: str | None = None  # that metric
+    greater_is_better: bool | None = None   # its direction
+    # ── resuming and seeds ──
+    ignore_data_skip: bool = True           # True: no skip-and-replay, rollout_state.json resumes
+    restore_callback_states_from_checkpoint: bool = False  # (refused: callbacks keep no state)
+    full_determinism: bool = False          # deterministic algorithms (refused: async timing)
+    seed: int = 42                          # torch seed on every rank (the same initial weights);
+                                            # the prompt order's too when data_seed is None
+    data_seed: int | None = None            # the prompt order's seed (train_sampling_strategy)
+    # ── devices ──
+    use_cpu: bool = False                   # force the CPU (refused: CUDA_VISIBLE_DEVICES=)
+    accelerator_config: dict | str | None = None  # accelerate's config (refused: torchrun)
+    parallelism_config: dict | str | None = None  # accelerate's parallelism (refused: DP only)
+    # ── data (dataloader_*, label_names, length_column_name refused: no DataLoader) ──
+    dataloader_drop_last: bool = False      # drop the last incomplete batch
+    dataloader_num_workers: int = 0         # loader worker processes
+    dataloader_pin_memory: bool = True      # pinned loader memory
+    dataloader_persistent_workers: bool = False  # keep loader workers alive
+    dataloader_prefetch_factor: int | None = None  # batches prefetched per worker
+    dataloader_multiprocessing_context: str | None = None  # the workers' start method
+    dataloader_in_order: bool = True        # batches in order
+    remove_unused_columns: bool = True      # either way every column reaches the reward functions
+                                            # (reward_kwargs): no model-input columns to prune
+    label_names: list[str] | None = None    # the label keys of a batch
+    train_sampling_strategy: str = "random"  # random: each epoch shuffled, seeded by data_seed
+                                            # (None: seed); sequential: the dataset's order
+    length_column_name: str = "length"      # the column of group_by_length
+    # ── distributed ──
+    ddp_find_unused_parameters: bool | None = None  # DDP's option (refused: FSDP2)
+    ddp_bucket_cap_mb: int | None = None    # DDP's option (refused: FSDP2)
+    ddp_broadcast_buffers: bool | None = None  # DDP's option (refused: FSDP2)
+    ddp_static_graph: bool | None = None    # DDP's option (refused: FSDP2)
+    ddp_backend: str | None = None          # nccl|gloo; None: nccl on CUDA, else gloo
+    ddp_timeout: int = 1800                 # collective timeout (s), raised to at least
+                                            # vllm_server_timeout + rollout_worker_timeout
+                                            # (process_group_timeout; set below it, it warns)
+    fsdp: str | None = None                 # FSDP1 options (refused: FSDP2 always)
+    fsdp_config: dict | str | None = None   # FSDP1 config (refused: FSDP2 always)
+    deepspeed: dict | str | None = None     # DeepSpeed config (refused: the spec, FSDP2 only)
+    # ── debugging and the script's flags ──
+    debug: str = ""                         # transformers' debug modes (refused); None and []
+                                            # mean "", as in transformers
+    skip_memory_metrics: bool = True        # memory metrics (refused: none collected)
+    do_train: bool = False                  # a flag for your own script (transformers reads it
+                                            # neither): train() trains whatever its value
+    do_eval: bool = False                   # run evaluation (refused: no evaluation loop)
+    do_predict: bool = False                # run prediction (refused: no evaluation loop)
+    resume_from_checkpoint: str | None = None  # a checkpoint directory, or "true": the newest
+    local_rank: int = -1                    # a launcher's --local_rank (refused: torchrun's env)
     # ── model ──
     model_init_kwargs: dict | str | None = None  # from_pretrained kwargs (JSON); its dtype wins
+    dtype: str = "float32"                  # weights load in: auto|bfloat16|float16|float32;
+                                            # the master weights are fp32 whatever it is
     trust_remote_code: bool = False         # let from_pretrained run a hub model's own code
     router_aux_loss_coef: float | None = None  # MoE load-balancing weight; None: the model's value
     # ── generation ──
@@ -97,14 +193,13 @@ class AsyncGRPOConfig:
     # ── vLLM server ──
     vllm_server_base_url: str = "http://localhost:8000"  # several replicas: comma-separated URLs
     vllm_server_timeout: float = 1800.0     # seconds for startup, each request, each weight sync
-    # ── objective ──
+    # ── training ──
     epsilon: float = 0.2                    # lower clip of the surrogate's ratio: 1 - epsilon
     epsilon_high: float | None = None       # upper clip 1 + epsilon_high; None: epsilon
     score_centering: bool = True            # subtract the sampler's expected score (loss.py)
     vllm_importance_sampling_clip_min: float = 0.5  # ratio below: the token is masked from the loss
     vllm_importance_sampling_clip_max: float = 5.0  # ratio above: the token is masked from the loss
     num_sampler_logprobs: int = 8           # sampler top log-probs per token (score centering)
-    # ── packing ──
     token_budget: int | None = None         # unique tokens a row; None: max_model_len; <= 0: count
     # ── asynchronous rollout pipeline ──
     max_concurrent_rollouts: int | None = None  # in-flight rollouts; None: the spec's formula
@@ -112,90 +207,12 @@ class AsyncGRPOConfig:
     queue_maxsize: int = 1024               # samples buffered between the processes
     weight_sync_steps: int = 1              # optimizer steps between weight syncs
     rollout_worker_timeout: float = 300.0   # seconds without a heartbeat before the trainer stops
-    # ── distributed ──
-    ddp_backend: str | None = None          # nccl|gloo; None: nccl on CUDA, else gloo
-    ddp_timeout: int = 1800                 # collective timeout (s), at least vllm_server_timeout
-                                            # + rollout_worker_timeout (rank 0 waits that long)
-    local_rank: int = -1                    # a launcher's --local_rank (refused: torchrun's env)
-    ddp_find_unused_parameters: bool | None = None  # DDP's option (refused: FSDP2)
-    ddp_bucket_cap_mb: int | None = None    # DDP's option (refused: FSDP2)
-    ddp_broadcast_buffers: bool | None = None  # DDP's option (refused: FSDP2)
-    ddp_static_graph: bool | None = None    # DDP's option (refused: FSDP2)
-    fsdp: str | None = None                 # FSDP1 options (refused: FSDP2 always)
-    fsdp_config: dict | str | None = None   # FSDP1 config (refused: FSDP2 always)
-    deepspeed: dict | str | None = None     # DeepSpeed config (refused: the spec, FSDP2 only)
-    accelerator_config: dict | str | None = None  # accelerate's config (refused: torchrun)
-    parallelism_config: dict | str | None = None  # accelerate's parallelism (refused: DP only)
-    use_cpu: bool = False                   # force the CPU (refused: CUDA_VISIBLE_DEVICES=)
-    # ── logging ──
-    logging_strategy: str = "steps"         # steps: every logging_steps; no: no metric lines
-    logging_steps: float = 1                # >= 1: steps; < 1: a fraction of max_steps
-    logging_first_step: bool = False        # also log after the first optimizer step
-    logging_dir: str | None = None          # ours: tensorboard's dir; None: output_dir/runs/run
-    log_on_each_node: bool = True           # log_level on each node's local rank 0, else rank 0
-    logging_nan_inf_filter: bool = True     # leave NaN out of logged means (always)
-    include_num_input_tokens_seen: str = "no"  # count input tokens (refused: num_tokens is)
-    log_level: str = "passive"              # the trainer's logging level on the main process:
-                                            # debug|info|warning|error|critical|passive (as is)
-    log_level_replica: str = "warning"      # the same on the other ranks
+    # ── logging completions ──
     log_completions: bool = False           # log (prompt, completion) pairs every logging step
     num_completions_to_print: int | None = None  # how many of them; None: all
-    disable_tqdm: bool | None = None        # None: the progress bar shows on a terminal
-    report_to: None | str | list[str] = "none"  # tensorboard|wandb|trackio|all|none, or a list;
-                                            # metrics.jsonl is written whatever it is
-    run_name: str | None = None             # the dashboards' run name; None: output_dir's name
-    project: str = "huggingface"            # the wandb/trackio project
-    trackio_space_id: str | None = None     # a trackio hub Space (refused: local store)
-    trackio_bucket_id: str | None = None    # a trackio hub bucket (refused: local store)
-    trackio_static_space_id: str | None = None  # a static trackio Space (refused: local store)
-    skip_memory_metrics: bool = True        # memory metrics (refused: none collected)
-    debug: str = ""                         # transformers' debug modes (refused)
-    # ── evaluation (refused: there is no evaluation loop) ──
-    do_eval: bool = False                   # run evaluation
-    do_predict: bool = False                # run prediction
-    eval_strategy: str = "no"               # when to evaluate
-    eval_steps: float | None = None         # evaluate every N steps
-    eval_delay: float = 0                   # steps or epochs before the first evaluation
-    per_device_eval_batch_size: int = 8     # evaluation batch size per device
-    prediction_loss_only: bool = False      # evaluation returns the loss only
-    eval_on_start: bool = False             # evaluate before training
-    eval_do_concat_batches: bool = True     # concatenate evaluation batches
-    eval_use_gather_object: bool = False    # gather evaluation objects across ranks
-    eval_accumulation_steps: int | None = None  # evaluation steps before moving to CPU
-    include_for_metrics: list[str] = field(default_factory=list)  # extra inputs to metrics
-    batch_eval_metrics: bool = False        # compute metrics per evaluation batch
-    load_best_model_at_end: bool = False    # keep the best checkpoint by an evaluation metric
-    metric_for_best_model: str | None = None  # that metric
-    greater_is_better: bool | None = None   # its direction
-    # ── data (refused: the rollout process reads the prompts, no DataLoader) ──
-    dataloader_drop_last: bool = False      # drop the last incomplete batch
-    dataloader_num_workers: int = 0         # loader worker processes
-    dataloader_pin_memory: bool = True      # pinned loader memory
-    dataloader_persistent_workers: bool = False  # keep loader workers alive
-    dataloader_prefetch_factor: int | None = None  # batches prefetched per worker
-    dataloader_multiprocessing_context: str | None = None  # the workers' start method
-    dataloader_in_order: bool = True        # batches in order
-    remove_unused_columns: bool = True      # drop dataset columns (every column reaches rewards)
-    label_names: list[str] | None = None    # the label keys of a batch
-    length_column_name: str = "length"      # the column of group_by_length
-    # ── checkpoints ──
-    save_strategy: str = "steps"            # steps | no
-    save_steps: float = 500                 # >= 1: steps; < 1: a fraction of max_steps
-    save_total_limit: int | None = None     # keep the newest N checkpoints; None: all
-    save_only_model: bool = False           # model files only: no fsdp/ state, cannot resume
-    save_on_each_node: bool = False         # every node writes (refused: a shared output_dir)
-    enable_jit_checkpoint: bool = False     # checkpoint on SIGTERM (refused: save_steps)
-    resume_from_checkpoint: str | None = None  # a checkpoint directory, or "true": the newest
-    ignore_data_skip: bool = True           # True: no skip-and-replay, rollout_state.json resumes
-    restore_callback_states_from_checkpoint: bool = False  # (refused: callbacks keep no state)
-    full_determinism: bool = False          # deterministic algorithms (refused: async timing)
-    push_to_hub: bool = False               # upload checkpoints (refused: `hf upload`)
-    hub_token: str | None = None            # the hub token (refused)
-    hub_private_repo: bool | None = None    # a private hub repo (refused)
-    hub_model_id: str | None = None         # the hub repo (refused)
-    hub_strategy: str = "every_save"        # when to upload (refused)
-    hub_always_push: bool = False           # upload even while one is running (refused)
-    hub_revision: str | None = None         # the hub branch (refused)
+    # ── ours (not in the spec) ──
+    tree_attention_backend: str | None = None  # ours: sdpa|flex|flash; None: CUDA flex, else sdpa
+    logging_dir: str | None = None          # ours: tensorboard's dir; None: output_dir/runs/run
 
     def __post_init__(self):
         refuse_inapplicable(self)
@@ -216,7 +233,7 @@ class AsyncGRPOConfig:
         if self.repetition_penalty != 1.0:
             warnings.warn("AsyncGRPOConfig.repetition_penalty != 1: the server's processed "
                           "log-probs include the penalty and the trainer's log-probs do not, so "
-                          "every importance ratio is biased", stacklevel=2)
+                          "every importance ratio is biased", stacklevel=3)
         need(self.epsilon > 0 and (self.epsilon_high is None or self.epsilon_high > 0), "epsilon",
              "must be > 0")
         clip_min = self.vllm_importance_sampling_clip_min
@@ -264,6 +281,13 @@ class AsyncGRPOConfig:
         need(self.ddp_backend in (None, "nccl", "gloo"), "ddp_backend",
              "must be nccl (CUDA), gloo (CPU) or None (the device's)")
         need(self.ddp_timeout > 0, "ddp_timeout", "must be > 0 seconds")
+        in_force = self.process_group_timeout()
+        if self.ddp_timeout != type(self).ddp_timeout and self.ddp_timeout < in_force:
+            warnings.warn(f"AsyncGRPOConfig.ddp_timeout={self.ddp_timeout} has no effect: the "
+                          f"process group's timeout is {in_force:g}s, vllm_server_timeout + "
+                          "rollout_worker_timeout, as rank 0 may wait that long for samples while "
+                          "the other ranks wait in a collective; lower those two for a shorter "
+                          "one", stacklevel=3)
         # logging and checkpoints
         unknown = [n for n in self.dashboards(installed=DASHBOARDS) if n not in DASHBOARDS]
         need(not unknown, "report_to", f"{unknown} unknown: use {', '.join(DASHBOARDS)}, 'all' "
@@ -287,6 +311,20 @@ class AsyncGRPOConfig:
             return self.max_concurrent_rollouts
         return (max(self.max_staleness, 1) * self.per_device_train_batch_size
                 * self.gradient_accumulation_steps * num_processes)
+
+    def shuffle_seed(self) -> int | None:
+        """The seed of the prompt order (rollout/prompts.py): train_sampling_strategy "random"
+        shuffles each epoch with data_seed, or with seed when data_seed is None (as transformers'
+        Trainer does); "sequential" keeps the dataset's order (None)."""
+        if self.train_sampling_strategy == "sequential":
+            return None
+        return self.seed if self.data_seed is None else self.data_seed
+
+    def process_group_timeout(self) -> float:
+        """The process group's timeout in seconds: ddp_timeout, raised to vllm_server_timeout +
+        rollout_worker_timeout, since rank 0 may wait that long for samples while the other ranks
+        wait in a collective (the defaults: max(1800, 1800 + 300) = 2100)."""
+        return max(self.ddp_timeout, self.vllm_server_timeout + self.rollout_worker_timeout)
 
     def bf16_on(self, device) -> bool:
         """Whether forward and backward run in bf16 on `device` (bf16=None: on CUDA unless
@@ -420,8 +458,6 @@ WHY = {
     "dataloader_prefetch_factor": _LOADER,
     "dataloader_multiprocessing_context": _LOADER,
     "dataloader_in_order": _LOADER,
-    "remove_unused_columns": "every dataset column reaches the reward functions as a keyword "
-                             "argument (the spec's reward_kwargs); none is removed",
     "label_names": "the GRPO loss has no labels",
     "length_column_name": "there is no length-grouped sampler: the planner packs rows by token "
                           "count (token_budget)",
@@ -444,12 +480,19 @@ WHY = {
 }
 
 
+# Values that mean the default: transformers reads include_num_input_tokens_seen=False as "no"
+# and debug None or [] as "", and trackio_static_space_id=False (no static Space) is what None
+# does without a hub upload.
+SAME_AS_DEFAULT = {"include_num_input_tokens_seen": (False,), "debug": (None, []),
+                   "trackio_static_space_id": (False,)}
+
+
 def refuse_inapplicable(config) -> None:
-    """ValueError for the first WHY field set to anything but its default."""
+    """ValueError for the first WHY field set to anything but its default (or SAME_AS_DEFAULT)."""
     for f in fields(config):
         if f.name not in WHY:
             continue
         default = f.default_factory() if f.default is MISSING else f.default
         value = getattr(config, f.name)
-        if value != default:
+        if value != default and value not in SAME_AS_DEFAULT.get(f.name, ()):
             raise ValueError(f"AsyncGRPOConfig.{f.name}={value!r}: {WHY[f.name]}")

@@ -58,8 +58,9 @@ def prompt_stream(dataset, start_index: int, num_train_epochs: float, max_steps:
     ceil(num_train_epochs × len(dataset)) prompts, or never when max_steps > 0 (the trainer stops
     by steps). A streaming dataset (no len) cannot be repositioned: it restarts at prompt 0 and
     counts whole passes. Without a dataset (an environment's reset() writes each prompt) every row
-    is empty, in epoch 0. `shuffle_seed` (data_seed): each epoch of a sized dataset visits its
-    rows in a permutation seeded by (shuffle_seed, epoch), so a resume index finds the same row.
+    is empty, in epoch 0. `shuffle_seed` (AsyncGRPOConfig.shuffle_seed(): data_seed, else seed;
+    None for "sequential", the dataset's order): each epoch of a sized dataset visits its rows in
+    a permutation seeded by (shuffle_seed, epoch), so a resume index finds the same row.
     """
     endless = max_steps > 0
     if dataset is None:

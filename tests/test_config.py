@@ -1,10 +1,12 @@
 """AsyncGRPOConfig: the spec's defaults, the derived values of the module docstring's worked
 example, and bad values refused with the field and the fix."""
 import dataclasses
+import warnings
 
 import pytest
 import torch
 
+import rollout_helpers as h
 from config import AsyncGRPOConfig
 
 
@@ -34,6 +36,49 @@ def test_the_docstrings_worked_example():
     assert (c.every("save_steps"), c.every("warmup_steps")) == (50, 20)
     assert c.default_max_concurrent_rollouts(num_processes=4) == 128
     assert AsyncGRPOConfig(save_steps=20).every("save_steps") == 20
+    assert (c.shuffle_seed(), c.process_group_timeout()) == (42, 2100)
+
+
+def test_random_sampling_is_seeded_by_data_seed_else_seed():
+    """As transformers' Trainer: data_seed when set, else seed; "sequential" does not shuffle."""
+    assert AsyncGRPOConfig(seed=7).shuffle_seed() == 7
+    assert AsyncGRPOConfig(seed=7, data_seed=3).shuffle_seed() == 3
+    assert AsyncGRPOConfig(seed=7, train_sampling_strategy="sequential").shuffle_seed() is None
+    with pytest.raises(ValueError, match="AsyncGRPOConfig.train_sampling_strategy: must be"):
+        AsyncGRPOConfig(train_sampling_strategy="group_by_length")
+
+
+def test_a_ddp_timeout_under_the_rollout_wait_warns_naming_the_timeout_in_force():
+    """Rank 0 may wait vllm_server_timeout + rollout_worker_timeout for samples while the other
+    ranks wait in a collective, so the process group's timeout is never below that sum."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert AsyncGRPOConfig().process_group_timeout() == 1800 + 300   # the default: unasked
+        assert AsyncGRPOConfig(ddp_timeout=3600).process_group_timeout() == 3600
+        short = AsyncGRPOConfig(ddp_timeout=100, vllm_server_timeout=60, rollout_worker_timeout=30)
+        assert short.process_group_timeout() == 100
+    with pytest.warns(UserWarning, match=r"ddp_timeout=600 has no effect: .* timeout is 2100s, "
+                      r"vllm_server_timeout \+ rollout_worker_timeout, as rank 0 may wait"):
+        assert AsyncGRPOConfig(ddp_timeout=600).process_group_timeout() == 2100
+
+
+def test_remove_unused_columns_either_way_every_column_reaches_the_rewards():
+    """A GRPO script's remove_unused_columns=False is what the code does, and so is the default
+    True: the trainer has no model-input columns to prune."""
+    for value in (True, False):
+        assert AsyncGRPOConfig(remove_unused_columns=value).remove_unused_columns is value
+    row = {"prompt": [{"role": "user", "content": "3+4="}], "answer": "7"}
+    assert h.group_of([1.0, 0.0], row=row).reward_kwargs == {"answer": ["7", "7"]}
+
+
+def test_values_transformers_reads_as_the_default_are_accepted():
+    """include_num_input_tokens_seen=False is "no", debug None or [] is "", and
+    trackio_static_space_id=False asks for no static Space: none is refused."""
+    for kwargs in ({"include_num_input_tokens_seen": False}, {"debug": []}, {"debug": None},
+                   {"trackio_static_space_id": False}):
+        AsyncGRPOConfig(**kwargs)
+    with pytest.raises(ValueError, match="AsyncGRPOConfig.include_num_input_tokens_seen=True"):
+        AsyncGRPOConfig(include_num_input_tokens_seen=True)
 
 
 def test_bf16_none_means_on_cuda_only():

@@ -1,9 +1,10 @@
-"""rollout/prompts.py: the prompt stream (epochs, resume, streaming), filter_prompt's epoch rule,
-and the resume index."""
+"""rollout/prompts.py: the prompt stream (epochs, resume, streaming, the shuffled order),
+filter_prompt's epoch rule, and the resume index."""
 import pytest
 from datasets import IterableDataset
 
 import toy
+from config import AsyncGRPOConfig
 from rollout.prompts import ResumeIndex, filtered_stream, first_prompt_index, prompt_stream
 
 
@@ -19,6 +20,24 @@ def test_prompt_stream_epochs_resume_and_streaming():
         (0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 1, 0), (4, 1, 1), (5, 1, 2)]
     with pytest.raises(ValueError, match="empty"):  # not a busy loop that starves the heartbeat
         next(prompt_stream(EmptyStream(), 0, 1, max_steps=10))
+
+
+def rows(config, start=0):
+    """The rows of two epochs over 16 prompts, from prompt `start`, in `config`'s order."""
+    stream = prompt_stream(toy.make_dataset(16), start, 2, -1, config.shuffle_seed())
+    return [row_index for _, _, row_index, _ in stream]
+
+
+def test_random_sampling_shuffles_each_epoch_reproducibly_and_a_resume_keeps_the_order():
+    default = rows(AsyncGRPOConfig())                  # data_seed None: seeded by seed (42)
+    assert sorted(default[:16]) == sorted(default[16:]) == list(range(16))
+    assert list(range(16)) != default[:16] != default[16:]       # shuffled, each epoch anew
+    assert rows(AsyncGRPOConfig(seed=42)) == default
+    assert rows(AsyncGRPOConfig(seed=7)) != default
+    assert rows(AsyncGRPOConfig(seed=7, data_seed=42)) == default             # data_seed wins
+    assert rows(AsyncGRPOConfig(), start=5) == default[5:]        # a resume: the same order on
+    assert rows(AsyncGRPOConfig(), start=21) == default[21:]
+    assert rows(AsyncGRPOConfig(train_sampling_strategy="sequential")) == list(range(16)) * 2
 
 
 class EmptyStream:

@@ -24,7 +24,8 @@ from vllm_client import VLLMError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest_plugins = ["train_fixtures"]
 
-# the spec's AsyncGRPOConfig signature (S:471), in its order: 141 fields and their defaults
+# the spec's AsyncGRPOConfig signature (設定クラス, "AsyncGRPOConfig", S:471), in its order: 141
+# fields and their defaults
 SPEC_DEFAULTS = {
     "output_dir": None, "per_device_train_batch_size": 8, "num_train_epochs": 3.0,
     "max_steps": -1, "learning_rate": 1e-06, "lr_scheduler_type": "constant",
@@ -97,6 +98,17 @@ def test_the_spec_lists_141_fields_and_each_is_declared_with_its_default():
         AsyncGRPOConfig(**{name: default})                # accepted at its default
 
 
+def test_positional_arguments_follow_the_spec_signature():
+    """The fields are declared in the signature's order, then ours: AsyncGRPOConfig("out", 16) is
+    per_device_train_batch_size=16, as in TRL, not seed=16."""
+    names = [f.name for f in dataclasses.fields(AsyncGRPOConfig)]
+    assert names[:len(SPEC_DEFAULTS)] == list(SPEC_DEFAULTS)
+    assert names[len(SPEC_DEFAULTS):] == ["tree_attention_backend", "logging_dir"]
+    config = AsyncGRPOConfig("out", 16, 2.0, 5)
+    assert (config.output_dir, config.per_device_train_batch_size) == ("out", 16)
+    assert (config.num_train_epochs, config.max_steps, config.seed) == (2.0, 5, 42)
+
+
 @pytest.mark.parametrize("name", list(SPEC_DEFAULTS))
 def test_a_changed_field_works_or_is_refused_naming_it(name):
     value = changed(name, SPEC_DEFAULTS[name])
@@ -119,8 +131,10 @@ def test_every_accepted_field_is_read_by_the_code():
             text = f.read().split("# ── the refused fields")[0]     # config.py's WHY table
         source += "".join(line for line in text.splitlines(True)
                           if not re.match(r"    \w+: .+ = ", line))
+    unread = ("do_train",                 # a flag for scripts
+              "remove_unused_columns")    # either value: every column reaches the rewards
     for name in SPEC_DEFAULTS:
-        if name not in config.WHY and name != "do_train":    # a flag for scripts
+        if name not in config.WHY and name not in unread:
             assert re.search(rf"[.\"']{name}\b", source), name
 
 
