@@ -74,3 +74,14 @@ def kill_launched() -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def pid_reward(prompts, completions, **kwargs) -> list[float]:
+    """recorded_reward's rewards and, when TRAIN_TEST_PIDS names a file, one line per scored group:
+    the pid of the process that scored it, its parent's pid and its RANK variable (test_train_nodes
+    reads which process ran the rollouts)."""
+    path = os.environ.get("TRAIN_TEST_PIDS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} {os.getppid()} {os.environ.get('RANK')}\n")
+    return recorded_reward(prompts, completions, **kwargs)
