@@ -7,10 +7,10 @@ One `VLLMClient` talks to one server; `server_urls` splits `vllm_server_base_url
 
     purpose          endpoint                              method(s) here
     ---------------  ------------------------------------  --------------------------------------
-    health / info    GET  /health                          wait_for_health
+    health / info    GET  /health                          wait_for_health, healthy
                      GET  /v1/models                       models, max_model_len
-                     GET  /server_info?config_format=json  server_info              (dev mode)
-                     GET  /get_world_size?include_dp=      world_size               (dev mode)
+                     GET  /server_info?config_format=json  server_info
+                     GET  /get_world_size?include_dp=      world_size
                      GET  /metrics  (Prometheus text)      ametrics -> parse_prometheus
     generation       POST /v1/completions                  completions, acompletions
                      POST /inference/v1/generate           agenerate  (--enable-scale-out)
@@ -21,156 +21,79 @@ One `VLLMClient` talks to one server; `server_urls` splits `vllm_server_base_url
                      POST /update_weights                  update_weights              (collective)
                      POST /finish_weight_update            finish_weight_update
                      GET  /weight_info, POST /weight_checker  weight_info, weight_checker
-    LoRA             POST /v1/load_lora_adapter            load_lora_adapter    (replies plain text)
-                     POST /v1/unload_lora_adapter          unload_lora_adapter  (replies plain text)
+    LoRA             POST /v1/load_lora_adapter            load_lora_adapter    (plain-text reply)
+                     POST /v1/unload_lora_adapter          unload_lora_adapter  (plain-text reply)
 
+What a server must be started with for a route to exist is ENABLED_BY; a 404 from one names it.
 Retries (spec: vllm_server_timeout bounds every wait and call): the table is on _next_delay.
+
+    trainer: sync calls ── a requests.Session ───────────┐
+                                                         ├─ one retry policy ─► one vLLM server
+    rollout: async calls ── an aiohttp session per loop ─┘  (_next_delay)
 
 Departures from TRL's client (reference/trl_async_grpo_notes.md §2, §6.6), one line each:
 - 4xx is never retried: a bad request stays bad, and its message reaches the user at once.
-- One library (httpx) and one retry policy for the sync and async paths, no nested retry loops.
+- HTTP through libraries: requests for control calls, aiohttp for the rollout's async requests;
+  one retry policy over both (their errors mapped to its words by _failure), no nested loops.
 - wait_for_health caps each probe at the time left, so a short deadline is met to within a poll.
 - A collective call is retried only if refused: the server may already wait inside NCCL for it.
-- Connection pools are unbounded: the rollout's adaptive cap bounds concurrency, not the pool.
-- Async requests over http:// speak HTTP/1.1 on asyncio streams themselves (_Wire), a stack of
-  keep-alive connections: httpx + httpcore cost 0.54 ms of CPU a request, half the rollout
-  process's (python -m tools.bench rollout). https:// keeps httpx, one client per connection.
-- `timeout` is httpx's per phase; a non-streamed reply sends nothing until done, so it bounds all.
+- The async pool holds `max_connections` (the rollout passes its concurrency cap, + 1 for the
+  /metrics poll); an idle connection the server closed (uvicorn: after 5 s) is replaced.
+- `timeout`: requests' is per phase (connect, each read), and a non-streamed reply sends nothing
+  until done, so it bounds all; aiohttp's ClientTimeout(total=) bounds each request.
+- https:// is the libraries' own TLS, certificates verified: a private CA's bundle goes in
+  REQUESTS_CA_BUNDLE (requests) and SSL_CERT_FILE (aiohttp: Python's ssl reads it).
 """
 import asyncio
+import itertools
 import logging
 import os
 import random
 import re
+import ssl
 import time
 
-import httpx
+import aiohttp
 import orjson
+import requests
+import urllib3
 
 log = logging.getLogger(__name__)
 
 HEALTH_PROBE_S = 2.0  # one /health probe never waits longer than this
 HEALTH_POLL_S = 0.25  # pause between /health probes
 REFUSED_RETRIES = 2   # a refused connection: ~1.5 s of backoff, then the server is down
-# Unbounded pools (the caller bounds concurrency); idle connections are dropped before uvicorn's 5 s
-# keep-alive closes them under us. An async client holds one connection (see _arequest).
-_POOL = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
-_ONE = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=2.0)
+JSON = {"Content-Type": "application/json"}   # bodies are orjson bytes on both paths
+
+# What a vLLM server needs for a route: (what registers it, else a 404 "Not Found"; what
+# configures it, else "... not configured"). vllm serve reads the variables at start.
+_DEV_MODE = "VLLM_SERVER_DEV_MODE=1 (vllm serve reads it at start)"
+_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora (vllm serve reads both at start)"
+_TRANSFER = ("--weight-transfer-config '{\"backend\":\"nccl\"}' (on a CPU, our gloo backend: "
+             "vllm_plugin/)")
+ENABLED_BY = {
+    "/server_info": (_DEV_MODE, None),
+    "/get_world_size": (_DEV_MODE, None),
+    "/pause": (_DEV_MODE, None),
+    "/resume": (_DEV_MODE, None),
+    "/is_paused": (_DEV_MODE, None),
+    "/init_weight_transfer_engine": (_DEV_MODE, _TRANSFER),
+    "/start_weight_update": (_DEV_MODE, _TRANSFER),
+    "/update_weights": (_DEV_MODE, _TRANSFER),
+    "/finish_weight_update": (_DEV_MODE, _TRANSFER),
+    "/weight_info": (_DEV_MODE, None),
+    "/weight_checker": (_DEV_MODE, None),
+    "/v1/load_lora_adapter": (_LORA, None),
+    "/v1/unload_lora_adapter": (_LORA, None),
+}
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
-
-
-class _Reply:
-    """What _Wire returns: the parts of an httpx.Response the policy and the callers read (an
-    httpx.Response and its Request cost ~10% of the rollout process's CPU)."""
-
-    def __init__(self, status_code: int, content: bytes, url: str):
-        self.status_code = status_code
-        self.content = content
-        self.url = url
-        self.reason_phrase = f"HTTP {status_code}"
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
-
-    def json(self):
-        return orjson.loads(self.content)       # raises ValueError (JSONDecodeError), as json
-
-
-class _Wire:
-    """One keep-alive HTTP/1.1 connection to an http:// server on asyncio streams, for the async
-    path: a request is written in one go and its reply read by Content-Length (or chunked, or to
-    the close); failures raise httpx's transport errors, so the retry policy is the same. A reused
-    connection the server closed while idle (uvicorn: after 5 s) is reopened once, before any
-    byte of the reply came: the request never reached the server."""
-
-    def __init__(self, host: str, port: int, headers: dict[str, str]):
-        self.host, self.port = host, port
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        name = f"[{host}]" if ":" in host else host            # an IPv6 literal
-        self.head = f"Host: {name}:{port}\r\nUser-Agent: async-grpo\r\n{extra}"
-        self.streams = None                      # (reader, writer) while open ...
-        self.loop = None                         # ... on this event loop
-
-    async def request(self, method: str, url: str, target: str, body: bytes | None,
-                      timeout: float) -> _Reply:
-        data = body or b""
-        head = (f"{method} {target} HTTP/1.1\r\n{self.head}Content-Length: {len(data)}\r\n"
-                + ("Content-Type: application/json\r\n" if body is not None else "") + "\r\n")
-        message = head.encode() + data
-        if self.loop is not asyncio.get_running_loop():
-            self.streams = None                  # opened on an earlier loop (asyncio.run again)
-        try:
-            async with asyncio.timeout(timeout):
-                for fresh in ((False, True) if self.streams else (True,)):
-                    if fresh:
-                        await self._open()
-                    got = await self._exchange(message, url, retry_on_close=not fresh)
-                    if got is not None:
-                        return got
-        except TimeoutError as e:
-            self.close()
-            raise httpx.ReadTimeout(f"no reply within {timeout:g}s") from e
-        except asyncio.IncompleteReadError as e:
-            self.close()
-            raise httpx.RemoteProtocolError("Server disconnected mid-reply.") from e
-        except OSError as e:
-            self.close()
-            raise httpx.ReadError(f"{type(e).__name__}: {e}") from e
-        raise AssertionError("unreachable")
-
-    async def _open(self) -> None:
-        self.close()
-        try:
-            self.streams = await asyncio.open_connection(self.host, self.port)
-            self.loop = asyncio.get_running_loop()
-        except OSError as e:
-            raise httpx.ConnectError(f"{type(e).__name__}: {e}") from e
-
-    async def _exchange(self, message: bytes, url: str,
-                        retry_on_close: bool) -> _Reply | None:
-        reader, writer = self.streams
-        writer.write(message)
-        status_line = await reader.readline()
-        if not status_line:                      # closed before any byte of the reply
-            self.close()
-            if retry_on_close:
-                return None
-            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
-        headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        try:
-            status = int(status_line.split(None, 2)[1])
-        except (IndexError, ValueError) as e:
-            raise httpx.RemoteProtocolError(f"malformed status line {status_line[:80]!r}") from e
-        if "content-length" in headers:
-            content = await reader.readexactly(int(headers["content-length"]))
-        elif headers.get("transfer-encoding", "").lower() == "chunked":
-            parts = []
-            while size := int((await reader.readline()).split(b";")[0], 16):
-                parts.append(await reader.readexactly(size))
-                await reader.readline()
-            await reader.readline()
-            content = b"".join(parts)
-        else:
-            content = await reader.read()
-            headers["connection"] = "close"
-        if headers.get("connection", "").lower() == "close":
-            self.close()
-        return _Reply(status, content, url)
-
-    def close(self) -> None:
-        if self.streams is not None:
-            self.streams[1].close()
-            self.streams = None
+Reply = tuple[int, bytes]   # (HTTP status, body)
 
 
 class VLLMError(RuntimeError):
-    """A vLLM server refused or failed a call. `message` is the server's message; `status` the
-    HTTP code."""
+    """A vLLM server refused or failed a call. `message` is the server's message (with the fix,
+    where it is known); `status` the HTTP code."""
 
     def __init__(self, message: str, url: str, status: int | None = None):
         where = url if status is None else f"{url} -> HTTP {status}"
@@ -197,36 +120,60 @@ def server_urls(config_or_url) -> list[str]:
     return urls
 
 
-def _server_message(response: httpx.Response) -> str:
+def _server_message(status: int, body: bytes) -> str:
     """The error text out of vLLM's (or FastAPI's, or a proxy's) error body."""
     try:
-        body = response.json()
+        parsed = orjson.loads(body)
     except ValueError:
-        return response.text.strip()[:1000] or response.reason_phrase
-    if isinstance(body, dict):
+        return body.decode("utf-8", "replace").strip()[:1000] or f"HTTP {status}"
+    if isinstance(parsed, dict):
         for key in ("error", "message", "detail"):
-            if key in body:
-                inner = body[key]
+            if key in parsed:
+                inner = parsed[key]
                 return str(inner.get("message", inner) if isinstance(inner, dict) else inner)
-    return str(body)
+    return str(parsed)
 
 
-def _field(response: httpx.Response, *keys: str):
-    """`response.json()[keys[0]][keys[1]]...`, or a VLLMError that shows what came instead."""
+def _field(url: str, reply: Reply, *keys: str):
+    """`json(body)[keys[0]][keys[1]]...`, or a VLLMError that shows what came instead."""
+    status, body = reply
     try:
-        value = response.json()
+        value = orjson.loads(body)
     except ValueError:
         value = None
-    where = str(response.url)
-    status = response.status_code
+    shown = body[:200].decode("utf-8", "replace")
     if not isinstance(value, dict):
-        raise VLLMError(f"expected a JSON object, got {response.text[:200]!r}", where, status)
+        raise VLLMError(f"expected a JSON object, got {shown!r}", url, status)
     for key in keys:
         if not isinstance(value, dict) or key not in value:
-            raise VLLMError(f"reply has no {'.'.join(keys)!r}: {response.text[:200]!r}", where,
-                            status)
+            raise VLLMError(f"reply has no {'.'.join(keys)!r}: {shown!r}", url, status)
         value = value[key]
     return value
+
+
+def _cause(error: Exception) -> Exception:
+    """The exception that says what happened: requests wraps urllib3's (in a MaxRetryError)."""
+    inner = error.args[0] if isinstance(error, requests.RequestException) and error.args else None
+    inner = getattr(inner, "reason", inner)
+    return inner if isinstance(inner, Exception) else error
+
+
+def _failure(error: Exception) -> str:
+    """A failed request in the retry policy's words, whichever library raised it: "refused" (no
+    connection, so nothing was sent: a refused or failed connect, a TLS handshake), "timeout",
+    "dropped" (the connection broke, or the reply was cut or malformed), else "other"."""
+    cause = _cause(error)
+    if isinstance(error, (aiohttp.ClientConnectorError, requests.exceptions.SSLError)) or (
+            isinstance(cause, urllib3.exceptions.NewConnectionError)):
+        return "refused"
+    if isinstance(error, (TimeoutError, requests.Timeout)) or (     # aiohttp's: TimeoutErrors
+            isinstance(cause, urllib3.exceptions.TimeoutError)):
+        return "timeout"
+    if isinstance(error, (requests.ConnectionError, requests.exceptions.ChunkedEncodingError,
+                          aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
+                          aiohttp.ClientResponseError)):
+        return "dropped"
+    return "other"
 
 
 _SAMPLE = re.compile(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
@@ -264,45 +211,58 @@ def parse_prometheus(text: str) -> Samples:
 
 
 class VLLMClient:
-    """HTTP client for one vLLM server: a base URL, a sync and an async connection pool, a retry
-    counter."""
+    """HTTP client for one vLLM server: a base URL, a requests.Session for the sync calls, an
+    aiohttp session per event loop for the async ones, a retry counter."""
 
     def __init__(self, base_url: str, timeout: float = 1800.0, max_retries: int = 8,
-                 backoff: float = 0.5, max_backoff: float = 16.0):
+                 backoff: float = 0.5, max_backoff: float = 16.0, max_connections: int = 100):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff = backoff
         self.max_backoff = max_backoff
+        self.max_connections = max_connections   # the async pool's size (aiohttp's default: 100)
         self.retry_total = 0  # retries so far, sync and async (rollout/vllm_retry_total)
         key = os.environ.get("VLLM_API_KEY")
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._client = httpx.Client(timeout=timeout, limits=_POOL, headers=self._headers)
-        self._idle: list[httpx.AsyncClient] = []   # async clients free for a request (a stack) ...
-        self._asyncs: list[httpx.AsyncClient] = []  # ... and all of them, tied to one event loop
-        self._ssl = None                            # one TLS context shared by the async clients
-        parts = httpx.URL(self.base_url)
-        self._wire = ((parts.host, parts.port or 80) if parts.scheme == "http" else None)
-        self._prefix = parts.raw_path.decode().rstrip("/")   # a base URL's own path, if any
-        self._wires: list[_Wire] = []               # http://: free connections (a stack)
+        self._session = self._sync_session()
+        self._aio: aiohttp.ClientSession | None = None   # made in, and tied to, ...
+        self._aio_loop: asyncio.AbstractEventLoop | None = None   # ... this event loop
+
+    def _sync_session(self) -> requests.Session:
+        session = requests.Session()
+        session.headers.update(self._headers)
+        return session
+
+    def _async_session(self) -> aiohttp.ClientSession:
+        """The running loop's aiohttp session, made on its first request (a session belongs to
+        one loop: asyncio.run again gets a new one)."""
+        loop = asyncio.get_running_loop()
+        if self._aio_loop is not loop:
+            tls = ssl.create_default_context() if self.base_url.startswith("https:") else True
+            self._aio = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, ssl=tls),
+                headers=self._headers, timeout=aiohttp.ClientTimeout(total=self.timeout))
+            self._aio_loop = loop
+        return self._aio
 
     # ---- the retry policy, shared by the sync and async paths ----
 
-    def _next_delay(self, method: str, url: str, kind: str, attempt: int, retries: int,
-                    response: httpx.Response | None,
-                    error: httpx.TransportError | None) -> float | None:
-        """None if `response` is the answer; else the seconds to sleep before retrying; else raise.
+    def _next_delay(self, method: str, path: str, kind: str, attempt: int, retries: int,
+                    reply: Reply | None, error: Exception | None) -> float | None:
+        """None if `reply` is the answer; else the seconds to sleep before retrying; else raise.
 
-        kind: "generation" | "control" | "weights" | "collective". The policy (spec:
-        `vllm_server_timeout` bounds waiting for the server, each generation request and each
-        weight-sync call; waiting and weight sync raise on timeout, generation retries):
+        kind: "generation" | "control" | "weights" | "collective"; `error` (requests' or
+        aiohttp's) in _failure's words. The policy (spec: `vllm_server_timeout` bounds waiting
+        for the server, each generation request and each weight-sync call; waiting and weight
+        sync raise on timeout, generation retries):
 
             answer / error                   generation     control        weights, collective
             2xx                              return         return         return
             4xx                              VLLMError now  VLLMError now  VLLMError now
             5xx (503 = paused server)        retry          retry          VLLMError now
-            connection refused (never sent)  retry (REFUSED_RETRIES at most: nothing listens)
-            connection dropped mid-request   retry          retry          weights: retry;
+            refused (never sent)             retry (REFUSED_RETRIES at most: nothing listens)
+            dropped mid-request or reply     retry          retry          weights: retry;
                                                                            collective: VLLMError
             timeout (`timeout` s)            retry (async:  TimeoutError   TimeoutError now
                                              VLLMError now
@@ -315,33 +275,29 @@ class VLLMClient:
         (init_weight_transfer_engine, update_weights) blocks inside NCCL on the server, paired with
         the trainer's own send: once it may have reached the server, a retry would wait for a send
         that already happened. vLLM answers a refused weight-sync call with a 500 (its worker
-        raised): the same call would be refused again. A 401 names the fix.
+        raised): the same call would be refused again. A 401 and a missing route name the fix.
         """
-        if response is not None:
-            if response.status_code < 400:
+        url = self.base_url + path
+        if reply is not None:
+            status = reply[0]
+            if status < 400:
                 return None
-            status, message = response.status_code, _server_message(response)
-            if status == 401:
-                if self._headers:
-                    message += (": it refused the key in VLLM_API_KEY; set the key it was "
-                                "started with")
-                else:
-                    message += (": the server was started with --api-key; set VLLM_API_KEY to "
-                                "that key")
+            message = self._explain(path, status, _server_message(*reply))
             if status < 500 or kind in ("weights", "collective"):
                 raise VLLMError(message, url, status)
             last = f"HTTP {status}: {message}"
-        elif isinstance(error, httpx.TimeoutException) and kind != "generation":
-            raise TimeoutError(f"{method} {url} timed out after {self.timeout:g}s "
-                               f"(vllm_server_timeout); {kind} calls are not retried") from error
-        elif isinstance(error, httpx.ConnectError) or (kind != "collective" and isinstance(
-                error, (httpx.NetworkError, httpx.RemoteProtocolError, httpx.TimeoutException))):
-            status = None
-            last = f"{type(error).__name__}: {error}"
-            if isinstance(error, httpx.ConnectError):     # a server that died: say so in seconds
-                retries = min(retries, REFUSED_RETRIES)
         else:
-            raise VLLMError(f"{method} failed: {type(error).__name__}: {error}", url) from error
+            status, failure = None, _failure(error)
+            if failure == "timeout" and kind != "generation":
+                raise TimeoutError(f"{method} {url} timed out after {self.timeout:g}s "
+                                   f"(vllm_server_timeout); {kind} calls are not retried"
+                                   ) from error
+            cause = _cause(error)
+            last = f"{failure}: {type(cause).__name__}: {cause}"
+            if failure == "other" or (failure != "refused" and kind == "collective"):
+                raise VLLMError(f"{method} failed: {last}", url) from error
+            if failure == "refused":                # a server that died: say so in seconds
+                retries = min(retries, REFUSED_RETRIES)
         if attempt >= retries:
             message = f"{method} gave up after {attempt + 1} attempts; last error: {last}"
             raise VLLMError(message, url, status) from error
@@ -351,71 +307,61 @@ class VLLMClient:
                     retries, delay)
         return delay
 
+    def _explain(self, path: str, status: int, message: str) -> str:
+        """The server's refusal, with the fix where it is known: a 401 (the key), a route the
+        server was not started with (a 404 "Not Found", ENABLED_BY), no weight transfer."""
+        if status == 401:
+            if self._headers:
+                return (message + ": it refused the key in VLLM_API_KEY; set the key it was "
+                        "started with")
+            return (message + ": the server was started with --api-key; set VLLM_API_KEY to "
+                    "that key")
+        route = path.partition("?")[0]
+        registers, configures = ENABLED_BY.get(route, (None, None))
+        if registers and status == 404 and message.startswith("Not Found"):
+            return (f"the vLLM server at {self.base_url} answers 404 to {route}: start it with "
+                    f"{registers}")
+        if configures and "not configured" in message:
+            return (f"the vLLM server at {self.base_url} has no weight transfer engine "
+                    f"({route}: {message}): start it with {configures}")
+        return message
+
     def _request(self, method: str, path: str, kind: str = "control", retries: int | None = None,
-                 **kwargs) -> httpx.Response:
-        url = self.base_url + path
+                 json=None) -> Reply:
         retries = self.max_retries if retries is None else retries
-        attempt = 0
-        while True:
+        data = None if json is None else orjson.dumps(json)
+        for attempt in itertools.count():
             try:
-                response, error = self._client.request(method, url, **kwargs), None
-            except httpx.TransportError as e:
-                response, error = None, e
-            delay = self._next_delay(method, url, kind, attempt, retries, response, error)
+                r = self._session.request(method, self.base_url + path, data=data,
+                                          headers=JSON if data else None, timeout=self.timeout)
+                reply, error = (r.status_code, r.content), None
+            except requests.RequestException as e:
+                reply, error = None, e
+            delay = self._next_delay(method, path, kind, attempt, retries, reply, error)
             if delay is None:
-                return response
+                return reply
             time.sleep(delay)
-            attempt += 1
 
-    async def _arequest(self, method: str, path: str, kind: str = "control",
-                        json=None) -> httpx.Response:
-        """One request on a connection of its own: the newest free one, or a new one (at most as
-        many as requests were ever in flight at once). http://: a _Wire; https://: an httpx
-        client with one connection (httpcore's pool checks every connection it holds each time
-        a request starts or ends: over one shared pool of the rollout's ~64 connections that was
-        half of the rollout process's CPU, python -m tools.bench rollout --profile)."""
+    async def _arequest(self, method: str, path: str, kind: str = "control", json=None) -> Reply:
+        session = self._async_session()
         url = self.base_url + path
-        if self._wire is not None:
-            conn = self._wires.pop() if self._wires else _Wire(*self._wire, self._headers)
-            free = self._wires
-            body = None if json is None else orjson.dumps(json)
-            target = self._prefix + path
-
-            def send():
-                return conn.request(method, url, target, body, self.timeout)
-        else:
-            if self._idle:
-                conn = self._idle.pop()
-            else:
-                if self._ssl is None:
-                    self._ssl = httpx.create_ssl_context()   # 20 ms, so made once
-                conn = httpx.AsyncClient(timeout=self.timeout, limits=_ONE,
-                                         headers=self._headers, verify=self._ssl)
-                self._asyncs.append(conn)
-            free = self._idle
-
-            def send():
-                return conn.request(method, url, json=json)
-        attempt = 0
-        try:
-            while True:
-                try:
-                    response, error = await send(), None
-                except httpx.TransportError as e:
-                    response, error = None, e
-                if (kind == "generation" and isinstance(error, httpx.TimeoutException)
-                        and not await asyncio.to_thread(self.healthy)):
-                    raise VLLMError(f"{method} got no answer within {self.timeout:g}s "
-                                    f"(vllm_server_timeout), nor GET /health within "
-                                    f"{HEALTH_PROBE_S:g}s: the server is hung", url) from error
-                delay = self._next_delay(method, url, kind, attempt, self.max_retries, response,
-                                         error)
-                if delay is None:
-                    return response
-                await asyncio.sleep(delay)
-                attempt += 1
-        finally:
-            free.append(conn)
+        data = None if json is None else orjson.dumps(json)
+        for attempt in itertools.count():
+            try:
+                async with session.request(method, url, data=data,
+                                           headers=JSON if data else None) as r:
+                    reply, error = (r.status, await r.read()), None
+            except (aiohttp.ClientError, TimeoutError) as e:
+                reply, error = None, e
+            if (kind == "generation" and error is not None and _failure(error) == "timeout"
+                    and not await asyncio.to_thread(self.healthy)):
+                raise VLLMError(f"{method} got no answer within {self.timeout:g}s "
+                                f"(vllm_server_timeout), nor GET /health within "
+                                f"{HEALTH_PROBE_S:g}s: the server is hung", url) from error
+            delay = self._next_delay(method, path, kind, attempt, self.max_retries, reply, error)
+            if delay is None:
+                return reply
+            await asyncio.sleep(delay)
 
     # ---- health and server info ----
 
@@ -428,11 +374,11 @@ class VLLMClient:
         last = "no probe finished"
         while (left := deadline - time.monotonic()) > 0:
             try:
-                status = self._client.get(url, timeout=min(HEALTH_PROBE_S, left)).status_code
+                status = self._session.get(url, timeout=min(HEALTH_PROBE_S, left)).status_code
                 if status == 200:
                     return
                 last = f"HTTP {status}"
-            except httpx.TransportError as e:
+            except requests.RequestException as e:
                 last = f"{type(e).__name__}: {e}"
             time.sleep(max(0.0, min(HEALTH_POLL_S, deadline - time.monotonic())))
         raise TimeoutError(f"vLLM server at {url} was not healthy within {limit:g}s (last probe: "
@@ -441,13 +387,16 @@ class VLLMClient:
     def healthy(self) -> bool:
         """One GET /health probe (HEALTH_PROBE_S at most, no retry): does the server answer 200?"""
         try:
-            return self._client.get(self.base_url + "/health",
-                                    timeout=HEALTH_PROBE_S).status_code == 200
-        except httpx.TransportError:
+            return self._session.get(self.base_url + "/health",
+                                     timeout=HEALTH_PROBE_S).status_code == 200
+        except requests.RequestException:
             return False
 
+    def _get(self, path: str, *keys: str):
+        return _field(self.base_url + path, self._request("GET", path), *keys)
+
     def models(self) -> dict:
-        return _field(self._request("GET", "/v1/models"))
+        return self._get("/v1/models")
 
     def max_model_len(self) -> int:
         """The base model card's max_model_len (adapter cards have a `parent` and no length)."""
@@ -458,16 +407,17 @@ class VLLMClient:
                         self.base_url + "/v1/models")
 
     def server_info(self) -> dict:
-        return _field(self._request("GET", "/server_info?config_format=json"), "vllm_config")
+        return self._get("/server_info?config_format=json", "vllm_config")
 
     def world_size(self, include_dp: bool = True) -> int:
-        path = f"/get_world_size?include_dp={str(include_dp).lower()}"
-        return int(_field(self._request("GET", path), "world_size"))
+        return int(self._get(f"/get_world_size?include_dp={str(include_dp).lower()}",
+                             "world_size"))
 
     # ---- generation ----
 
     def completions(self, body: dict) -> dict:
-        return _field(self._request("POST", "/v1/completions", "generation", json=body))
+        path = "/v1/completions"
+        return _field(self.base_url + path, self._request("POST", path, "generation", json=body))
 
     # ---- pause / resume / cache ----
 
@@ -484,8 +434,8 @@ class VLLMClient:
         pooled one may be dead), once by default (the run is ending; a dead server would only be
         retried for a minute), and confirm with GET /is_paused. None if the server runs again,
         else why it may still be paused, with the command that resumes it."""
-        self._client.close()
-        self._client = httpx.Client(timeout=self.timeout, limits=_POOL, headers=self._headers)
+        self._session.close()
+        self._session = self._sync_session()
         try:
             self.resume(retries)
             if not self.is_paused():
@@ -497,7 +447,7 @@ class VLLMClient:
                 f"`curl -X POST {self.base_url}/resume`")
 
     def is_paused(self) -> bool:
-        return bool(_field(self._request("GET", "/is_paused"), "is_paused"))
+        return bool(self._get("/is_paused", "is_paused"))
 
     # ---- weight transfer (the order is: init once; then per sync start, update, finish) ----
 
@@ -520,49 +470,52 @@ class VLLMClient:
         self._request("POST", "/finish_weight_update", "weights", json=body)
 
     def weight_info(self) -> str:
-        return str(_field(self._request("GET", "/weight_info"), "weight_version"))
+        return str(self._get("/weight_info", "weight_version"))
 
     def weight_checker(self, action: str, baseline: dict | None = None) -> dict:
         """action: checksum | reset | compare (compare needs `baseline`, a checksum reply's
         `checksums`)."""
         body = {"action": action} if baseline is None else {"action": action, "baseline": baseline}
-        return _field(self._request("POST", "/weight_checker", json=body))
+        path = "/weight_checker"
+        return _field(self.base_url + path, self._request("POST", path, json=body))
 
     # ---- LoRA (success replies are plain text) ----
 
     def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> str:
         body = {"lora_name": name, "lora_path": path, "load_inplace": load_inplace}
-        return self._request("POST", "/v1/load_lora_adapter", json=body).text
+        return self._request("POST", "/v1/load_lora_adapter", json=body)[1].decode()
 
     def unload_lora_adapter(self, name: str) -> str:
-        return self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name}).text
+        reply = self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+        return reply[1].decode()
 
     def close(self) -> None:
-        self._client.close()
+        self._session.close()
 
     # ---- async, for the rollout process's event loop ----
 
     async def acompletions(self, body: dict) -> dict:
-        return _field(await self._arequest("POST", "/v1/completions", "generation", json=body))
+        path = "/v1/completions"
+        return _field(self.base_url + path,
+                      await self._arequest("POST", path, "generation", json=body))
 
     async def agenerate(self, body: dict) -> dict:
-        reply = await self._arequest("POST", "/inference/v1/generate", "generation", json=body)
-        return _field(reply)
+        path = "/inference/v1/generate"
+        return _field(self.base_url + path,
+                      await self._arequest("POST", path, "generation", json=body))
 
     async def ametrics(self) -> Samples | None:
         """Parsed GET /metrics, or None when the server has none (404)."""
         try:
-            return parse_prometheus((await self._arequest("GET", "/metrics")).text)
+            body = (await self._arequest("GET", "/metrics"))[1]
         except VLLMError as e:
             if e.status == 404:
                 return None
             raise
+        return parse_prometheus(body.decode("utf-8", "replace"))
 
     async def aclose(self) -> None:
-        for client in self._asyncs:
-            await client.aclose()
-        for wire in self._wires:
-            wire.close()
-        self._asyncs = []
-        self._idle = []
-        self._wires = []
+        """Close this loop's session (one left by an earlier, closed loop is dropped)."""
+        if self._aio is not None and self._aio_loop is asyncio.get_running_loop():
+            await self._aio.close()
+        self._aio = self._aio_loop = None

@@ -1,6 +1,6 @@
 """The embedded vLLM stand-in (reference/vllm_api.md): a small vLLM-compatible server on
 transformers, run as a process. The trainer, the tools and the tests import only `launch` (the
-standard library and httpx); nothing here imports the trainer side.
+standard library only); nothing here imports the trainer side.
 
     launch.py     LocalServer (`python -m local_vllm.server ...`), VLLMServe (`vllm serve ...`)
     server.py     the contract: request parsing and validation, one function per route, the CLI

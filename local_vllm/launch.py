@@ -1,7 +1,7 @@
 """Server processes for the demo (train.py), the tools and the tests: the stand-in
-(`python -m local_vllm.server ...`) and real vLLM (`vllm serve ...`). Standard library and httpx
+(`python -m local_vllm.server ...`) and real vLLM (`vllm serve ...`). The standard library
 only: importing it loads none of the server (torch, transformers), so a trainer never carries the
-engine.
+engine. Both get VLLM_SERVER_DEV_MODE=1 (the pause and weight-transfer routes) by default.
 
     server = LocalServer("runs/toy-model", "--max-model-len", "512")   # returns once /health is 200
     real = VLLMServe(".venv-vllm/bin/python", "runs/toy-model", "--max-model-len", "512").wait()
@@ -9,6 +9,7 @@ engine.
     server.output()   # its log so far
     server.stop()     # SIGTERM to its process group, SIGKILL after 10 s
 """
+import http.client
 import os
 import signal
 import socket
@@ -16,8 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-
-import httpx
+import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
 
@@ -52,9 +52,10 @@ class ServerProcess:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
                                    f"{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
+                with urllib.request.urlopen(self.url + "/health", timeout=1.0) as reply:
+                    if reply.status == 200:
+                        return self
+            except (OSError, http.client.HTTPException):   # not listening yet, or not healthy
                 pass
             time.sleep(0.1)
         self.stop()
@@ -78,17 +79,19 @@ class ServerProcess:
 
 
 class LocalServer(ServerProcess):
-    """`python -m local_vllm.server --model MODEL ARGS`, healthy when constructed."""
+    """`python -m local_vllm.server --model MODEL ARGS`, healthy when constructed; `env` is laid
+    over its environment (e.g. {"VLLM_SERVER_DEV_MODE": "0"}: a server without the dev routes)."""
 
     name = "local_vllm.server"
 
     def __init__(self, model_dir: str, *args: str, log_path: str | None = None,
-                 startup_timeout: float = 120.0, port: int | None = None):
+                 startup_timeout: float = 120.0, port: int | None = None,
+                 env: dict[str, str] | None = None):
         port = port or free_port()              # a port: a restart where a stopped server was
         cmd = [sys.executable, "-m", "local_vllm.server", "--model", model_dir,
                "--port", str(port), *args]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=path, VLLM_SERVER_DEV_MODE="1") | (env or {})
         super().__init__(cmd, port, env, log_path, startup_timeout)
         self.wait()
 

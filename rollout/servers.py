@@ -138,7 +138,8 @@ class Replica:
 def make_replicas(urls: list[str], bound: int, timeout: float, max_retries: int) -> list[Replica]:
     """One Replica per URL, each bounded by its share of `bound`; caps start at connect()."""
     share = math.ceil(bound / len(urls))
-    return [Replica(url, VLLMClient(url, timeout=timeout, max_retries=max_retries),
+    return [Replica(url, VLLMClient(url, timeout=timeout, max_retries=max_retries,
+                                    max_connections=share + 1),     # its rollouts, + /metrics
                     ConcurrencyCap(share, share, adaptive=False)) for url in urls]
 
 

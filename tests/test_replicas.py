@@ -4,8 +4,8 @@ import os
 import signal
 import time
 
-import httpx
 import pytest
+import requests
 from transformers import TrainerCallback
 
 import toy
@@ -53,8 +53,8 @@ def test_a_killed_replica_is_left_out_then_rejoins_with_the_current_weights(toy_
                        At({3: b.stop, 5: restart, 7: lambda: time.sleep(3)}))
         assert last["step"] == 14
         for s in (a, b):
-            assert httpx.get(s.url + "/weight_info").json() == {"weight_version": "14"}
-        sums = [httpx.post(s.url + "/weight_checker", json={"action": "checksum"}).json()
+            assert requests.get(s.url + "/weight_info").json() == {"weight_version": "14"}
+        sums = [requests.post(s.url + "/weight_checker", json={"action": "checksum"}).json()
                 for s in (a, b)]
         assert sums[0] == sums[1]
         err = capfd.readouterr().err

@@ -16,8 +16,8 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
+import requests
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,8 +39,8 @@ def srv(toy_dir):
     s.stop()
 
 
-def post(server, path, body, timeout=60, **kw) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=timeout, **kw)
+def post(server, path, body, timeout=60, **kw) -> requests.Response:
+    return requests.post(server.url + path, json=body, timeout=timeout, **kw)
 
 
 # ── one request never hurts another ───────────────────────────────────────────────────────────
@@ -229,7 +229,7 @@ def bodies():
 
 
 def check_reply(server, path, body) -> None:
-    r = httpx.post(server.url + path, content=json.dumps(body).encode(), timeout=60)
+    r = requests.post(server.url + path, data=json.dumps(body).encode(), timeout=60)
     assert r.status_code == 200 or 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
     if r.status_code >= 400:
         assert error_message(r.json()), r.text

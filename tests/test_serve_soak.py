@@ -12,8 +12,8 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
+import requests
 
 from local_vllm.launch import LocalServer
 from test_serve_http import request
@@ -49,17 +49,18 @@ def idle(server) -> bool:
 def client(url: str, port: int, seed: int, count: int = REQUESTS_PER_CLIENT) -> dict:
     rng = random.Random(seed)
     out = {"valid": [], "invalid": 0, "dropped": 0}
-    with httpx.Client(base_url=url, timeout=60) as http:
+    with requests.Session() as http:
         for _ in range(count):
             kinds = ["valid", "invalid", "drop_body", "drop_generation"]
             kind = rng.choices(kinds, [5, 2, 1, 1])[0]
             if kind == "valid":
                 body = valid_body(rng)
-                r = http.post("/v1/completions", json=body)
+                r = http.post(url + "/v1/completions", json=body, timeout=60)
                 assert r.status_code == 200, r.text
                 out["valid"].append((body, r.json()))
             elif kind == "invalid":
-                r = http.post("/v1/completions", content=json.dumps(rng.choice(INVALID)).encode())
+                r = http.post(url + "/v1/completions", timeout=60,
+                              data=json.dumps(rng.choice(INVALID)).encode())
                 assert r.status_code == 400 and r.json()["error"]["message"], r.text
                 out["invalid"] += 1
             else:
@@ -105,6 +106,6 @@ def test_soak_mixed_clients_lose_nothing_and_leak_nothing(soak_server):
     assert after < before * 1.15 + 10, f"server RSS grew from {before:.0f} MB to {after:.0f} MB"
 
     for body, reply in [pair for r in results for pair in r["valid"]][:12]:   # still deterministic
-        again = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()
+        again = requests.post(s.url + "/v1/completions", json=body, timeout=60).json()
         assert ([c["token_ids"] for c in again["choices"]]
                 == [c["token_ids"] for c in reply["choices"]])

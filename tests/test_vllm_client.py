@@ -1,5 +1,6 @@
-"""vllm_client.py against tiny scripted stdlib HTTP servers: retries, timeouts, error messages,
-parsing.
+"""vllm_client.py against tiny scripted stdlib HTTP servers (retries, timeouts, error messages,
+parsing, cancellation, TLS), and against the stand-in (idle keep-alive, routes it was not started
+with).
 
 Each scripted server answers its n-th request with `replies[n]` (the last reply repeats), serves a
 bounded number of requests and stops by itself; "stall" holds the request without answering until
@@ -7,15 +8,18 @@ the test ends.
 """
 import asyncio
 import json
-import re
 import math
+import re
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from local_vllm.launch import LocalServer
 from vllm_client import VLLMClient, VLLMError, parse_prometheus, server_urls
 
 FAST = dict(backoff=0.001, max_backoff=0.01)  # keep retries quick
@@ -24,14 +28,17 @@ FAST = dict(backoff=0.001, max_backoff=0.01)  # keep retries quick
 class Scripted(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, replies, max_requests: int):
+    def __init__(self, replies, max_requests: int, tls: ssl.SSLContext | None = None):
         super().__init__(("127.0.0.1", 0), _Handler)
+        if tls is not None:
+            self.socket = tls.wrap_socket(self.socket, server_side=True)
         self.replies = replies
         self.max_requests = max_requests
         self.requests: list[tuple[str, str, object]] = []  # (method, path + query, JSON or None)
         self.authorizations: list[str | None] = []        # each request's Authorization header
         self.released = threading.Event()
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        scheme = "http" if tls is None else "https"
+        self.url = f"{scheme}://127.0.0.1:{self.server_address[1]}"
         self.timeout = 0.05
         threading.Thread(target=self.serve_requests, daemon=True).start()
 
@@ -74,17 +81,27 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def serve():
-    """serve(replies, max_requests=20) -> a started Scripted server; all are released after the
-    test."""
+    """serve(replies, max_requests=20, tls=None) -> a started Scripted server; all are released
+    after the test."""
     servers = []
 
-    def start(replies, max_requests: int = 20) -> Scripted:
-        servers.append(Scripted(replies, max_requests))
+    def start(replies, max_requests: int = 20, tls: ssl.SSLContext | None = None) -> Scripted:
+        servers.append(Scripted(replies, max_requests, tls))
         return servers[-1]
 
     yield start
     for s in servers:
         s.released.set()
+
+
+def run_async(client: VLLMClient, call):
+    """await call(client) in an event loop of its own, then close the client's session there."""
+    async def main():
+        try:
+            return await call(client)
+        finally:
+            await client.aclose()
+    return asyncio.run(main())
 
 
 COMPLETION = {"choices": [{"text": "7", "token_ids": [7], "logprobs": {"token_logprobs": [-0.1]}}]}
@@ -117,7 +134,8 @@ def test_4xx_raises_at_once_with_the_servers_message(serve, body, message):
     client = VLLMClient(s.url, **FAST)
     with pytest.raises(VLLMError) as info:
         client.completions({"prompt": [1]})
-    assert info.value.status == 400 and info.value.message == message and message in str(info.value)
+    assert info.value.status == 400 and info.value.message == message
+    assert message in str(info.value)
     assert info.value.url == s.url + "/v1/completions"
     assert len(s.requests) == 1 and client.retry_total == 0
 
@@ -146,6 +164,9 @@ def test_collective_call_is_not_retried_after_it_reached_the_server(serve):
     assert len(s.requests) == 1
 
 
+REFUSED = "gave up after 3 attempts; last error: refused: "   # then requests' or aiohttp's error
+
+
 def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -154,7 +175,7 @@ def _closed_port() -> int:
 
 def test_connection_refused_is_retried_then_raised():
     client = VLLMClient(f"http://127.0.0.1:{_closed_port()}", max_retries=2, **FAST)
-    with pytest.raises(VLLMError, match="gave up after 3 attempts.*ConnectError") as info:
+    with pytest.raises(VLLMError, match=REFUSED + "NewConnectionError") as info:
         client.world_size()
     assert info.value.status is None and info.value.url.endswith("/get_world_size?include_dp=true")
     assert client.retry_total == 2
@@ -180,9 +201,16 @@ def test_a_refused_connection_is_retried_twice_at_most(monkeypatch):
     monkeypatch.setattr(vllm_client.time, "sleep", sleeps.append)
     monkeypatch.setattr(vllm_client.random, "uniform", lambda a, b: 1.0)
     client = VLLMClient(f"http://127.0.0.1:{_closed_port()}", max_retries=8, backoff=0.5)
-    with pytest.raises(VLLMError, match="gave up after 3 attempts.*ConnectError"):
+    with pytest.raises(VLLMError, match=REFUSED + "NewConnectionError"):
         client.completions({"prompt": [1]})
     assert sleeps == [0.5, 1.0] and client.retry_total == 2
+
+
+def test_a_refused_connection_on_the_async_path_is_retried_twice_at_most():
+    client = VLLMClient(f"http://127.0.0.1:{_closed_port()}", max_retries=8, **FAST)
+    with pytest.raises(VLLMError, match=REFUSED + "ClientConnectorError"):
+        run_async(client, lambda c: c.acompletions({"prompt": [1]}))
+    assert client.retry_total == 2
 
 
 @pytest.mark.parametrize("reply", [(503, ""), "stall"])
@@ -256,8 +284,8 @@ def test_endpoints_paths_and_bodies(serve):
     client.finish_weight_update("v2")
     assert client.weight_info() == "v2"
     assert client.weight_checker("compare", {"w": "ab"}) == {"match": True, "mismatches": []}
-    assert asyncio.run(client.agenerate({"token_ids": [1]})) == COMPLETION
-    assert asyncio.run(client.ametrics()) is None  # no /metrics: 404
+    assert run_async(client, lambda c: c.agenerate({"token_ids": [1]})) == COMPLETION
+    assert run_async(client, lambda c: c.ametrics()) is None  # no /metrics: 404; a second loop
     bodies = {path: body for _, path, body in s.requests}
     assert bodies["/init_weight_transfer_engine"]["init_info"]["rank_offset"] == 1
     assert bodies["/finish_weight_update"] == {"weight_version": "v2"}
@@ -301,7 +329,8 @@ def test_parse_prometheus_realistic_text():
 
 
 def test_async_methods_share_the_policy(serve):
-    retried = serve([(503, {"error": {"message": "paused"}}), (200, COMPLETION), (200, PROMETHEUS)])
+    retried = serve([(503, {"error": {"message": "paused"}}), (200, COMPLETION),
+                     (200, PROMETHEUS)])
     refused = serve([(400, {"error": {"message": "bad logprobs"}}), (200, COMPLETION)])
     stalled = serve(["stall", (200, COMPLETION)])
     a, b = VLLMClient(retried.url, **FAST), VLLMClient(refused.url, **FAST)
@@ -372,23 +401,19 @@ def test_the_api_key_goes_on_every_call_sync_and_async(serve, monkeypatch):
     client = VLLMClient(s.url, **FAST)
     client.completions({"prompt": [1]})
     client.wait_for_health(timeout=5)
-    asyncio.run(client.acompletions({"prompt": [1]}))
+    run_async(client, lambda c: c.acompletions({"prompt": [1]}))
     assert s.authorizations == ["Bearer k3y"] * 3
 
 
 class RawServer:
-    """A loopback socket server that answers each request with the next scripted bytes (and
-    closes the connection after it if the entry says so): what _Wire must read."""
+    """A loopback socket server that answers each request with the next scripted bytes, and
+    closes the connection after it if the entry says so."""
 
-    def __init__(self, script: list[tuple[bytes, bool]], host: str = "127.0.0.1"):
-        import socket
+    def __init__(self, script: list[tuple[bytes, bool]]):
         self.script = list(script)
         self.connections = 0
-        self.heads: list[bytes] = []
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.create_server((host, 0), family=family)
-        name = f"[{host}]" if ":" in host else host
-        self.url = f"http://{name}:{self.sock.getsockname()[1]}"
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self):
@@ -405,8 +430,7 @@ class RawServer:
                     head, _, data = data.partition(b"\r\n\r\n")
                     if not head:
                         break
-                    self.heads.append(head)
-                    length = int(re.search(rb"Content-Length: (\d+)", head)[1])
+                    length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])
                     while len(data) < length:
                         data += conn.recv(65536)
                     data = data[length:]
@@ -414,49 +438,176 @@ class RawServer:
                     conn.sendall(reply)
                     if close:
                         break
+        self.sock.close()
 
 
-def test_the_wire_reads_every_reply_framing_and_reopens_a_connection_closed_while_idle():
-    """http:// async requests (vllm_client._Wire): Content-Length, chunked and read-to-close
-    replies; a kept-alive connection is reused; one the server closed while idle is reopened
-    without a retry; one closed mid-reply is a transport error the policy retries."""
-    body = json.dumps(COMPLETION).encode()
-    plain = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
-               % (len(body), body))
-    to_close = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n%s" % body
-    cut = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body[:5])
-    server = RawServer([(plain, False), (chunked, True),       # reused, then closed while idle
-                        (to_close, True), (cut, True), (plain, False)])
+BODY = json.dumps(COMPLETION).encode()
+WHOLE = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+
+
+def call_on(path: str, client: VLLMClient) -> dict:
+    """One completion over the sync path (requests) or the async one (aiohttp)."""
+    if path == "sync":
+        return client.completions({"prompt": [1]})
+    return run_async(client, lambda c: c.acompletions({"prompt": [1]}))
+
+
+@pytest.mark.parametrize("path", ["sync", "async"])
+def test_a_reply_cut_mid_body_is_retried(path):
+    """Headers promise more bytes than come before the close: a transport error, and the policy's
+    retry gets the whole reply."""
+    cut = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY[:5])
+    server = RawServer([(cut, True), (WHOLE, False)])
+    client = VLLMClient(server.url, **FAST)
+    assert call_on(path, client) == COMPLETION
+    assert client.retry_total == 1 and server.connections == 2
+
+
+@pytest.mark.parametrize("path", ["sync", "async"])
+def test_a_connection_the_server_closed_while_idle_is_replaced_without_a_retry(path):
+    server = RawServer([(WHOLE, True), (WHOLE, False)])
     client = VLLMClient(server.url, **FAST)
 
-    async def run():
-        try:
-            for _ in range(4):
-                assert await client.acompletions({"prompt": [1]}) == COMPLETION
-        finally:
-            await client.aclose()
+    async def twice(c):
+        first = await c.acompletions({"prompt": [1]})
+        await asyncio.sleep(0.2)                       # the server's close reaches the client
+        return first, await c.acompletions({"prompt": [1]})
 
-    asyncio.run(run())
-    assert client.retry_total == 1            # the cut reply; the idle close was reopened freely
-    assert server.connections == 4            # plain+chunked, to_close, cut, plain
+    if path == "sync":
+        replies = client.completions({"prompt": [1]}), None
+        time.sleep(0.2)
+        replies = replies[0], client.completions({"prompt": [1]})
+    else:
+        replies = run_async(client, twice)
+    assert replies == (COMPLETION, COMPLETION)
+    assert client.retry_total == 0 and server.connections == 2
 
 
-def test_the_wire_reaches_an_ipv6_literal_with_a_bracketed_host_header():
-    import socket
-    if not socket.has_ipv6:
-        pytest.skip("no IPv6 on this machine")
-    body = json.dumps(COMPLETION).encode()
-    server = RawServer([(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
-                         True)], host="::1")
+def test_a_request_cancelled_mid_reply_leaves_the_next_its_own_reply(serve):
+    """The server answers [111] late; the caller gives up on it first (the connection's reply is
+    still on its way) and asks for [222] at once on the same client: it gets [222], never the
+    late [111]."""
+    def echo(method, path, body):
+        if body["prompt"] == [111]:
+            time.sleep(0.6)
+        return 200, {"choices": [{"text": "", "token_ids": body["prompt"]}]}
+
+    s = serve(echo)
+    client = VLLMClient(s.url, **FAST)
+
+    async def run(c):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(c.acompletions({"prompt": [111]}), 0.2)
+        start = time.monotonic()
+        second = await c.acompletions({"prompt": [222]})
+        await asyncio.sleep(0.6)                  # the late reply has come and gone meanwhile
+        third = await c.acompletions({"prompt": [333]})
+        return second, third, time.monotonic() - start
+
+    second, third, elapsed = run_async(client, run)
+    assert second["choices"][0]["token_ids"] == [222]
+    assert third["choices"][0]["token_ids"] == [333]
+    assert elapsed < 1.5 and client.retry_total == 0
+    assert [r[2]["prompt"] for r in s.requests] == [[111], [222], [333]]
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 (openssl): (certificate path, key path)."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
+                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return cert, key
+
+
+def test_https_and_the_api_key_on_both_paths(serve, certificate, monkeypatch):
+    """https:// with the certificate verified against the CA bundle the libraries read
+    (REQUESTS_CA_BUNDLE: requests; SSL_CERT_FILE: aiohttp, through Python's ssl); the key reaches
+    the server on both paths. Without the bundle the certificate is refused."""
+    cert, key = certificate
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    monkeypatch.setenv("VLLM_API_KEY", "k3y")
+    s = serve([(200, COMPLETION)], tls=tls)
+    assert s.url.startswith("https://")
+    for variable in ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE"):
+        monkeypatch.delenv(variable, raising=False)
+    for path in ("sync", "async"):
+        with pytest.raises(VLLMError, match="refused: .*(SSL|Certificate)"):
+            call_on(path, VLLMClient(s.url, **FAST))
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", cert)
+    monkeypatch.setenv("SSL_CERT_FILE", cert)
+    client = VLLMClient(s.url, **FAST)
+    assert call_on("sync", client) == COMPLETION and call_on("async", client) == COMPLETION
+    assert s.authorizations == ["Bearer k3y"] * 2 and client.retry_total == 0
+
+
+@pytest.fixture(scope="module")
+def no_dev_mode(toy_dir):
+    """The stand-in started as `vllm serve` would be without VLLM_SERVER_DEV_MODE and LoRA."""
+    s = LocalServer(toy_dir, "--max-model-len", "64", env={"VLLM_SERVER_DEV_MODE": "0"})
+    yield s
+    s.stop()
+
+
+def test_a_pooled_connection_the_stand_in_closed_after_5s_idle_is_replaced(no_dev_mode):
+    """The stand-in closes a keep-alive connection idle for 5 s, as uvicorn does: the next call on
+    either path opens a new one, with no retry."""
+    client = VLLMClient(no_dev_mode.url, **FAST)
+    body = {"prompt": [1, 2], "max_tokens": 1}
+
+    async def twice(c):
+        first = (c.models()["data"][0]["id"], len((await c.acompletions(body))["choices"]))
+        await asyncio.sleep(5.5)
+        return first, (c.models()["data"][0]["id"], len((await c.acompletions(body))["choices"]))
+
+    first, again = run_async(client, twice)
+    assert first == again == (first[0], 1) and client.retry_total == 0
+
+
+@pytest.mark.parametrize("call, route", [
+    (lambda c: c.pause(), "/pause"), (lambda c: c.resume(), "/resume"),
+    (lambda c: c.is_paused(), "/is_paused"), (lambda c: c.server_info(), "/server_info"),
+    (lambda c: c.world_size(), "/get_world_size"), (lambda c: c.weight_info(), "/weight_info"),
+    (lambda c: c.start_weight_update(), "/start_weight_update"),
+    (lambda c: c.init_weight_transfer_engine({}), "/init_weight_transfer_engine"),
+])
+def test_a_dev_mode_route_the_server_lacks_names_the_variable(no_dev_mode, call, route):
+    client = VLLMClient(no_dev_mode.url, **FAST)
+    with pytest.raises(VLLMError) as info:
+        call(client)
+    assert info.value.status == 404 and client.retry_total == 0
+    assert info.value.message == (f"the vLLM server at {no_dev_mode.url} answers 404 to {route}: "
+                                  "start it with VLLM_SERVER_DEV_MODE=1 (vllm serve reads it at "
+                                  "start)")
+
+
+@pytest.mark.parametrize("call, route", [
+    (lambda c: c.load_lora_adapter("a", "/tmp/a"), "/v1/load_lora_adapter"),
+    (lambda c: c.unload_lora_adapter("a"), "/v1/unload_lora_adapter")])
+def test_a_lora_route_the_server_lacks_names_its_variable_and_flag(no_dev_mode, call, route):
+    client = VLLMClient(no_dev_mode.url, **FAST)
+    with pytest.raises(VLLMError) as info:
+        call(client)
+    assert info.value.status == 404 and info.value.message.startswith(
+        f"the vLLM server at {no_dev_mode.url} answers 404 to {route}: start it with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora")
+
+
+def test_a_server_without_weight_transfer_names_the_flag(start_server):
+    """Dev mode on (the routes exist), no --weight-transfer-config: vLLM's worker refuses."""
+    server = start_server("--max-model-len", "64")
     client = VLLMClient(server.url, **FAST)
-
-    async def run():
-        try:
-            return await client.acompletions({"prompt": [1]})
-        finally:
-            await client.aclose()
-
-    assert asyncio.run(run()) == COMPLETION
-    port = server.url.rsplit(":", 1)[1]
-    assert f"Host: [::1]:{port}".encode() in server.heads[0]
+    for call, route in ((lambda: client.start_weight_update(), "/start_weight_update"),
+                        (lambda: client.init_weight_transfer_engine({}),
+                         "/init_weight_transfer_engine")):
+        with pytest.raises(VLLMError) as info:
+            call()
+        assert info.value.message.startswith(
+            f"the vLLM server at {server.url} has no weight transfer engine ({route}: Weight "
+            "transfer not configured")
+        assert "start it with --weight-transfer-config" in info.value.message
+    assert client.retry_total == 0

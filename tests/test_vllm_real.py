@@ -13,8 +13,8 @@ import sys
 import threading
 import time
 
-import httpx
 import pytest
+import requests
 import torch
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
@@ -37,14 +37,15 @@ TOL = 1e-4                       # the issue's bound: server log-probs equal the
 
 
 def base_card(server) -> str:
-    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    return requests.get(server.url + "/v1/models").json()["data"][0]["id"]
 
 
 def served(server, prompt=PROMPT, model=None, tokens=8) -> tuple[list[int], list[float]]:
     body = {"model": model or base_card(server), "prompt": prompt, "max_tokens": tokens,
             "ignore_eos": True, "temperature": 1.0, "seed": 3, "logprobs": 0,
             "return_token_ids": True}
-    choice = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    reply = requests.post(server.url + "/v1/completions", json=body, timeout=120)
+    choice = reply.json()["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
@@ -117,7 +118,7 @@ def test_full_sync_lands_exactly_every_time(vllm_servers, toy_dir):
             sync_to(vllm_servers, model, version)
             for server in vllm_servers:
                 assert error_to(server, model) <= TOL
-                assert httpx.get(server.url + "/weight_info").json() == {
+                assert requests.get(server.url + "/weight_info").json() == {
                     "weight_version": str(version)}
     finally:
         restore(vllm_servers, toy_dir)
@@ -154,8 +155,8 @@ def test_a_mismatched_update_is_refused_before_it_can_hurt_the_server(any_server
     params = [p.detach() for _, p in language_parameters(base)]
     with pytest.raises(RuntimeError, match=f"{server.url}/update_weights -> HTTP 500.*refused"):
         sync.push(bad, lambda: iter(params), version=9)
-    assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert requests.get(server.url + "/is_paused").json() == {"is_paused": False}
+    assert requests.get(server.url + "/health").status_code == 200
     assert error_to(server, base) <= TOL
 
 
@@ -171,10 +172,10 @@ def test_a_trainer_killed_mid_sync_leaves_a_server_the_next_run_can_use(any_serv
     dead = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "dead_sender.py"),
                            server.url, toy_dir], capture_output=True, text=True, timeout=120)
     assert dead.returncode == 3, dead.stderr[-2000:]
-    assert httpx.get(server.url + "/is_paused").json() == {"is_paused": True}
+    assert requests.get(server.url + "/is_paused").json() == {"is_paused": True}
     try:
         deadline = time.monotonic() + 30       # the server notices the dead peer (a socket error)
-        while httpx.post(server.url + "/start_weight_update", timeout=60).status_code != 200:
+        while requests.post(server.url + "/start_weight_update", timeout=60).status_code != 200:
             assert time.monotonic() < deadline, "the dead trainer's session never ended"
             time.sleep(0.5)
         client = VLLMClient(server.url, timeout=60)
@@ -185,7 +186,7 @@ def test_a_trainer_killed_mid_sync_leaves_a_server_the_next_run_can_use(any_serv
             last = run([server], toy_dir, tmp_path, steps=2, max_staleness=0)
         assert "was paused before this run started" in caplog.text
         assert last["perf/weight_sync_bytes"] > 1e6
-        assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
+        assert requests.get(server.url + "/is_paused").json() == {"is_paused": False}
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-2").eval()
         assert error_to(server, model) <= TOL
     finally:
@@ -277,7 +278,7 @@ def test_resume_sends_the_saved_weights_before_generating(vllm_servers, toy_dir,
         last = run(vllm_servers[:1], toy_dir, tmp_path, steps=3, resume_from_checkpoint=True)
         assert last
         server = vllm_servers[0]
-        assert httpx.get(server.url + "/weight_info").json() == {"weight_version": "3"}
+        assert requests.get(server.url + "/weight_info").json() == {"weight_version": "3"}
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-3").eval()
         assert error_to(server, model) <= TOL
     finally:
@@ -312,7 +313,7 @@ def test_a_replica_killed_mid_sync_is_routed_around_then_alone_it_stops_a_run(vl
                        vllm_server_timeout=30.0)
         assert last["step"] == 5 and len(posted) == 3
         assert not [w for w in warned if "another run" in str(w.message)]   # the resend's own
-        assert httpx.get(first.url + "/weight_info").json() == {"weight_version": "5"}
+        assert requests.get(first.url + "/weight_info").json() == {"weight_version": "5"}
     finally:
         monkeypatch.undo()
         restore([first], toy_dir)

@@ -6,8 +6,8 @@ import os
 import signal
 import time
 
-import httpx
 import pytest
+import requests
 import torch
 
 import toy
@@ -50,9 +50,9 @@ def test_after_a_sync_the_server_holds_the_trainers_weights(train_run, train_ser
     expected = {n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
                 for n, t in weights.items()}
     body = {"action": "compare", "baseline": expected}
-    reply = httpx.post(train_server.url + "/weight_checker", json=body).json()
+    reply = requests.post(train_server.url + "/weight_checker", json=body).json()
     assert reply == {"match": True, "mismatches": []}
-    assert httpx.get(train_server.url + "/weight_info").json()["weight_version"] == "4"
+    assert requests.get(train_server.url + "/weight_info").json()["weight_version"] == "4"
 
 
 def test_a_sync_in_small_buckets_lands_and_reports_its_bytes(start_server, weights):
@@ -60,15 +60,15 @@ def test_a_sync_in_small_buckets_lands_and_reports_its_bytes(start_server, weigh
     stats = push(server, weights, buffer_bytes=50_000)
     assert stats.bytes == sum(t.numel() * 4 for _, t in weights)
     assert stats.total_s >= stats.transfer_s > 0
-    assert httpx.get(server.url + "/weight_info").json()["weight_version"] == "7"
-    assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
+    assert requests.get(server.url + "/weight_info").json()["weight_version"] == "7"
+    assert requests.get(server.url + "/is_paused").json() == {"is_paused": False}
 
 
 def test_names_or_shapes_the_server_lacks_are_refused_before_anything_is_sent(server, weights):
     """Real vLLM cannot survive a refused update, so connect() checks every name and shape
     against the checkpoint the server loaded (/server_info's model): a clear error, nothing sent,
     the server untouched."""
-    before = httpx.get(server.url + "/weight_info").json()
+    before = requests.get(server.url + "/weight_info").json()
     specs = [(n, t.shape) for n, t in weights]
     bad_name = [("model.no_such.weight", specs[0][1]), *specs[1:]]
     bad_shape = [(specs[0][0], torch.Size([7])), *specs[1:]]
@@ -78,8 +78,8 @@ def test_names_or_shapes_the_server_lacks_are_refused_before_anything_is_sent(se
         with pytest.raises(ValueError, match=f"{server.url} serves .*{what}.*nothing was sent"):
             sync.connect(bad)
         assert sync.group is None                                   # never joined
-    assert httpx.get(server.url + "/weight_info").json() == before
-    assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
+    assert requests.get(server.url + "/weight_info").json() == before
+    assert requests.get(server.url + "/is_paused").json() == {"is_paused": False}
 
 
 def test_a_refused_update_raises_naming_the_server_and_resumes_it(start_server, weights):
@@ -89,7 +89,7 @@ def test_a_refused_update_raises_naming_the_server_and_resumes_it(start_server, 
     specs = [(n if i else "model.no_such.weight", t.shape) for i, (n, t) in enumerate(weights)]
     with pytest.raises(RuntimeError, match=f"weight sync failed.*{server.url}.*HTTP 500.*no_such"):
         push(server, weights, specs)
-    assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
+    assert requests.get(server.url + "/is_paused").json() == {"is_paused": False}
 
 
 def test_a_stalled_server_fails_within_the_timeout_not_a_hang(start_server, weights):
@@ -168,7 +168,7 @@ def test_a_server_that_dies_mid_transfer_is_taken_out_and_the_sync_lands_on_the_
     with pytest.warns(UserWarning, match=f"{b.url} stopped answering and is taken out") as warned:
         sync.push(specs, lambda: (t for _, t in weights), version=1)
     assert not [w for w in warned if "another run" in str(w.message)]   # the resend's own session
-    assert httpx.get(a.url + "/weight_info").json() == {"weight_version": "1"}
-    assert httpx.get(a.url + "/is_paused").json() == {"is_paused": False}
+    assert requests.get(a.url + "/weight_info").json() == {"weight_version": "1"}
+    assert requests.get(a.url + "/is_paused").json() == {"is_paused": False}
     sync.push(specs, lambda: (t for _, t in weights), version=2)
-    assert httpx.get(a.url + "/weight_info").json() == {"weight_version": "2"}
+    assert requests.get(a.url + "/weight_info").json() == {"weight_version": "2"}
