@@ -15,7 +15,8 @@ A bad request gets a 4xx in vLLM's JSON shape before it reaches the engine (pars
 failure while generating fails its own request (500) and no other. As in vLLM, what its worker
 refuses in a weight-sync call is a 500, and the connection closes after any 5xx (uvicorn). Flags
 a client may check: /server_info → vllm_config (server_info; enable_scale_out is ours: with
-vLLM, probe for a 403).
+vLLM, probe for a 403). As in vLLM, the pause, weight-transfer and server-info routes (dev=True)
+exist only with VLLM_SERVER_DEV_MODE=1 (launch.LocalServer sets it); without it they answer 404.
 
 Departures from vLLM, one line each:
 - No prefix cache (engine.py): /reset_prefix_cache preempts if asked, always succeeds.
@@ -48,17 +49,28 @@ from local_vllm.requests import (COMPLETION_FIELDS, GENERATE_FIELDS, INIT_INFO_F
 
 ROUTES = {}
 WATCHING = set()                   # routes that block on generation: they stop when the client goes
+DEV = set()                        # (method, path) of the routes only VLLM_SERVER_DEV_MODE=1 has
 
 
-def route(method: str, path: str, watches_client: bool = False):
+def route(method: str, path: str, watches_client: bool = False, dev: bool = False):
     """Register fn(eng, body, query) for method + path; a watching route also gets `alive`, a
-    callable that turns False once its client has disconnected."""
+    callable that turns False once its client has disconnected. A dev route exists only in dev
+    mode: vLLM registers its dev and RL routers (routers.py) only with VLLM_SERVER_DEV_MODE=1."""
     def register(fn):
         ROUTES[method, path] = fn
         if watches_client:
             WATCHING.add(fn)
+        if dev:
+            DEV.add((method, path))
         return fn
     return register
+
+
+def served_routes() -> dict:
+    """The routes this server has: all of them in dev mode (read at start, as vLLM's
+    envs.VLLM_SERVER_DEV_MODE: an integer), else all but DEV, which answer 404."""
+    dev_mode = bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0")))
+    return {key: fn for key, fn in ROUTES.items() if dev_mode or key not in DEV}
 
 
 def flag(query: dict, name: str, default: bool) -> bool:
@@ -84,7 +96,7 @@ def models(eng, body, query):
     return {"object": "list", "data": [base, *cards]}
 
 
-@route("GET", "/server_info")
+@route("GET", "/server_info", dev=True)
 def server_info(eng, body, query):
     args = eng.args
     model_config = {"model": args.model_path, "dtype": str(eng.model.dtype),
@@ -108,7 +120,7 @@ def cache_config(eng) -> dict:
     return {"block_size": 1, "num_gpu_blocks": tokens, "kv_cache_size_tokens": tokens}
 
 
-@route("GET", "/get_world_size")
+@route("GET", "/get_world_size", dev=True)
 def world_size(eng, body, query):
     return {"world_size": 1}
 
@@ -223,7 +235,7 @@ def generate(eng, body, query, alive):
             "prompt_token_ids": prompt, "choices": choices, "usage": usage([r])}
 
 
-@route("POST", "/pause")
+@route("POST", "/pause", dev=True)
 def pause(eng, body, query):
     mode = query.get("mode", "abort")
     if mode not in ("abort", "wait", "keep"):
@@ -232,18 +244,18 @@ def pause(eng, body, query):
     return {"status": "paused"}
 
 
-@route("POST", "/resume")
+@route("POST", "/resume", dev=True)
 def resume(eng, body, query):
     eng.resume()
     return {"status": "resumed"}
 
 
-@route("GET", "/is_paused")
+@route("GET", "/is_paused", dev=True)
 def is_paused(eng, body, query):
     return {"is_paused": eng.pause_mode is not None}
 
 
-@route("POST", "/reset_prefix_cache")
+@route("POST", "/reset_prefix_cache", dev=True)
 def reset_prefix_cache(eng, body, query):
     if flag(query, "reset_running_requests", False):
         with eng.between_steps():
@@ -304,7 +316,7 @@ def needs_transfer(eng, initialised: bool = False, updating: bool | None = None)
                            "active. Call finish_weight_update first.")
 
 
-@route("POST", "/init_weight_transfer_engine")
+@route("POST", "/init_weight_transfer_engine", dev=True)
 def init_weight_transfer_engine(eng, body, query):
     needs_transfer(eng)
     info = typed(body, "init_info", dict, {})
@@ -327,14 +339,14 @@ def init_weight_transfer_engine(eng, body, query):
     return {"message": "Weight transfer initialized"}
 
 
-@route("POST", "/start_weight_update")
+@route("POST", "/start_weight_update", dev=True)
 def start_weight_update(eng, body, query):
     needs_transfer(eng, initialised=True, updating=False)
     eng.updating = True
     return {"message": "Weight update started"}
 
 
-@route("POST", "/update_weights")
+@route("POST", "/update_weights", dev=True)
 def update_weights(eng, body, query):
     needs_transfer(eng, initialised=True, updating=True)
     info = body.get("update_info")
@@ -371,7 +383,7 @@ def update_weights(eng, body, query):
     return {"message": "Weights updated"}
 
 
-@route("POST", "/finish_weight_update")
+@route("POST", "/finish_weight_update", dev=True)
 def finish_weight_update(eng, body, query):
     needs_transfer(eng, initialised=True)
     if not eng.updating:
@@ -382,25 +394,25 @@ def finish_weight_update(eng, body, query):
     return {"message": "Weight update finished"}
 
 
-@route("POST", "/shutdown_weight_transfer_engine")
+@route("POST", "/shutdown_weight_transfer_engine", dev=True)
 def shutdown_weight_transfer_engine(eng, body, query):
     needs_transfer(eng)
     eng.group = None
     return {"message": "Weight transfer shut down"}
 
 
-@route("POST", "/update_weight_version")
+@route("POST", "/update_weight_version", dev=True)
 def update_weight_version(eng, body, query):
     eng.weight_version = typed(body, "new_version", str, eng.weight_version)
     return {"success": True, "new_version": eng.weight_version}
 
 
-@route("GET", "/weight_info")
+@route("GET", "/weight_info", dev=True)
 def weight_info(eng, body, query):
     return {"weight_version": eng.weight_version}
 
 
-@route("POST", "/weight_checker")
+@route("POST", "/weight_checker", dev=True)
 def weight_checker(eng, body, query):
     action = typed(body, "action", str)
     if action == "checksum":
@@ -494,7 +506,7 @@ def main() -> None:
     if model.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)                   # see the docstring: the trainer shares the cores
     engine = Engine(model, tokenizer, args)
-    httpd = Server((args.host, args.port), ROUTES, WATCHING, engine, args.api_key)
+    httpd = Server((args.host, args.port), served_routes(), WATCHING, engine, args.api_key)
     print(f"local_vllm: {args.model} ({model.dtype}, {model.device.type}) on "
           f"http://{args.host}:{args.port}", flush=True)
     httpd.serve_forever()

@@ -13,8 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
-import httpx
 import pytest
+import requests
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
@@ -28,12 +28,12 @@ PROMPT = [5, 17, 33, 8, 40, 41, 60]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def post(server, path, body=None, **kw) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=120, **kw)
+def post(server, path, body=None, **kw) -> requests.Response:
+    return requests.post(server.url + path, json=body, timeout=120, **kw)
 
 
-def get(server, path) -> httpx.Response:
-    return httpx.get(server.url + path, timeout=30)
+def get(server, path) -> requests.Response:
+    return requests.get(server.url + path, timeout=30)
 
 
 def complete(server, **body) -> dict:
@@ -58,7 +58,7 @@ def wait_for(predicate, timeout=30.0):
         time.sleep(0.005)
 
 
-def assert_error(r: httpx.Response, status: int) -> None:
+def assert_error(r: requests.Response, status: int) -> None:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -353,7 +353,7 @@ def make_adapter(toy_dir, path, r=4):
     return model.eval()
 
 
-def load(server, name: str, path: str, **fields) -> httpx.Response:
+def load(server, name: str, path: str, **fields) -> requests.Response:
     return post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, **fields})
 
 
@@ -453,7 +453,7 @@ def test_pause_wait_after_keep_drains_the_kept_requests(server):
         long = start_long(server, pool, 2)
         try:
             assert post(server, "/pause?mode=keep&clear_cache=false").json() == {"status": "paused"}
-            r = httpx.post(server.url + "/pause?mode=wait", timeout=30)
+            r = requests.post(server.url + "/pause?mode=wait", timeout=30)
             assert r.json() == {"status": "paused"}
             assert all(len(c["token_ids"]) == 240 for c in long.result(timeout=5)["choices"])
         finally:
@@ -526,6 +526,30 @@ def test_features_off_by_default(plain_server):
     lora = {"lora_name": "a", "lora_path": "/tmp"}
     assert_error(post(plain_server, "/v1/load_lora_adapter", lora), 404)
     assert_error(post(plain_server, "/v1/completions", {"prompt": PROMPT, "logprobs": 21}), 400)
+
+
+# vLLM's routes that only VLLM_SERVER_DEV_MODE=1 registers (its dev and RL routers) and we serve
+DEV_ROUTES = [("GET", "/server_info"), ("GET", "/get_world_size"), ("POST", "/pause"),
+              ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/reset_prefix_cache"),
+              ("POST", "/init_weight_transfer_engine"), ("POST", "/start_weight_update"),
+              ("POST", "/update_weights"), ("POST", "/finish_weight_update"),
+              ("POST", "/shutdown_weight_transfer_engine"), ("POST", "/update_weight_version"),
+              ("GET", "/weight_info"), ("POST", "/weight_checker")]
+
+
+def test_without_dev_mode_the_dev_routes_answer_404_and_the_rest_serve(toy_dir):
+    s = LocalServer(toy_dir, "--max-model-len", "64", "--weight-transfer-config",
+                    '{"backend":"gloo"}', env={"VLLM_SERVER_DEV_MODE": "0"})
+    try:
+        for method, path in DEV_ROUTES:
+            r = requests.request(method, s.url + path, json={}, timeout=30)
+            assert_error(r, 404)
+            assert r.json()["error"]["message"] == f"Not Found: {method} {path}"
+        assert get(s, "/health").status_code == 200 and "vllm:" in get(s, "/metrics").text
+        assert get(s, "/v1/models").json()["data"][0]["max_model_len"] == 64
+        assert len(complete(s, max_tokens=2)["choices"]) == 1
+    finally:
+        s.stop()
 
 
 def test_missing_model_path_is_one_clear_line():
