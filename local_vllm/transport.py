@@ -14,10 +14,11 @@ a hang or a dropped connection for being malformed, and no request can hurt anot
                object; too deep or malformed → 400) ─► fn(engine, body, query[, alive])
     a generating route polls alive(): a client that closed its side aborts its sequences
     (Cancelled), and its connection closes without a reply
+    a keep-alive connection idle for 5 s is closed (uvicorn's timeout_keep_alive)
 
 Departures from vLLM (uvicorn + FastAPI), one line each:
 - Bodies over 32 MiB get 413 (uvicorn sets no limit): one request's memory is bounded.
-- A client silent for 60 s mid-request, or idle that long on keep-alive, is dropped.
+- A client silent for 60 s mid-request is dropped (uvicorn waits).
 - 401 guards every route but /health and /metrics, as vLLM's newest guard does (older: /v1 only).
 """
 import hashlib
@@ -37,7 +38,8 @@ from local_vllm.engine import APIError, Cancelled
 
 MAX_BODY_BYTES = 32 << 20      # a larger body gets 413 (uvicorn sets no limit; this bounds memory)
 MAX_LINE = 1024                # a chunk-size or trailer line
-READ_TIMEOUT_S = 60.0          # a client silent this long mid-request (or idle) is dropped
+READ_TIMEOUT_S = 60.0          # a client silent this long mid-request is dropped
+KEEP_ALIVE_S = 5.0             # an idle keep-alive connection is closed (uvicorn's default)
 PUBLIC_PATHS = {"/health", "/metrics"}   # open without --api-key's token, as in vLLM
 
 
@@ -90,6 +92,16 @@ class Handler(BaseHTTPRequestHandler):
     # ACK of the first
     disable_nagle_algorithm = True
     timeout = READ_TIMEOUT_S
+
+    def handle_one_request(self):
+        """Wait KEEP_ALIVE_S for a request to begin (http.server closes on the timeout), then give
+        the rest of it READ_TIMEOUT_S (parse_request runs once its first line came)."""
+        self.connection.settimeout(KEEP_ALIVE_S)
+        super().handle_one_request()
+
+    def parse_request(self):
+        self.connection.settimeout(READ_TIMEOUT_S)
+        return super().parse_request()
 
     def do_GET(self):
         self.dispatch("GET")

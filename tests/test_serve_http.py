@@ -6,8 +6,8 @@ import json
 import socket
 import time
 
-import httpx
 import pytest
+import requests
 
 from local_vllm.launch import LocalServer
 from test_serve_local import PROMPT, assert_error, metrics, wait_for
@@ -41,9 +41,9 @@ def error_message(body) -> str:
 
 def ok(server) -> list[int]:
     """A normal request still works: the server kept serving."""
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3,
-                                                         "seed": 1, "return_token_ids": True},
-                   timeout=60)
+    r = requests.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3,
+                                                            "seed": 1, "return_token_ids": True},
+                      timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
@@ -100,8 +100,21 @@ def test_head_gets_headers_only(server):
 
 
 def test_an_oversized_body_is_refused_and_the_client_reads_why(server):
-    r = httpx.post(server.url + COMPLETIONS, content=b" " * (33 << 20), timeout=60)
+    r = requests.post(server.url + COMPLETIONS, data=b" " * (33 << 20), timeout=60)
     assert_error(r, 413)
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_5s(server):
+    """As uvicorn does (timeout_keep_alive=5): a kept-alive connection idle for 5 s is closed."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=15) as sock:
+        sock.sendall(request("GET", "/health"))
+        response = http.client.HTTPResponse(sock, method="GET")
+        response.begin()
+        assert response.status == 200 and response.read() == b""
+        assert response.getheader("Connection") is None          # kept alive
+        start = time.monotonic()
+        assert sock.recv(1) == b""                                 # waits for the server's close
+        assert 4.5 < time.monotonic() - start < 7.0
 
 
 def test_a_client_that_stops_sending_does_not_block_others(server):
@@ -132,16 +145,16 @@ def test_api_key_guards_every_route_but_health_and_metrics(toy_dir, monkeypatch)
     monkeypatch.setenv("VLLM_API_KEY", "s3cret")         # read when --api-key is absent, as vLLM
     s = LocalServer(toy_dir, "--max-model-len", "64")
     try:
-        assert httpx.get(s.url + "/health").status_code == 200
-        assert httpx.get(s.url + "/metrics").status_code == 200
+        assert requests.get(s.url + "/health").status_code == 200
+        assert requests.get(s.url + "/metrics").status_code == 200
         guarded = [("POST", COMPLETIONS), ("GET", "/v1/models"), ("POST", "/inference/v1/generate"),
                    ("GET", "/server_info"), ("POST", "/pause"), ("GET", "/nowhere")]
         for method, path in guarded:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-                r = httpx.request(method, s.url + path, json={}, headers=headers)
+                r = requests.request(method, s.url + path, json={}, headers=headers)
                 assert r.status_code == 401, (method, path, r.text)
                 assert r.json() == {"error": "Unauthorized"}
-        r = httpx.post(s.url + COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 2},
+        r = requests.post(s.url + COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 2},
                        headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200
         assert "s3cret" not in s.output()
