@@ -49,8 +49,8 @@ class AsyncGRPOConfig:
     warmup_steps: float = 0                 # >= 1: steps; < 1: a fraction of max_steps
     optim: str = "adamw_torch_fused"        # one of OPTIMIZERS (fused only where torch has it)
     optim_args: str | None = None           # the optimizer's extra arguments (refused)
-    weight_decay: float = 0.0               # AdamW's decoupled weight decay, on every tensor:
-                                            # biases and norms too (transformers exempts them)
+    weight_decay: float = 0.0               # AdamW's decoupled weight decay, on the matrices
+                                            # (as transformers: biases and norms exempt)
     adam_beta1: float = 0.9                 # AdamW's first-moment decay
     adam_beta2: float = 0.999               # AdamW's second-moment decay
     adam_epsilon: float = 1e-8              # AdamW's denominator floor

@@ -158,6 +158,7 @@ TRAIN_DEFAULTS = dict(
     num_train_epochs=26,          # 6-7 min; each prompt 26 times (6,656 groups, most tie late)
     max_completion_length=3,      # one digit and the end of turn, and a token of slack
     max_staleness=1,
+    train_sampling_strategy="sequential",  # the balanced prompts in their order, as measured
     max_concurrent_rollouts=64,   # the spec's formula gives 8 (1 × per_device_train_batch_size 8):
                                   # too few to keep the server busy (at 512 tokens a step:
                                   # 32 and 64 alike, 128 slower)

@@ -81,7 +81,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     rank, world, device = setup_distributed(config)
     set_log_level(config, rank)
     hooks = hooks or Hooks([], config)
-    torch.manual_seed(config.seed)              # every rank: the weights agree before sharding
+    from transformers import set_seed
+    set_seed(config.seed)        # random, numpy, torch on every rank: the weights agree to shard
     output_dir = config.output_dir or "trainer_output"
     model, tokenizer = load_model(model, config, processing_class, peft_config, device)
     aux_coef = router_aux_loss_coef(model.config, config.router_aux_loss_coef)
@@ -196,8 +197,7 @@ def setup_distributed(config) -> tuple[int, int, torch.device]:
         backend = config.ddp_backend or ("nccl" if cuda else "gloo")
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        # rank 0 may wait this long for samples while the other ranks wait in a collective
-        wait_s = max(config.ddp_timeout, config.vllm_server_timeout + config.rollout_worker_timeout)
+        wait_s = config.process_group_timeout()    # never below rank 0's wait for samples
         timeout = timedelta(seconds=wait_s)
         if "RANK" in os.environ:                # torchrun: its environment says where to meet
             try:
@@ -314,14 +314,16 @@ def shard(policy: Policy, config, device: torch.device) -> Policy:
 
 
 def build_optimizer(policy: Policy, config):
-    """AdamW over the trainable parameters, and the config's schedule (get_scheduler)."""
+    """AdamW over the trainable parameters, weight_decay on the matrices only (as the Trainer:
+    biases and norm weights are not decayed), and the config's schedule (get_scheduler)."""
     from transformers import get_scheduler
     params = [p for p in policy.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     fused = config.optim == "adamw_torch_fused" and params[0].device.type == "cuda"
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate,
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.learning_rate,
                                   betas=(config.adam_beta1, config.adam_beta2),
-                                  eps=config.adam_epsilon, weight_decay=config.weight_decay,
-                                  fused=fused or None)
+                                  eps=config.adam_epsilon, fused=fused or None)
     scheduler = get_scheduler(config.lr_scheduler_type, optimizer,
                               num_warmup_steps=config.every("warmup_steps"),
                               num_training_steps=max(config.max_steps, 1),

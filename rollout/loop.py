@@ -352,9 +352,8 @@ class AsyncRolloutLoop:
         config = self.config
         G = config.num_generations
         group_id = 0
-        shuffle = config.data_seed if config.train_sampling_strategy == "random" else None
         stream = prompt_stream(self.dataset, self.dataset_start_index, config.num_train_epochs,
-                               config.max_steps, shuffle)
+                               config.max_steps, config.shuffle_seed())
         prompts = filtered_stream(stream, self.filter_prompt)   # an epoch rejected whole raises
         for prompt_index, _, row_index, row, accepted in prompts:
             if not accepted:

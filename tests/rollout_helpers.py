@@ -28,7 +28,8 @@ SERVER_FLAGS = ("--max-model-len", "256", "--logprobs-mode", "processed_logprobs
 def config_for(server, **kwargs) -> AsyncGRPOConfig:
     """A small config against `server`; kwargs override."""
     defaults = dict(vllm_server_base_url=server.url, num_generations=2, max_completion_length=8,
-                    num_train_epochs=1, per_device_train_batch_size=8, vllm_server_timeout=30.0)
+                    num_train_epochs=1, per_device_train_batch_size=8, vllm_server_timeout=30.0,
+                    train_sampling_strategy="sequential")    # rows in the dataset's order
     return AsyncGRPOConfig(**(defaults | kwargs))
 
 

@@ -41,7 +41,9 @@ def test_killed_run_resumes_at_the_saved_prompt_with_its_optimizer_state(start_s
     out = str(tmp_path / "out")
     first = str(tmp_path / "first")
     second = str(tmp_path / "second")
-    proc = cli(out, server.url, indexed, "--max_steps", "8", "--save_steps", "2", record=first)
+    order = ("--train_sampling_strategy", "sequential")  # the recorded row is the prompt index
+    proc = cli(out, server.url, indexed, "--max_steps", "8", "--save_steps", "2", *order,
+               record=first)
     deadline = time.monotonic() + 240
     while newest_checkpoint(out) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -52,7 +54,7 @@ def test_killed_run_resumes_at_the_saved_prompt_with_its_optimizer_state(start_s
     rollout_state = os.path.join(out, f"checkpoint-{k}", "rollout_state.json")
     saved = json.load(open(rollout_state))["prompt_index"]
     counters = json.load(open(os.path.join(out, f"checkpoint-{k}", "trainer_state.json")))
-    proc = cli(out, server.url, indexed, "--max_steps", "8", "--save_steps", "2",
+    proc = cli(out, server.url, indexed, "--max_steps", "8", "--save_steps", "2", *order,
                "--resume_from_checkpoint", "true", record=second)
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log

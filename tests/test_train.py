@@ -241,6 +241,17 @@ def test_a_turn_stops_on_every_eos_the_generation_config_declares(toy_dir):
     assert train.stop_token_ids(model, tokenizer) == [tokenizer.eos_token_id]
 
 
+def test_weight_decay_spares_biases_and_norms_as_the_trainer_does():
+    """build_optimizer: weight_decay on the matrices (embeddings, projections), 0 on the 1-d
+    tensors (norm weights, biases), as transformers' Trainer groups them."""
+    model = toy.build_model(len(toy.build_tokenizer()))
+    optimizer, _ = train.build_optimizer(train.Policy(model), AsyncGRPOConfig(weight_decay=0.1))
+    decay = {id(p) for g in optimizer.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert (id(p) in decay) == (p.ndim >= 2), name
+    assert any("norm" in n for n, p in model.named_parameters() if id(p) not in decay)
+
+
 def test_model_init_kwargs_say_where_config_tokenizer_and_model_come_from(tmp_path, toy_dir):
     """model_init_kwargs={"subfolder": ...} (like "revision" on the hub) reaches AutoConfig and
     the tokenizer as well as the model: a repository whose files are only in a subfolder loads."""
