@@ -160,14 +160,15 @@ def process_logits(logits: torch.Tensor, context: list[int], p: SamplingParams) 
     returns the log-softmax of the result, `raw_logprobs` that of the model's logits.
     """
     x = logits.clone()
+    big = torch.finfo(x.dtype).max
     if p.repetition_penalty != 1.0:  # every token seen in prompt or output; stays finite
         seen = torch.tensor(sorted(set(context)), device=x.device)
         v = x[seen]
         penalised = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        x[seen] = penalised.clamp(min=torch.finfo(x.dtype).min)
+        x[seen] = penalised.clamp(-big, big)
     if p.temperature == 0:           # greedy: vLLM applies nothing else
         return x
-    x = x / p.temperature
+    x = (x / p.temperature).clamp(max=big)   # a tiny penalty or temperature: finite, no NaN
     if p.min_p > 0:
         probs = x.softmax(-1)
         x = x.masked_fill(probs < p.min_p * probs.max(), -math.inf)

@@ -95,3 +95,17 @@ def test_metrics_never_see_a_step_half_ended(toy_dir):
     [r] = engine.generate([PROMPT], params, None)
     assert [len(s.token_ids) for s in r.seqs] == [6] * 4 and engine.preemptions > 0
     assert engine.seen == []
+
+
+def test_any_valid_sampling_parameter_gives_a_reply_never_a_server_error(server):
+    """A tiny repetition_penalty (> 0, so valid) or temperature pushes logits past fp32's range;
+    the stand-in keeps them finite and answers 200, where it answered 500 ("probability tensor
+    contains inf, nan or element < 0")."""
+    for params in (dict(repetition_penalty=1e-40), dict(repetition_penalty=1e-40,
+                                                        temperature=1e-6),
+                   dict(repetition_penalty=1e40, top_p=0.5), dict(temperature=1e-30)):
+        reply = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3,
+                                                 "return_token_ids": True, "logprobs": 1,
+                                                 **params})
+        assert reply.status_code == 200, (params, reply.text)
+        assert len(reply.json()["choices"][0]["token_ids"]) >= 1, params
