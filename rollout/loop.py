@@ -45,7 +45,8 @@ from vllm_client import VLLMError, server_urls
 log = logging.getLogger(__name__)
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
+                "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK",
+                "ROLE_WORLD_SIZE")
 
 FAILED_GROUPS_TO_STOP = 4          # failed rollouts in a row from this many groups stop the process
 WAKE_S = 0.05                      # the generate loop re-checks shared values at least this often
