@@ -6,9 +6,9 @@ it, feed it the policy version, take its samples and watch its health.
 
     RolloutWorker(config, dataset, reward_funcs, tokenizer, tools=..., loop_cls=...)
       .start()   pickle checks (the spec's TypeError names the object and the fix) → spawn
-                 rollout.loop.child_main (CUDA_VISIBLE_DEVICES="", torchrun's variables removed, the trainer's
-                 script not imported again: spawn()) → wait for `ready`, or raise the child's
-                 traceback
+                 rollout.loop.child_main (CUDA_VISIBLE_DEVICES="", torchrun's variables removed,
+                 the trainer's script not imported again: spawn()) → wait for `ready`, or raise
+                 the child's traceback
       .get()     the next RolloutSample; while waiting, a `failed` child raises RuntimeError chained
                  with its traceback, a silent heartbeat (rollout_worker_timeout) too; an empty
                  queue means a starved trainer (staleness.Window.starved)

@@ -65,8 +65,7 @@ import rollout_worker
 from rollout_worker import RolloutWorker
 from trie_pack import Planner
 from vllm_client import VLLMClient, server_urls
-from weight_sync import (FullSync, check_servers, free_port, full_tensor,
-                         language_parameters)
+from weight_sync import FullSync, check_servers, free_port, full_tensor, language_parameters
 
 # ── the loop ─────────────────────────────────────────────────────────────────────────────────
 

@@ -59,7 +59,8 @@ class _PerWindow(dict):
         return mask
 
 
-# ---- the attention functions transformers calls: q [1, Hq, N, D], k/v [1, Hkv, N, D] -------------
+# ── the attention functions transformers calls: q [1, Hq, N, D], k/v [1, Hkv, N, D] ──────────────
+
 # (GQA not expanded), plus every extra forward kwarg (sliding_window and softcap per layer).
 
 def _eager_softcapped(query, key, value, mask, scale, softcap):
@@ -108,7 +109,7 @@ def _tree_flex(module, query, key, value, attention_mask, scaling=None, sliding_
     return out.transpose(1, 2).contiguous(), None                                # [1, N, Hq, D]
 
 
-# ---- flash: a varlen kernel from the `kernels` hub library, else an installed flash-attn -------
+# ── flash: a varlen kernel from the `kernels` hub library, else an installed flash-attn ──────────
 
 @dataclass
 class FlashKernel:
@@ -209,7 +210,7 @@ for _name, _fn in _IMPLS.values():
     AttentionMaskInterface.register(_name, lambda *args, **kwargs: None)
 
 
-# ---- the model: its language model's layers and config, and what it asks of tree packing --------
+# ── the model: its language model's layers and config, and what it asks of tree packing ──────────
 
 def text_config(model):
     """The language model's config (a vision-language config's text_config; else the config)."""
@@ -296,14 +297,15 @@ def _refusals(model, backend: str, kernel=None) -> list[str]:
     return why
 
 
-# ---- the API: install once, then forward rows ----------------------------------------------------
+# ── the API: install once, then forward rows ─────────────────────────────────────────────────────
 
 def choose_backend(model, device: torch.device, requested: str | None = None,
                    kernel=None) -> tuple[str, str]:
     """(backend, why) for training `model` on `device`: the one requested (tree_attention_backend);
     on a CPU sdpa, the exact reference (flex has no CPU backward in torch 2.13); on CUDA or ROCm
-    the spec's flash kernel (`kernel`, default flash_kernel: flash-attn3, flash-attn4 on Blackwell, aiter on AMD,
-    through `kernels`), or flex where none loads or the kernel refuses the model. Worked, on an
+    the spec's flash kernel (`kernel`, default flash_kernel: flash-attn3, flash-attn4 on
+    Blackwell, aiter on AMD, through `kernels`), or flex where none loads or the kernel refuses
+    the model. Worked, on an
     H100 for Gemma 2 (attention softcapping): flash-attn3 supports it → "flash"; on a B200,
     flash-attn4 does not (the spec) → ("flex", "kernels-community/flash-attn4 cannot: ...")."""
     if requested is not None:

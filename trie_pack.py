@@ -44,7 +44,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# ---- node names: one 64-bit hash per trie node -----------------------------------------------
+# ── node names: one 64-bit hash per trie node ────────────────────────────────────────────────────
 
 _END = np.uint64(2**64 - 1)         # the "next token" of a sample's last token
 _BASE = np.uint64(0x9E3779B97F4A7C15)
@@ -84,7 +84,7 @@ def _trained(sample) -> int:
     return int(np.count_nonzero(sample.completion_mask[1:]))
 
 
-# ---- records ---------------------------------------------------------------------------------
+# ── records ──────────────────────────────────────────────────────────────────────────────────────
 
 @dataclass
 class PackedRow:
@@ -138,7 +138,7 @@ class Match:
         return self.length - self.shared
 
 
-# ---- the trie --------------------------------------------------------------------------------
+# ── the trie ─────────────────────────────────────────────────────────────────────────────────────
 
 class TreeRow:
     """A prefix trie of samples; one DP rank's forward in one micro-batch.
@@ -411,7 +411,7 @@ def build_row(samples: list) -> TreeRow:
     return row
 
 
-# ---- the planner -----------------------------------------------------------------------------
+# ── the planner ──────────────────────────────────────────────────────────────────────────────────
 
 class Planner:
     """Streams samples into micro-batches of exactly world_size non-empty rows (one per DP rank).

@@ -6,7 +6,7 @@ child; a loop built from the spec's six gets in-process stand-ins for the rest (
     parent (rollout_worker.py)          Channels                    child (rollout/loop.py)
     get() ◄──────────────────────── rollout_buffer, metrics ◄────── _score_loop, _metrics_loop
     resume_index() ◄─────────────── progress ◄───────────────────── _finish_prompt
-    set_model_version(), consumed ─► model_version, version_start,  _admissible (rollout/staleness.py)
+    set_model_version(), consumed ─► model_version, version_start,  _admissible (staleness.py)
                                      rate, consumed
     stop() ────────────────────────► stop; ready, failed, heartbeat ◄ run(), _heartbeat
 

@@ -3,8 +3,9 @@ AsyncRolloutLoop reference; 並行性 (Concurrency); 記録されたメトリク
 rollout/, completions/, tools/ and env/ rows).
 
 `AsyncRolloutLoop` shows the spec's hooks, then its two loops: `_generate_loop` starts rollouts,
-`_score_loop` turns finished groups into samples; `child_main` is the spawned process's entry point.
-The pieces it calls live beside it in rollout/ (the package docstring maps them and the process line).
+`_score_loop` turns finished groups into samples; `child_main` is the spawned process's entry
+point. The pieces it calls live beside it in rollout/ (the package docstring maps them, and the
+process line).
 
 Departures from the spec, one line each (the why is on the code named):
 - A group starts only if its samples are consumed before they go stale (staleness.admits).
@@ -37,9 +38,9 @@ from rollout.samples import (FinishedRollout, PendingGroup, Rollout, RolloutGrou
 from rollout.scoring import add_totals, score_group
 from rollout.servers import (NoReplicaLeft, Replica, connect_all, make_replicas, move, pick,
                              poll_all, readmit, take_out)
-from rollout.tool_calls import (environment_reward, environment_tools, parse_turn, run_tool_calls,
-                           start_environment, tool_call_format, tool_schemas)
 from rollout.staleness import admits
+from rollout.tool_calls import (environment_reward, environment_tools, parse_turn, run_tool_calls,
+                                start_environment, tool_call_format, tool_schemas)
 from vllm_client import VLLMError, server_urls
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class AsyncRolloutLoop:
             channels = spec_channels(config, *spec_six)   # none at all: a loop for its hooks only
         if max_concurrent_rollouts is None:
             max_concurrent_rollouts = config.default_max_concurrent_rollouts(num_processes=1)
+        # the spec's arguments, as the hooks read them
         self.config = config
         self.model_name = model_name                  # None: the servers' model, read at start
         self.dataset = dataset
@@ -144,6 +146,7 @@ class AsyncRolloutLoop:
         self.environment_factory = environment_factory
         self.lora_name = lora_name
         self.dataset_start_index = dataset_start_index
+        # where and how requests go: the servers, the sampler's top log-probs, tool calls
         self.replicas = make_replicas(server_urls(config), max_concurrent_rollouts,
                                       config.vllm_server_timeout, self.vllm_max_retries)
         self.num_top = config.num_sampler_logprobs if config.score_centering else None
@@ -151,6 +154,7 @@ class AsyncRolloutLoop:
                                             thread_name_prefix="rollout-tool")
         self.tool_format = tool_call_format(processing_class)
         self.warned_tool_format = False
+        # the two loops' state
         self.score_queue: asyncio.Queue = asyncio.Queue(score_queue_maxsize)
         self.max_model_len = 0            # the smallest over the replicas
         self.counts = Counts()
@@ -336,7 +340,7 @@ class AsyncRolloutLoop:
             running = [beat, *workers, *self.tasks]
             for task in running:
                 task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)  # none uses a client closed next
+            await asyncio.gather(*running, return_exceptions=True)  # ended before the clients close
             self.channels.rollout_buffer.cancel_join_thread()  # stopping: unread samples are lost
             self.channels.metrics.cancel_join_thread()
             try:

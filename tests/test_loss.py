@@ -507,7 +507,8 @@ def test_mismatch_metrics_replay_the_worked_example():
     assert out["sampling/mismatch_tokens"] == 2
     none = finalize_metrics(mismatch_metrics(torch.zeros(0)))
     assert none["sampling/mismatch_tokens"] == 0
-    assert math.isnan(none["sampling/mismatch_kl"]) and math.isnan(none["sampling/logprob_diff_max"])
+    assert math.isnan(none["sampling/mismatch_kl"])
+    assert math.isnan(none["sampling/logprob_diff_max"])
 
 
 def test_only_the_tokens_of_the_trainers_version_count_for_the_mismatch():

@@ -1,6 +1,7 @@
-"""rollout/loop.py: the AsyncRolloutLoop's hooks called directly (a fake server reply), then the spawned
-rollout process against local_vllm: tools, forks, environments, candidate sets, admission by
-staleness, filtering, resume, failed rollouts, retries, and the adapter of each policy version."""
+"""rollout/loop.py: the AsyncRolloutLoop's hooks called directly (a fake server reply), then the
+spawned rollout process against local_vllm: tools, forks, environments, candidate sets, admission
+by staleness, filtering, resume, failed rollouts, retries, and the adapter of each policy
+version."""
 import asyncio
 import logging
 import math

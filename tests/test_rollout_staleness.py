@@ -1,4 +1,5 @@
-"""rollout/staleness.py: the admission protocol with plain numbers (the docstrings' worked examples)."""
+"""rollout/staleness.py: the admission protocol with plain numbers (the docstrings' worked
+examples)."""
 import pytest
 
 from config import AsyncGRPOConfig

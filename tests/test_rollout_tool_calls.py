@@ -1,4 +1,5 @@
-"""rollout/tool_calls.py: parsing a model's tool calls, running them, checking tools, environments."""
+"""rollout/tool_calls.py: parsing a model's tool calls, running them, checking tools,
+environments."""
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
@@ -7,8 +8,9 @@ import pytest
 
 import rollout_helpers as h
 import toy
-from rollout.tool_calls import (check_tools, environment_reward, environment_tools, parse_tool_calls,
-                           parse_turn, run_tool_calls, start_environment, tool_call_format)
+from rollout.tool_calls import (check_tools, environment_reward, environment_tools,
+                                parse_tool_calls, parse_turn, run_tool_calls, start_environment,
+                                tool_call_format)
 
 MISTRAL_LIKE = {                      # a response template for a format that is not Qwen's
     "start_anchor": "<|im_start|>assistant\n",

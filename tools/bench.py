@@ -35,7 +35,7 @@ Departures, one line each:
 import re
 import sys
 
-# ---- planner, packing (trie_pack.py, tree_attention.py) ----------------------------------------
+# ── planner, packing (trie_pack.py, tree_attention.py) ───────────────────────────────────────────
 
 def planner(argv):
     """Unique tokens per CPU-second of the planner plus pack() and metrics of every row (rank 0's
@@ -311,7 +311,7 @@ def packing(argv):
           f"no_sharing={t_free / t_lonely:.3f} max_logprob_gap={gap:.3g}")
 
 
-# ---- logprobs (loss.py) -------------------------------------------------------------------------
+# ── logprobs (loss.py) ───────────────────────────────────────────────────────────────────────────
 
 def logprobs(argv):
     """Peak extra memory of log π(targets) fwd+bwd at every one of N positions over a V-token head:

@@ -5,7 +5,7 @@ against an instant loopback server, so the figure is the rollout process's own c
 from rollout import AsyncRolloutLoop
 from tools.bench_train import pin_threads
 
-# ---- rollout (rollout*.py, vllm_client.py) ----------------------------------------------------
+# ── rollout (rollout*.py, vllm_client.py) ────────────────────────────────────────────────────────
 
 def rank_reward(prompts, completions, **kwargs) -> list[float]:
     """0, 1, 2, ... by position: never all equal, so every group is kept and yields samples."""

@@ -5,7 +5,7 @@ alternating generation, full against adapter sync, the stand-in against real vLL
 import sys
 
 
-# ---- the trainer (train.py, weight_sync.py, lora_sync.py) ----------------------------------------
+# ── the trainer (train.py, weight_sync.py, lora_sync.py) ─────────────────────────────────────────
 
 def pin_threads(pid: int, cores: set[int]) -> None:
     """Pin every thread of process `pid` to `cores` (threads it starts later inherit it)."""

@@ -41,7 +41,7 @@ LAYOUTS = {"packing 1k": [],
            "packing 8k": ["--groups", "1", "--prompt", "8192", "--completion", "128",
                           "--checkpointing", "--iters", "3", "--warmup", "2"]}
 
-# ---- the training run: the lead sets TRAIN_ARGS (train.py's CLI: config fields as flags) ----
+# ── the training run: the lead sets TRAIN_ARGS (train.py's CLI: config fields as flags) ──────────
 TRAIN_ARGS = ["--max_steps", "5"]
 
 
