@@ -10,7 +10,9 @@ process line).
 Departures from the spec, one line each (the why is on the code named):
 - A group starts only if its samples are consumed before they go stale (staleness.admits).
 - RolloutWorker passes the six inter-process primitives as one `Channels` record, not six.
-- max_completion_length counts the generated tokens of all turns (generate_one).
+- max_completion_length counts the generated tokens of all turns (generate_one); tool results
+  count only against max_model_len (TRL's GRPOTrainer counts them too; its AsyncGRPO caps each
+  turn).
 - A rollout's requests name the policy version it started under, as a LoRA adapter (adapter_name).
 - A failed rollout drops its group; FAILED_GROUPS_TO_STOP groups in a row stop the run (_rollout);
   one whose replica stopped answering runs again on another (_reroute).
@@ -39,8 +41,8 @@ from rollout.scoring import add_totals, score_group
 from rollout.servers import (NoReplicaLeft, Replica, connect_all, make_replicas, move, pick,
                              poll_all, readmit, take_out)
 from rollout.staleness import admits
-from rollout.tool_calls import (environment_reward, environment_tools, parse_turn, run_tool_calls,
-                                start_environment, tool_call_format, tool_schemas)
+from rollout.tool_calls import (EnvironmentPool, environment_reward, environment_tools, parse_turn,
+                                run_tool_calls, start_environment, tool_call_format, tool_schemas)
 from vllm_client import VLLMError, server_urls
 
 log = logging.getLogger(__name__)
@@ -144,6 +146,8 @@ class AsyncRolloutLoop:
         self.channels = channels
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
+        self.environments = None if environment_factory is None else EnvironmentPool(
+            environment_factory)
         self.lora_name = lora_name
         self.dataset_start_index = dataset_start_index
         # where and how requests go: the servers, the sampler's top log-probs, tool calls
@@ -326,6 +330,8 @@ class AsyncRolloutLoop:
         workers: list[asyncio.Task] = []
         try:
             await self.connect()
+            if self.environments is not None:
+                await self.environments.probe(self.tool_pool)
             await self.setup()
             self.channels.ready.set()
             loops = (self._generate_loop(), self._score_loop(), self._metrics_loop())
@@ -394,6 +400,8 @@ class AsyncRolloutLoop:
             start = time.monotonic()
             samples, metrics = await score_group(group, self.reward_funcs, self.compute_advantages,
                                                  self.eos_token_ids, self.num_top)
+            for env in group.environments or []:
+                self.environments.give_back(env)
             add_totals(self.totals, metrics)
             metrics |= {"rollout/score_s": time.monotonic() - start, "rollout/score_wait_s": waited}
             for sample in samples:
@@ -445,7 +453,7 @@ class AsyncRolloutLoop:
                 env_reward, stats["env/reward_s"] = await environment_reward(env, self.tool_pool)
             sequences, drifts = reconcile(rollout.turns)
             stats |= {"duration_s": time.monotonic() - start, "drifts": drifts}
-            group.slots[i] = FinishedRollout(prompt, rollout, sequences, env_reward, stats)
+            group.slots[i] = FinishedRollout(prompt, rollout, sequences, env_reward, stats, env)
             self.since_emit.generated_tokens += len(rollout.completion_ids)
             self.counts.failures_in_a_row = 0
             self.counts.failed_groups_in_a_row = 0
@@ -467,6 +475,9 @@ class AsyncRolloutLoop:
             self.wake.set()
         if len(group.done) == group.size:
             if group.failed:
+                for slot in group.slots:
+                    if slot is not None and slot.environment is not None:
+                        self.environments.give_back(slot.environment)
                 self._finish_prompt(group.prompt_index, group.size, 0)
             else:
                 await self.score_queue.put(group.build(queued_at=time.monotonic()))
@@ -480,9 +491,9 @@ class AsyncRolloutLoop:
         stats = {}
         tools = list(self.tools)
         try:
-            if self.environment_factory is not None:
+            if self.environments is not None:
                 env, prompt, stats["env/reset_s"] = await start_environment(
-                    self.environment_factory, group.row, self.tool_pool)
+                    self.environments, group.row, self.tool_pool)
                 tools += environment_tools(env)
             rollout = await self.generate_one(prompt, tools, group.group_id)
         finally:

@@ -133,6 +133,7 @@ class RolloutGroup:
     rollout_rewards: list[float | None]
     queued_at: float = 0.0
     rewards: np.ndarray | None = None
+    environments: list[Any] | None = None  # ours: the rollouts' environments (reward kwarg)
     prompt_index: int = -1                                     # ours: place in the prompt stream
     rollouts: list[Rollout] = field(default_factory=list)      # ours: for the group's metrics
     stats: list[dict[str, Any]] = field(default_factory=list)  # ours: duration, drifts, env timings
@@ -184,6 +185,7 @@ class FinishedRollout:
     sequences: list[TrainingSequence]     # reconcile(rollout.turns)
     env_reward: tuple[type, float] | None  # (environment class, get_reward()), if it has one
     stats: dict[str, Any]                 # duration_s, drifts, env/reset_s, env/reward_s
+    environment: Any = None               # its environment_factory instance, if any
 
 
 @dataclass(eq=False)
@@ -220,7 +222,9 @@ class PendingGroup:
             env_rewards=[slot.env_reward for slot in self.slots],
             rollout_rewards=[r.reward for r in rollouts], queued_at=queued_at,
             prompt_index=self.prompt_index, rollouts=rollouts,
-            stats=[slot.stats for slot in self.slots])
+            stats=[slot.stats for slot in self.slots],
+            environments=[slot.environment for slot in self.slots]
+            if self.slots[0].environment is not None else None)
 
 
 # ── reconcile: turns → training sequences ────────────────────────────────────────────────────

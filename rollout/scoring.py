@@ -84,10 +84,13 @@ async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup) -> di
     reward functions (sync ones in threads, all concurrently), environment rewards (named after
     the environment class) and Rollout.reward. Every source keeps its own column, so each is
     summed once; a name already taken gets a suffix (_2, _3, ...) in the rewards/<name>/ metrics."""
+    environments = {} if group.environments is None else {"environments": group.environments}
+
     async def call(func):
         values = await call_maybe_async(func, None, prompts=group.prompts,
                                         completions=group.completions,
-                                        completion_ids=group.completions_ids, **group.reward_kwargs)
+                                        completion_ids=group.completions_ids, **environments,
+                                        **group.reward_kwargs)
         return np.array([math.nan if v is None else float(v) for v in values])
 
     columns: dict[str, np.ndarray] = {}

@@ -17,14 +17,25 @@ Three kinds of call, counted apart as the spec's tool metrics separate them:
     known      runs; raised → failed                    tools/<name>/call_total, /failure_total
 
 Environments: `environment_factory` is a callable, or a dict of them chosen by the row's
-`environment` column. Each rollout gets its own instance; `reset(**row)` runs before the first turn
-and a string it returns is appended to the last user message (without a dataset it is the prompt);
-its public methods (but reset and get_reward) are the rollout's tools; `get_reward()` scores it.
+`environment` column. Each rollout has an instance to itself, reused by a later rollout once its
+group is scored (EnvironmentPool); `reset(**row)` runs before the first turn and a string it
+returns is appended to the last user message (without a dataset it is the prompt); its public
+methods (but reset and get_reward) are the rollout's tools; `get_reward()` scores it, and reward
+functions get the group's instances as `environments`.
 
 Where the spec is silent, our choices (one line each, with the reason):
 - A call format is decided once per tokenizer (`tool_call_format`): its own response template,
   else Qwen's <tool_call> blocks (Qwen2.5/Qwen3's and toy.py's format; the fallback, warned once).
 - Every call, also a malformed or unknown one, gets a tool message: the model sees its mistake.
+- reset()'s observation joins the last user message after a newline (TRL's trainers append it
+  as is): the observation reads as its own line of the turn.
+- An instance stays checked out until its group is scored (reward functions read it): an
+  OpenEnv server needs sessions for the rollouts in flight and those waiting to be scored.
+- No HarnessAsyncGRPOTrainer (TRL's harness training: an agent that owns its loop behind a
+  recording proxy, its trace rebuilt into turns): it needs an agent process, the proxy and a
+  session type openenv-core does not ship. Instead subclass AsyncRolloutLoop and override
+  generate_one: drive the harness, call generate_one_turn per model turn, and return the
+  TurnRecords, ToolCalls (the tools/* metrics keep their names) and Rollout.reward.
 """
 import asyncio
 import functools
@@ -190,18 +201,59 @@ def environment_tools(env: object) -> list[Callable]:
             if not name.startswith("_") and name not in ("reset", "get_reward")]
 
 
-async def start_environment(factory: Callable | dict[str, Callable], row: dict, executor: Executor):
-    """Create and reset one rollout's environment: (instance, prompt with the observation, seconds
-    reset() took)."""
-    if isinstance(factory, dict):
+class EnvironmentPool:
+    """environment_factory's instances, reused across rollouts ("construct once, reset often", as
+    TRL's trainers do): an environment that opens a server session in __init__ (each OpenEnv
+    wrapper of TRL's guide does) then holds as many sessions as rollouts alive at once, not one
+    per rollout until the process ends. A dict factory keeps one pool per environment name."""
+
+    def __init__(self, factory: Callable | dict[str, Callable]):
+        self.factory = factory
+        self.free: dict[str | None, list] = {}
+        self.name_of: dict[int, str | None] = {}   # id(instance) → its pool
+
+    def name(self, row: dict) -> str | None:
+        if not isinstance(self.factory, dict):
+            return None
         name = row.get("environment")
-        if name not in factory:
+        if name not in self.factory:
             raise ValueError(f"the row's 'environment' is {name!r}; environment_factory has "
-                             f"{sorted(factory)}")
-        factory = factory[name]
-    env = await call_maybe_async(factory, executor)
+                             f"{sorted(self.factory)}")
+        return name
+
+    async def take(self, name: str | None, executor: Executor):
+        """A free instance of environment `name`, or a new one."""
+        if free := self.free.get(name):
+            return free.pop()
+        factory = self.factory if name is None else self.factory[name]
+        env = await call_maybe_async(factory, executor)
+        self.name_of[id(env)] = name
+        return env
+
+    def give_back(self, env) -> None:
+        """Free for the next rollout's reset() (after its group is scored: reward functions read
+        it). An instance whose rollout failed is never given back: its state is unknown."""
+        self.free.setdefault(self.name_of[id(env)], []).append(env)
+
+    async def probe(self, executor: Executor) -> None:
+        """One instance of each environment at start, kept free: a missing reset() is an error
+        before the first rollout, not in every rollout."""
+        for name in [None] if not isinstance(self.factory, dict) else list(self.factory):
+            env = await self.take(name, executor)
+            if not callable(getattr(env, "reset", None)):
+                raise TypeError(f"{type(env).__name__}, made by environment_factory, has no "
+                                "reset() method: each rollout starts with reset(**row)")
+            self.give_back(env)
+
+
+async def start_environment(pool: EnvironmentPool, row: dict, executor: Executor):
+    """Take and reset one rollout's environment: (instance, prompt with the observation, seconds
+    reset() took). reset() gets the row's columns, all but a dict factory's `environment`."""
+    name = pool.name(row)
+    env = await pool.take(name, executor)
+    columns = row if name is None else {k: v for k, v in row.items() if k != "environment"}
     start = time.monotonic()
-    observation = await call_maybe_async(env.reset, executor, **row)
+    observation = await call_maybe_async(env.reset, executor, **columns)
     reset_s = time.monotonic() - start
     prompt = row.get("prompt")
     if prompt is None:                                 # no dataset: reset() writes the prompt

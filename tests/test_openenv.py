@@ -7,9 +7,9 @@ Covered: the wrapper against the server alone (tools from its public methods, sc
 docstring, a raised exception as the tool's answer); then the rollout process end to end: reset()'s
 observation reaches the prompt, every tool call that passes the wrapper is a step counted by the
 server, get_reward() scores from the environment's state, and the env/* and tools/* metrics are
-logged. Two rules of the guide we do not honour yet are strict xfails (the reasons name the gap):
-reward functions receiving `environments`, and reusing instances ("construct once, reset often")
-so that the server's sessions stay bounded. Skipped without openenv-core
+logged; reward functions receive `environments`, and instances are reused ("construct once, reset
+often": rollout/tool_calls.EnvironmentPool) so that the server's sessions stay bounded. Skipped
+without openenv-core
 (pip install -r requirements-openenv.txt).
 """
 import functools
@@ -122,17 +122,12 @@ def test_an_openenv_environment_drives_the_rollouts(game_run):
     assert counts["sessions_opened"] == counts["sessions_closed"]  # none left when the run ends
 
 
-@pytest.mark.xfail(strict=True, reason="issue 28.8: reward functions are not given "
-                   "`environments` (the OpenEnv guide's reward_func(environments, **kwargs))")
 def test_reward_functions_read_the_environments(game_run):
     samples, _, _ = game_run
     for s in samples:
         assert s.metrics["rewards/solved/mean"] == s.metrics["rewards/NumberGameEnv/mean"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 28.8: one new instance per rollout, never closed: "
-                   "each rollout holds an OpenEnv session (and a client thread) until the "
-                   "rollout process ends; TRL reuses instances through reset()")
 def test_instances_are_reused_so_server_sessions_stay_bounded(long_server, tokenizer):
     game = oe.start_server(max_concurrent_envs=6)     # 12 rollouts, 2 at a time, 6 sessions
     try:

@@ -8,9 +8,9 @@ import pytest
 
 import rollout_helpers as h
 import toy
-from rollout.tool_calls import (check_tools, environment_reward, environment_tools,
-                                parse_tool_calls, parse_turn, run_tool_calls, start_environment,
-                                tool_call_format)
+from rollout.tool_calls import (EnvironmentPool, check_tools, environment_reward,
+                                environment_tools, parse_tool_calls, parse_turn, run_tool_calls,
+                                start_environment, tool_call_format)
 
 MISTRAL_LIKE = {                      # a response template for a format that is not Qwen's
     "start_anchor": "<|im_start|>assistant\n",
@@ -59,7 +59,8 @@ def test_environment_factory_dict_picks_by_row_and_exposes_its_tools():
     row = {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "1+2="}],
            "environment": "counter"}
     with ThreadPoolExecutor(1) as pool:
-        env, prompt, _ = asyncio.run(start_environment({"counter": h.Counter}, row, pool))
+        environments = EnvironmentPool({"counter": h.Counter})
+        env, prompt, _ = asyncio.run(start_environment(environments, row, pool))
         assert isinstance(env, h.Counter) and prompt[-1]["content"] == "1+2=\nUse the tools."
         assert row["prompt"][-1]["content"] == "1+2="  # the dataset row is not mutated
         assert [t.__name__ for t in environment_tools(env)] == ["add"]
@@ -67,7 +68,7 @@ def test_environment_factory_dict_picks_by_row_and_exposes_its_tools():
         assert asyncio.run(environment_reward(env, pool))[0] == (h.Counter, 1.0)
         with pytest.raises(ValueError, match="'environment' is 'chess'"):
             chess = row | {"environment": "chess"}
-            asyncio.run(start_environment({"counter": h.Counter}, chess, pool))
+            asyncio.run(start_environment(environments, chess, pool))
 
 
 def test_tools_must_be_unique_module_level_functions():
