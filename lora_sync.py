@@ -13,7 +13,9 @@ AdapterSync of run 3f9a1c, one sync to version 5 with max_staleness = 2 (3 versi
     write   .vllm_lora/.policy-3f9a1c-v5.tmp/ → rename → policy-3f9a1c-v5/    atomic: vLLM never
                                                                               reads half of one
     load    POST /v1/load_lora_adapter {"lora_name": "policy-3f9a1c-v5", "lora_path": ...}  every
-    unload  POST /v1/unload_lora_adapter policy-3f9a1c-v2; delete its dir     replica; loaded: v3-5
+    probe   a completion under policy-3f9a1c-v5 gives the trainer's log-probs  replica; loaded:
+            (verify_sync.py; else loaded again, then the replica is taken out) v3-5
+    unload  POST /v1/unload_lora_adapter policy-3f9a1c-v2; delete its dir
     end     unload (and delete) v3 v4 v5: a long-lived server keeps no name of a finished run
     A rollout started under version N requests model="policy-<run>-vN" to its end (rollout/loop.py,
     lora_name), so the oldest loaded version may still be in use: max_loras needs a spare slot.
@@ -37,7 +39,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from weight_sync import FullSync, Members, SyncStats, full_tensor, language_parameters
+from verify_sync import Reference, base_card, on_rank0, probe_refusal, tolerance
+from weight_sync import (FullSync, Members, SyncStats, full_tensor, gathered, language_parameters,
+                         served_dtype)
 
 PREFIX = "policy"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values
@@ -161,7 +165,11 @@ def adapter_state(policy) -> dict[str, torch.Tensor]:
 
 
 class AdapterSync:
-    """Adapter-only sync over disk and /v1/load_lora_adapter (state is real: the loaded window)."""
+    """Adapter-only sync over disk and /v1/load_lora_adapter (state is real: the loaded window).
+    Every load is proven by a probe (verify_sync.py): the trainer's log-probs come from rank 0's
+    CPU copy of the policy (verify_sync.Reference: gathered once, the base frozen, each sync's
+    adapter swapped in), not from the FSDP2 shards, so only rank 0 takes part and the other ranks
+    wait at the sync's end."""
 
     def __init__(self, policy, clients, config, output_dir: str):
         self.policy = policy
@@ -172,54 +180,111 @@ class AdapterSync:
         self.prefix = f"{PREFIX}-{secrets.token_hex(3)}"    # this run's names: policy-<run>-v<N>
         self.dtype = config.export_dtype(next(policy.parameters()))   # the checkpoint's dtype
         self.loaded: list[int] = []                    # versions loaded on every server, oldest 1st
+        self.dtypes: dict[str, str | None] = {}        # rank 0: base_url → its served dtype
+        self.reference: Reference | None = None        # rank 0: the policy on its CPU, once built
+        self.built = False                             # every rank: the reference was gathered
 
     def connect(self) -> None:
+        """Rank 0: the adapters' directory, and each server's dtype (the probe's tolerance)."""
         if dist.get_rank() == 0:
             os.makedirs(self.root, exist_ok=True)
+            self.dtypes = {c.base_url: served_dtype(c.server_info()) for c in self.clients}
 
     def worker_kwargs(self) -> dict:
         """RolloutWorker arguments: rollouts request model="policy-<run>-v<their version>"."""
         return {"lora_name": self.prefix}
 
     def push(self, version: int) -> dict[str, float]:
+        """Every rank: gather the adapter; rank 0 publishes it (_publish); an error there is
+        raised on every rank together."""
         start = time.perf_counter()
+        self._reference()
         state = adapter_state(self.policy)
         stats = SyncStats()
-        if dist.get_rank() == 0:
-            name = f"{self.prefix}-v{version}"
-            final = os.path.join(self.root, name)
-            tmp = os.path.join(self.root, f".{name}.tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            state = {k: v.to(self.dtype) for k, v in state.items()}
-            self.policy.model.save_pretrained(tmp, state_dict=state)
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-            stats.bytes = os.path.getsize(os.path.join(final, "adapter_model.safetensors"))
-            t = time.perf_counter()
-            self.members.returning()           # back since the last sync: it gets this adapter
-            self._each(lambda c: c.load_lora_adapter(name, final), f"loading {name}")
-            self.loaded.append(version)
-            while len(self.loaded) > self.config.max_staleness + 1:    # the new one is in: unload
-                self._unload(self.loaded.pop(0))
-            stats.transfer_s = time.perf_counter() - t
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        on_rank0(lambda: self._publish(version, state, stats))
         stats.total_s = time.perf_counter() - start
         return stats.metrics()
 
+    def _publish(self, version: int, state: dict[str, torch.Tensor], stats: SyncStats) -> None:
+        """Rank 0: write the adapter (atomically), load it on every live replica, prove each load
+        (_verify), then unload the version that left the staleness window."""
+        name = f"{self.prefix}-v{version}"
+        final = os.path.join(self.root, name)
+        tmp = os.path.join(self.root, f".{name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        state = {k: v.to(self.dtype) for k, v in state.items()}
+        self.policy.model.save_pretrained(tmp, state_dict=state)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        stats.bytes = os.path.getsize(os.path.join(final, "adapter_model.safetensors"))
+        t = time.perf_counter()
+        self.members.returning()               # back since the last sync: it gets this adapter
+        self._each(lambda c: c.load_lora_adapter(name, final), f"loading {name}")
+        verify = time.perf_counter()
+        self._verify(name, final, state)
+        stats.verify_s = time.perf_counter() - verify
+        self.loaded.append(version)
+        while len(self.loaded) > self.config.max_staleness + 1:        # the new one is in: unload
+            self._unload(self.loaded.pop(0))
+        stats.transfer_s = time.perf_counter() - t - stats.verify_s
+
+    def _verify(self, name: str, path: str, state: dict[str, torch.Tensor]) -> None:
+        """Rank 0: each live replica's probe under `name` must give the trainer's log-probs and
+        not the base's (verify_sync.probe_refusal). One that does not is sent the adapter once
+        more (loaded in place) and probed again; then it is taken out (Members), or, if it is the
+        last one, the sync raises."""
+        self.reference.load(state)
+        refusals: dict[str, str | None] = {}
+
+        def probe(c) -> None:
+            found = self.reference.probe(c, name, adapter=True)
+            refusals[c.base_url] = probe_refusal(found, name, tolerance(self.dtypes.get(
+                c.base_url)))
+
+        def again(c) -> None:
+            if refusals.get(c.base_url):
+                c.load_lora_adapter(name, path, load_inplace=True)
+                probe(c)
+        self._each(probe, f"probing {name}")
+        self._each(again, f"loading {name} again")
+        failed = [(c, why) for c in self.members.live if (why := refusals.get(c.base_url))]
+        if failed and len(failed) == len(self.members.live):
+            whys = "; ".join(f"{c.base_url}: {why}" for c, why in failed)
+            raise RuntimeError(f"LoRA sync: {name} did not load as trained, loaded twice: {whys}; "
+                               f"restart the server(s) and resume from the last checkpoint")
+        for c, why in failed:
+            self.members.take_out(c, why, f"failed the probe of {name}, loaded twice,")
+
+    def _reference(self) -> None:
+        """Every rank, once: gather the policy (base and adapter) into rank 0's Reference."""
+        if not self.built:
+            dtype = next((d for d in self.dtypes.values() if d), "float32")
+            self.reference = Reference.build(self.policy.model, gathered(self.policy.model), dtype)
+            self.built = True
+
     def start(self, version: int) -> None:
-        """Every rank, before generation starts: a resumed run loads its saved adapter; a fresh one
-        generates from the base model, so rank 0 warns when a server's base weights were replaced
-        by an earlier full sync (its weight_version is no longer "default")."""
+        """Every rank, before generation starts: the start probe compares each server's base model
+        with the trainer's (the adapter switched off), and one that serves another base stops the
+        run with a ValueError before any rollout: an adapter cannot fix its base. Then a resumed
+        run loads its saved adapter; a fresh one generates from the base model."""
+        self._reference()
+        on_rank0(self._check_bases)
         if version > 0:
             self.push(version)
-        elif dist.get_rank() == 0:
-            for c in self.clients:
-                if (held := c.weight_info()) != "default":
-                    warnings.warn(f"LoRA sync: {c.base_url} serves base weights of an earlier "
-                                  f"full sync (weight_version {held!r}), not its checkpoint: "
-                                  f"adapters apply to those; restart it to train on the "
-                                  f"checkpoint", stacklevel=2)
+
+    def _check_bases(self) -> None:
+        """Rank 0: ValueError naming the first server whose base model's log-probs on the probe are
+        farther from the trainer's base than its dtype's tolerance."""
+        for c in self.clients:
+            tol = tolerance(self.dtypes.get(c.base_url))
+            gap = self.reference.probe(c, base_card(c), base=True).gap
+            if gap > tol:
+                source = getattr(self.policy.model.config, "_name_or_path", "")
+                raise ValueError(f"LoRA sync: {c.base_url} serves another base model than the "
+                                 f"trained one: on the start probe its log-probs differ from the "
+                                 f"trainer's base model's by up to {gap:.3g} (max |Δ log p|; "
+                                 f"tolerance {tol:g}), and an adapter cannot fix the base: serve "
+                                 f"the checkpoint the trainer loads ({source})")
 
     def _unload(self, version: int) -> None:
         old = f"{self.prefix}-v{version}"

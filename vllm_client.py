@@ -21,6 +21,7 @@ One `VLLMClient` talks to one server; `server_urls` splits `vllm_server_base_url
                      POST /update_weights                  update_weights              (collective)
                      POST /finish_weight_update            finish_weight_update
                      GET  /weight_info, POST /weight_checker  weight_info, weight_checker
+    workers          POST /collective_rpc                  collective_rpc  (a worker extension's)
     LoRA             POST /v1/load_lora_adapter            load_lora_adapter    (plain-text reply)
                      POST /v1/unload_lora_adapter          unload_lora_adapter  (plain-text reply)
 
@@ -472,12 +473,24 @@ class VLLMClient:
     def weight_info(self) -> str:
         return str(self._get("/weight_info", "weight_version"))
 
-    def weight_checker(self, action: str, baseline: dict | None = None) -> dict:
+    def weight_checker(self, action: str, baseline: dict | None = None,
+                       names: list[str] | None = None) -> dict:
         """action: checksum | reset | compare (compare needs `baseline`, a checksum reply's
-        `checksums`)."""
+        `checksums`); `names`: checksum only those (local_vllm; vLLM's own route ignores it)."""
         body = {"action": action} if baseline is None else {"action": action, "baseline": baseline}
+        if names is not None:
+            body["names"] = names
         path = "/weight_checker"
         return _field(self.base_url + path, self._request("POST", path, json=body))
+
+    def collective_rpc(self, method: str, *args: str) -> list:
+        """POST /collective_rpc (vLLM's dev mode): `method` on every worker, e.g. one a
+        --worker-extension-cls adds, with string arguments (vLLM passes them as they come: the
+        method decodes them); each worker's result, in order. A 5xx (vLLM's answer when a
+        worker has no such method, or it raised) is not retried."""
+        path = "/collective_rpc"
+        reply = self._request("POST", path, "weights", json={"method": method, "args": list(args)})
+        return _field(self.base_url + path, reply, "results")
 
     # ---- LoRA (success replies are plain text) ----
 

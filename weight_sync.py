@@ -14,9 +14,13 @@ Spec: "weight_sync_steps 回の学習ステップごとに、更新された重�
     for each parameter, in order:                                      │ perf/weight_sync_transfer_s
         full_tensor(p): all-gather the FSDP2 shards ◄───────────────── │ (every rank gathers)
         cast to the server dtype, append to the bucket                 │
+        (rank 0: sha256 of the tensors chosen to verify, as sent)      │
         bucket > packed_buffer_size_bytes → broadcast(bucket) ───────► │ receive, load by HF name
     join the thread ◄──────────────── "Weights updated"                ┘
     POST /finish_weight_update {"weight_version": "N"}
+    POST /collective_rpc (vLLM) or /weight_checker ─► each server     ┐ sync/verify_s (with
+      (local_vllm): the chosen tensors' digests      hashes what it   │ rank 0's hashing above),
+      ◄─────────────────────────────────────────── holds now          ┘ sync/verified_tensors
     POST /resume  (every path; after a failure over fresh connections, confirmed by /is_paused)
 
 FullSync sends language_parameters(model); lora_sync.MergedSync, a FullSync, sends W + s·B·A.
@@ -28,6 +32,10 @@ uvicorn closes a connection after a 500, so the closing /resume never reuses a p
 
 Replicas can die (Members): one that fails a call and /health is taken out and the group re-formed
 over the rest (one that dies mid-transfer: the sync is sent once more); back on /health, it rejoins.
+Every sync is verified (verify_sync.py: which tensors, and how each server shows them): a
+server that holds other bytes than were sent is named with the tensor and both digests and taken
+out the same way (resumed, then sent the weights and verified again at the next sync); if it was
+the last one, the sync raises.
 
 Departures from the spec, one line each:
 - On a CPU both ends form a torch.distributed gloo group (local_vllm, or vLLM with vllm_plugin/).
@@ -42,13 +50,16 @@ import socket
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+import verify_sync
+from verify_sync import (Reference, base_card, chosen, digest, digest_route, mismatches,
+                         on_rank0, served_digests, tolerance)
 from vllm_client import VLLMClient, VLLMError
 
 log = logging.getLogger(__name__)
@@ -64,13 +75,17 @@ class SyncStats:
     barrier_s: float = 0.0        # waiting for every rank
     transfer_s: float = 0.0       # gathering and sending the tensors (or the adapter's load)
     bytes: int = 0                # what rank 0 sent: the tensors' bytes, or the adapter file's
+    verify_s: float = 0.0         # proving it landed: hashing and the digests (or the probe)
+    verified_tensors: int = 0     # tensors each verifiable server showed as sent (full sync)
 
     def metrics(self) -> dict[str, float]:
         return {"perf/weight_sync_s": self.total_s,
                 "perf/weight_sync_pause_s": self.pause_s,
                 "perf/weight_sync_barrier_s": self.barrier_s,
                 "perf/weight_sync_transfer_s": self.transfer_s,
-                "perf/weight_sync_bytes": float(self.bytes)}
+                "perf/weight_sync_bytes": float(self.bytes),
+                "sync/verify_s": self.verify_s,
+                "sync/verified_tensors": float(self.verified_tensors)}
 
 
 # ── what a sync sends ───────────────────────────────────────────────────────────────────────
@@ -91,6 +106,18 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def gathered(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) of every parameter, in order: every rank iterates it (all-gathers)."""
+    return ((name, full_tensor(p)) for name, p in model.named_parameters())
+
+
+def embedding_names(model) -> set[str]:
+    """The names of the input embedding's and the LM head's weights (one name when tied): every
+    sync verifies them (verify_sync.chosen)."""
+    ends = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    return {name for name, p in model.named_parameters() if id(p) in ends}
+
+
 class FullSync:
     """The sync of a model without LoRA: every sync sends the language model's full weights.
 
@@ -102,6 +129,7 @@ class FullSync:
     def __init__(self, policy, clients: list[VLLMClient], config):
         self.policy = policy
         self.weights = WeightSync(clients, config.vllm_server_timeout)
+        self.weights.always = embedding_names(policy.model)     # verified at every sync
 
     def specs(self) -> list[tuple[str, torch.Size]]:
         """(name, shape) of what every sync sends, in order: the server's names."""
@@ -115,10 +143,27 @@ class FullSync:
         return {}
 
     def start(self, version: int) -> None:
-        """Every rank, before generation starts: send this run's weights. A long-lived server holds
-        whatever the last run (or a resumed run's older steps) sent it, not the checkpoint this run
-        starts from, and the first rollouts would be sampled from that."""
+        """Every rank, before generation starts: the start probe, then this run's weights are sent.
+        A long-lived server holds whatever the last run (or a resumed run's older steps) sent it,
+        or another checkpoint of the same shapes, and the first rollouts would be sampled from
+        that: the probe (verify_sync.Reference, on rank 0's CPU) says so once, in a warning, and
+        the push, a run's first, verifies every tensor it sends."""
+        model = self.policy.model
+        reference = Reference.build(model, gathered(model), self.weights.dtype)
+        on_rank0(lambda: self._probe(reference))
+        del reference                      # its host memory: only the start needs it
         self.push(version)
+
+    def _probe(self, reference: Reference) -> None:
+        """Rank 0: warn, once, naming each live server whose log-probs on the probe are farther
+        from the trainer's than the served dtype's tolerance."""
+        tol = tolerance(self.weights.dtype)
+        far = [f"{c.base_url} (max |Δ log p| {gap:.3g})" for c in self.weights.members.live
+               if (gap := reference.probe(c, base_card(c)).gap) > tol]
+        if far:
+            warnings.warn(f"weight sync: {', '.join(far)} serve(s) another model than the "
+                          f"trainer's on the start probe (tolerance {tol:g}): the trainer sends "
+                          f"its weights before generation starts", stacklevel=3)
 
     def close(self) -> None:
         """Nothing to release: the servers keep the last weights sent."""
@@ -310,10 +355,12 @@ class WeightSync:
         sync = WeightSync(clients, timeout=config.vllm_server_timeout)   # every rank
         sync.connect()                                                    # rank 0 joins the servers
         stats = sync.push(names_and_shapes, tensors, version)             # every rank, each sync
+
+    `verify_every`: verify_sync.chosen's (default verify_sync.VERIFY_EVERY; 0: no verification).
     """
 
     def __init__(self, clients: list[VLLMClient], timeout: float,
-                 buffer_bytes: int = PACKED_BUFFER_BYTES):
+                 buffer_bytes: int = PACKED_BUFFER_BYTES, verify_every: int | None = None):
         self.members = Members(clients, timeout, "weight sync")   # replicas that can die
         self.timeout = timeout                       # vllm_server_timeout: every call and the group
         self.buffer_bytes = buffer_bytes             # packed_buffer_size_bytes
@@ -325,6 +372,11 @@ class WeightSync:
         self.vllm_group = False     # joined through vLLM's helpers (real vLLM, NCCL)
         self.device = torch.device("cpu")
         self.dtype = torch.float32  # the servers' dtype: what is sent
+        self.verify_every = verify_sync.VERIFY_EVERY if verify_every is None else verify_every
+        self.always: set[str] = set()         # names verified at every sync (FullSync's ends)
+        self.routes: dict[str, str | None] = {}   # rank 0: how each URL shows digests (or None)
+        self.pushes = 0                       # syncs so far: the first verifies every tensor
+        self.unreadable: set[str] = set()     # rank 0: URLs whose unreadable tensors were said
 
     def connect(self, specs: list[tuple[str, torch.Size]] | None = None) -> None:
         """Rank 0: read every server's config, check `specs` (the names and shapes every sync
@@ -353,6 +405,8 @@ class WeightSync:
         if self.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._regroup()
+        for c in self.members.clients:
+            self._route(c)
 
     def _regroup(self) -> None:
         """Rank 0: one group with the workers of every live server (at connect, and after a
@@ -397,10 +451,12 @@ class WeightSync:
         Every rank calls it and iterates `tensors()` (FSDP2's gathers are collectives); rank 0
         talks to the servers. Each phase ends in one agreement (_agree: rank 0's error reaches
         every rank and all raise together), so no rank is left waiting in a collective. A server
-        that died mid-transfer is taken out and the transfer sent once more, to the others. On
-        any failure the servers are resumed before the error is raised."""
+        that died mid-transfer is taken out and the transfer sent once more, to the others. Then
+        the sync is verified (_verify) before the servers resume. On any failure the servers are
+        resumed before the error is raised."""
         stats = SyncStats()
         start = time.perf_counter()
+        check = self._checked([name for name, _ in specs], version)
         try:
             error = self._on_rank0(self._pause)
             stats.pause_s = time.perf_counter() - start
@@ -409,12 +465,16 @@ class WeightSync:
             stats.barrier_s = time.perf_counter() - t
             t = time.perf_counter()
             try:
-                stats.bytes = self._transfer(specs, tensors, resend=False)
+                sent = self._transfer(specs, tensors, check, resend=False)
             except _Lost:                   # a server died mid-transfer: once more, to the others
-                stats.bytes = self._transfer(specs, tensors, resend=True)
+                sent = self._transfer(specs, tensors, check, resend=True)
+            stats.bytes = sent.bytes
             stats.transfer_s = time.perf_counter() - t
             self._agree(self._on_rank0(
                 lambda: self.members.call(lambda c: c.finish_weight_update(str(version)))))
+            t = time.perf_counter()
+            self._agree(self._on_rank0(lambda: self._verify(sent.digests, version, stats)))
+            stats.verify_s = sent.hash_s + time.perf_counter() - t
         except Exception as e:
             if self.rank == 0:
                 still = [why for c in self.paused if (why := c.resume_confirmed())]
@@ -426,6 +486,7 @@ class WeightSync:
             if still:
                 raise RuntimeError(f"weight sync to version {version} landed, but "
                                    f"{'; '.join(still)}")
+        self.pushes += 1
         stats.total_s = time.perf_counter() - start
         return stats
 
@@ -438,11 +499,12 @@ class WeightSync:
         if self.grouped != self.members.live:
             self._regroup()
 
-    def _transfer(self, specs, tensors, resend: bool) -> int:
+    def _transfer(self, specs, tensors, check: set[str], resend: bool) -> "_Sent":
         """Every rank gathers every tensor; rank 0 first opens the update on every server
-        (_begin), then broadcasts the buckets while they receive. A failure while sending stops
-        the sending, never the gathering; the agreement at the end raises it on every rank: as
-        _Lost when it took a dead server out and others are left (not on a resend)."""
+        (_begin), then broadcasts the buckets while they receive, hashing the tensors named in
+        `check` as they go out. A failure while sending stops the sending, never the gathering;
+        the agreement at the end raises it on every rank: as _Lost when it took a dead server out
+        and others are left (not on a resend)."""
         update, error = [], None          # rank 0: each server's POST /update_weights, receiving
         if self.rank == 0:
             try:
@@ -451,14 +513,19 @@ class WeightSync:
                 error = e
         self._agree(error)
         sizes = [math.prod(shape) * self.dtype.itemsize for _, shape in specs]
-        sent = 0
+        sent = _Sent()
         it = iter(tensors())
         for chunk in buckets(sizes, self.buffer_bytes):
             parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]  # all ranks
             if self.rank == 0 and error is None:
+                t = time.perf_counter()
+                for i, part in zip(chunk, parts):
+                    if specs[i][0] in check:
+                        sent.digests[specs[i][0]] = digest(part)
+                sent.hash_s += time.perf_counter() - t
                 flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])  # [Σ bytes] uint8
                 error = self._on_rank0(lambda: self._broadcast(flat, update))
-                sent += flat.numel()
+                sent.bytes += flat.numel()
         lost = False
         if self.rank == 0:
             for c, u in zip(self.grouped, update):      # a server's own error comes first
@@ -467,6 +534,66 @@ class WeightSync:
             lost = error is not None and not resend and self._take_out_dead()
         self._agree(error, lost)
         return sent
+
+    def _checked(self, names: list[str], version: int) -> set[str]:
+        """Rank 0: the names a sync to `version` verifies (verify_sync.chosen; a run's first sync:
+        all); none on the other ranks, and none when no live server can show what it holds."""
+        if self.rank != 0 or not any(self.routes.get(c.base_url, "new") is not None
+                                     for c in self.members.live):
+            return set()
+        return set(chosen(names, version, self.verify_every, self.always, self.pushes == 0))
+
+    def _verify(self, digests: dict[str, str], version: int, stats: SyncStats) -> None:
+        """Rank 0, after /finish_weight_update and before /resume: every live server shows the
+        digests of the tensors `digests` names (what was sent of them); one that holds other
+        bytes is named with the tensors and both digests and taken out (Members), and resumed,
+        since rollouts may still reach it (the next sync sends it the weights and verifies them
+        again); if it was the last one, the sync raises. Tensors a server cannot read back
+        exactly are said once and not counted."""
+        if not digests:
+            return
+        asked = list(digests)
+        shown = {}
+
+        def fetch(c: VLLMClient) -> None:
+            if (route := self._route(c)) is not None:
+                shown[c.base_url] = served_digests(c, route, asked)
+        self.members.call(fetch)
+        bad, verified = [], []
+        for c in self.members.live:
+            if c.base_url not in shown:
+                continue
+            served, excluded = shown[c.base_url]
+            if excluded and c.base_url not in self.unreadable:
+                self.unreadable.add(c.base_url)
+                warnings.warn(f"weight sync: {c.base_url} cannot read back {len(excluded)} "
+                              f"tensor(s) exactly, which are not verified: {excluded}")
+            if wrong := mismatches(digests, served, excluded):
+                bad.append((c, f"it holds other bytes than were sent in {len(wrong)} of "
+                               f"{len(asked)} verified tensors: {'; '.join(wrong[:3])}"))
+            else:
+                verified.append(len(asked) - len(excluded))
+        stats.verified_tensors = min(verified, default=0)
+        if bad and len(bad) == len(self.members.live):
+            whys = "; ".join(f"{c.base_url}: {why}" for c, why in bad)
+            raise RuntimeError(f"weight sync to version {version} did not land as sent: {whys}; "
+                               "restart the server(s) and resume from the last checkpoint")
+        for c, why in bad:
+            self.members.take_out(c, why, "failed the sync's verification")
+            if still := c.resume_confirmed():      # out of the syncs, not left paused
+                warnings.warn(f"weight sync: {still}")
+
+    def _route(self, c: VLLMClient) -> str | None:
+        """Rank 0: how `c` shows digests (verify_sync.digest_route), found once per URL; a server
+        that cannot is said once, with how to enable it."""
+        if c.base_url not in self.routes:
+            route, why = digest_route(c)
+            self.routes[c.base_url] = route
+            if route is None:
+                warnings.warn(f"weight sync: {c.base_url} cannot show the weights it holds ({why}),"
+                              f" so syncs to it are not verified; {verify_sync.ENABLE}",
+                              stacklevel=4)
+        return self.routes[c.base_url]
 
     def _begin(self, specs, resend: bool) -> list:
         """Rank 0: open the update on every live server (begin_update), re-form the group if one
@@ -562,11 +689,11 @@ class Members:
             warnings.warn(f"{self.what}: {c.base_url} answers again; it rejoins with this sync",
                           stacklevel=3)
 
-    def take_out(self, client: VLLMClient, why: str) -> None:
+    def take_out(self, client: VLLMClient, why: str, failure: str = "stopped answering") -> None:
+        """Out of the syncs, with a warning naming it, what it did (`failure`) and why."""
         self.out[client.base_url] = why
-        warnings.warn(f"{self.what}: {client.base_url} stopped answering and is taken out (the "
-                      f"run goes on with {len(self.live)} of {len(self.clients)}); {why}",
-                      stacklevel=4)
+        warnings.warn(f"{self.what}: {client.base_url} {failure} and is taken out (the run goes "
+                      f"on with {len(self.live)} of {len(self.clients)}); {why}", stacklevel=4)
 
     def call(self, call: Callable[[VLLMClient], object]) -> None:
         """call(c) on every live server in parallel. A server that failed and fails /health is
@@ -631,6 +758,14 @@ def _attempt(fn: Callable[[], object]) -> BaseException | None:
     except Exception as e:     # noqa: BLE001 (the caller reports it)
         return e
     return None
+
+
+@dataclass
+class _Sent:
+    """What rank 0 sent in one transfer: the bytes, and the digests of the tensors it checks."""
+    bytes: int = 0
+    digests: dict[str, str] = field(default_factory=dict)     # name → sha256, in sent order
+    hash_s: float = 0.0                                       # the time hashing them took
 
 
 class _Lost(RuntimeError):

@@ -27,6 +27,8 @@ Departures from vLLM, one line each:
 - n > 1: choice i is seeded with seed + i; without a seed, one from the server's --seed generator.
 - Weight transfer by a torch.distributed group (Engine.join_group), not vLLM's NCCL communicator.
 - packed_num_buffers sets vLLM's double-buffering, which a blocking receive here does not need.
+- The fault switch (tests): ASYNC_GRPO_FAULT_NOISE=<tensor name> adds noise to that tensor after
+  every weight update or adapter load that brings it (fault_noise); off unless set.
 """
 import hashlib
 import json
@@ -42,6 +44,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+FAULT = "ASYNC_GRPO_FAULT_NOISE"    # the fault switch: a tensor name (vllm_plugin/ reads it too)
 
 # ── records ───────────────────────────────────────────────────────────────────────────────
 
@@ -183,6 +187,13 @@ def process_logits(logits: torch.Tensor, context: list[int], p: SamplingParams) 
     return x
 
 
+def fault_noise(t: torch.Tensor) -> torch.Tensor:
+    """`t` corrupted, as the fault switch does: plus Gaussian noise of its mean magnitude (seed 0,
+    the same every time), enough to move log-probs visibly."""
+    noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(0))
+    return t + noise.to(t.device, t.dtype) * t.abs().mean().clamp(min=1e-3)
+
+
 # ── the engine ────────────────────────────────────────────────────────────────────────────
 
 
@@ -225,6 +236,7 @@ class Engine:
         self.last_update: tuple = ()
         self.weight_version = "default"
         self.baseline: dict[str, str] | None = None
+        self.fault = os.environ.get(FAULT)          # the fault switch: None (off) or a name
         self.seeds = torch.Generator().manual_seed(args.seed)
         threading.Thread(target=self.loop, daemon=True, name="engine").start()
 
@@ -496,6 +508,7 @@ class Engine:
             if tuple(t.shape) != want:
                 raise APIError(400, f"LoRA adapter '{name}': {key} has shape {tuple(t.shape)}, "
                                f"expected {want}")
+            t = fault_noise(t) if key == self.fault else t
             pairs.setdefault(m[1], {})[m[2]] = t.to(self.device, self.model.dtype)
         if any(len(v) != 2 for v in pairs.values()):
             raise APIError(400, f"LoRA adapter '{name}': every module needs both lora_A and lora_B")
@@ -589,12 +602,14 @@ class Engine:
         with self.between_steps(), torch.no_grad():
             state = self.model.state_dict()
             for n, t in zip(names, tensors):
-                state[n].copy_(t)
+                state[n].copy_(fault_noise(t) if n == self.fault else t)
 
-    def checksums(self) -> dict[str, str]:
-        """sha256 over each tensor's bytes in the server dtype, by state-dict name."""
+    def checksums(self, names: list[str] | None = None) -> dict[str, str]:
+        """sha256 over each tensor's bytes in the server dtype, by state-dict name: of `names`
+        (those the model has), or of every tensor."""
         def sha256(t: torch.Tensor) -> str:
             return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8)
                                   .numpy()).hexdigest()
         with self.between_steps():
-            return {n: sha256(t) for n, t in self.model.state_dict().items()}
+            state = self.model.state_dict()
+            return {n: sha256(state[n]) for n in (state if names is None else names) if n in state}

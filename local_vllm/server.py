@@ -23,7 +23,8 @@ Departures from vLLM, one line each:
 - On CPU, one intra-op thread unless OMP_NUM_THREADS is set: the trainer runs on the same cores.
 - Requests are checked strictly (requests.py): unknown fields and coercible types are a 400.
 - No stop strings, streaming, min_tokens or prompt_logprobs; string prompts get no special tokens.
-- /weight_checker's compare checks the names of the baseline it is given (or the last checksum).
+- /weight_checker's compare checks the names of the baseline it is given (or the last checksum);
+  its checksum takes "names" (ours: only those are hashed; verify_sync.py asks for them).
 - A refused weight update is received, dropped and answered 500 with the model untouched, as
   vllm_plugin/'s gloo backend does (vLLM's own engines reload first and cannot generate after).
 - /finish_weight_update keeps loaded adapters (vLLM reloads them from disk: the same from outside).
@@ -415,8 +416,10 @@ def weight_info(eng, body, query):
 @route("POST", "/weight_checker", dev=True)
 def weight_checker(eng, body, query):
     action = typed(body, "action", str)
-    if action == "checksum":
-        eng.baseline = eng.checksums()
+    if action == "checksum":                       # "names" (ours): hash only those, cheaply
+        names = typed(body, "names", list, None, lambda v: all(type(n) is str for n in v),
+                      "of strings")
+        eng.baseline = eng.checksums(names)
         return {"checksums": eng.baseline}
     if action == "reset":
         eng.baseline = None

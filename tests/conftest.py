@@ -17,11 +17,13 @@ from train_helpers import kill_launched  # noqa: E402
 
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON")   # the interpreter of a venv that runs `vllm serve`
 # The toy model on real vLLM: what SERVER_ARGS give local_vllm, plus LoRA slots for
-# max_staleness 1 and a spare, and the CPU flags (fp32, no compilation).
+# max_staleness 1 and a spare, the CPU flags (fp32, no compilation), and our worker extension
+# (vllm_plugin/weight_digests.py), which shows what the server holds so every sync is verified.
 VLLM_ARGS = ("--served-model-name", "toy", "--dtype", "float32", "--max-model-len", "256",
              "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20", "--enforce-eager",
              "--weight-transfer-config", '{"backend":"gloo"}', "--enable-lora",
-             "--max-lora-rank", "8", "--max-loras", "4")
+             "--max-lora-rank", "8", "--max-loras", "4",
+             "--worker-extension-cls", "weight_digests.WeightDigests")
 
 
 @pytest.fixture(autouse=True)

