@@ -228,15 +228,23 @@ def test_remedies_name_what_works_on_this_hardware(vllm_servers):
 def test_two_full_sync_runs_against_the_same_servers(vllm_servers, toy_dir, tmp_path):
     """`train` twice with full sync to both replicas: both runs finish; each starts by sending its
     own weights (the first step's samples, of version 0, match the trainer's log-probs, though the
-    servers held the previous run's weights), and after each the servers serve its checkpoint."""
+    servers held the previous run's weights), and after each the servers serve its checkpoint; the
+    parity figure (sampling/mismatch_kl, over the tokens the trained weights sampled) is <= 1e-6 at
+    every step that has such tokens."""
     from train_helpers import lines
     try:
         for i in range(2):
             last = run(vllm_servers, toy_dir, tmp_path / f"run{i}")
             assert last["perf/weight_sync_bytes"] > 1e6
-            first = lines(str(tmp_path / f"run{i}"))[0]
+            records = lines(str(tmp_path / f"run{i}"))
+            first = records[0]
             assert first["sample/staleness_max"] == 0
             assert first["sampling/sampling_logp_difference/max"] <= TOL
+            fresh = [r for r in records if r["sampling/mismatch_tokens"] > 0]
+            assert fresh and fresh[0] is first  # step 1 trains version 0's samples only
+            for r in fresh:                     # the parity figure, fp32: ~0 at every such step
+                kl = r["sampling/mismatch_kl"]
+                assert 0 <= kl <= 1e-6, (r["step"], kl)
             model = AutoModelForCausalLM.from_pretrained(tmp_path / f"run{i}" / "checkpoint-2")
             for server in vllm_servers:
                 assert error_to(server, model.eval()) <= TOL
