@@ -2,7 +2,7 @@
 stand in for the spec's hub model and dataset, so the demo and every test run with HF_HUB_OFFLINE=1.
 
     python toy.py --save /tmp/toy       # config.json, model.safetensors, tokenizer.json, template
-    python -m local_vllm.server --model toy   # builds the warmed-up model in ~/.cache/async_grpo
+    VLLM_SERVER_DEV_MODE=1 python -m local_vllm.server --model toy   # the warmed-up model, cached
 
 The task, one prompt of it (the demo's: standard format, sums drawn evenly, exact_reward):
 

@@ -21,6 +21,7 @@ One `VLLMClient` talks to one server; `server_urls` splits `vllm_server_base_url
                      POST /update_weights                  update_weights              (collective)
                      POST /finish_weight_update            finish_weight_update
                      GET  /weight_info, POST /weight_checker  weight_info, weight_checker
+                     POST /update_weight_version           update_weight_version
     workers          POST /collective_rpc                  collective_rpc  (a worker extension's)
     LoRA             POST /v1/load_lora_adapter            load_lora_adapter    (plain-text reply)
                      POST /v1/unload_lora_adapter          unload_lora_adapter  (plain-text reply)
@@ -61,6 +62,7 @@ import urllib3
 
 log = logging.getLogger(__name__)
 
+UNVERIFIED = "unverified-"  # a weight version: the server's last sync failed the trainer's check
 HEALTH_PROBE_S = 2.0  # one /health probe never waits longer than this
 HEALTH_POLL_S = 0.25  # pause between /health probes
 REFUSED_RETRIES = 2   # a refused connection: ~1.5 s of backoff, then the server is down
@@ -84,6 +86,8 @@ ENABLED_BY = {
     "/finish_weight_update": (_DEV_MODE, _TRANSFER),
     "/weight_info": (_DEV_MODE, None),
     "/weight_checker": (_DEV_MODE, None),
+    "/update_weight_version": (_DEV_MODE, None),
+    "/collective_rpc": (_DEV_MODE, None),
     "/v1/load_lora_adapter": (_LORA, None),
     "/v1/unload_lora_adapter": (_LORA, None),
 }
@@ -472,6 +476,11 @@ class VLLMClient:
 
     def weight_info(self) -> str:
         return str(self._get("/weight_info", "weight_version"))
+
+    def update_weight_version(self, version: str) -> None:
+        """Relabel the weights the server holds (a sync that failed verification: "unverified-N",
+        so the rollout process stops routing to it)."""
+        self._request("POST", "/update_weight_version", "weights", json={"new_version": version})
 
     def weight_checker(self, action: str, baseline: dict | None = None,
                        names: list[str] | None = None) -> dict:

@@ -61,7 +61,7 @@ import torch.distributed as dist
 import verify_sync
 from verify_sync import (Reference, base_card, chosen, digest, digest_route, mismatches,
                          on_rank0, served_digests, tolerance)
-from vllm_client import VLLMClient, VLLMError
+from vllm_client import UNVERIFIED, VLLMClient, VLLMError
 
 log = logging.getLogger(__name__)
 
@@ -593,6 +593,7 @@ class WeightSync:
                                "restart the server(s) and resume from the last checkpoint")
         for c, why in bad:
             self.members.take_out(c, why, "failed the sync's verification")
+            _attempt(lambda: c.update_weight_version(f"{UNVERIFIED}{version}"))  # out of routing
             if still := c.resume_confirmed():      # out of the syncs, not left paused
                 warnings.warn(f"weight sync: {still}")
 

@@ -38,8 +38,8 @@ from rollout.prompts import check_prompt_source, filtered_stream, prompt_stream
 from rollout.samples import (FinishedRollout, PendingGroup, Rollout, RolloutGroup, RolloutSample,
                              ToolCall, TurnRecord, parse_completion, parse_generate, reconcile)
 from rollout.scoring import add_totals, score_group
-from rollout.servers import (NoReplicaLeft, Replica, connect_all, make_replicas, move, pick,
-                             poll_all, readmit, take_out)
+from rollout.servers import (NoReplicaLeft, Replica, connect_all, drop_unverified, make_replicas,
+                             move, pick, poll_all, readmit, take_out)
 from rollout.staleness import admits
 from rollout.tool_calls import (EnvironmentPool, environment_reward, environment_tools, parse_turn,
                                 run_tool_calls, start_environment, tool_call_format, tool_schemas)
@@ -582,6 +582,8 @@ class AsyncRolloutLoop:
             if await readmit(self.replicas, self.adapter_name(version), version,
                              self.lora_name is not None):
                 self.wake.set()
+            if self.lora_name is None:          # full sync: a replica the trainer refused
+                await drop_unverified(self.replicas)
             metrics = await poll_all(self.replicas)
             now = time.monotonic()
             metrics |= {"rollout/score_queue_size": self.score_queue.qsize()}

@@ -29,7 +29,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from vllm_client import VLLMClient, VLLMError
+from vllm_client import UNVERIFIED, VLLMClient, VLLMError
 
 log = logging.getLogger(__name__)
 
@@ -228,13 +228,30 @@ async def connect(replica: Replica, config, num_top: int | None, probe_token: in
     return served
 
 
-def take_out(replicas: list[Replica], replica: Replica, error: BaseException) -> None:
+def take_out(replicas: list[Replica], replica: Replica, error: BaseException,
+             failure: str = "stopped answering") -> None:
     """Out of routing, with a warning (once) naming it."""
     if replica.down is None:
         replica.down = f"{type(error).__name__}: {error}"
-        log.warning("the vLLM server at %s stopped answering (%s): out of routing, %d replica(s) "
-                    "left; its rollouts run again on the others", replica.url, replica.down,
+        log.warning("the vLLM server at %s %s (%s): out of routing, %d replica(s) left; its "
+                    "rollouts run again on the others", replica.url, failure, replica.down,
                     sum(r.down is None for r in replicas))
+
+
+async def drop_unverified(replicas: list[Replica]) -> None:
+    """Out of routing (full sync, each poll): every live replica whose weight version says that
+    its last sync failed the trainer's verification (vllm_client.UNVERIFIED, set by
+    weight_sync): it holds other weights than were sent. readmit brings it back once a later
+    sync lands on it and is verified (its version is a number again)."""
+    for r in replicas:
+        if r.down is None:
+            try:
+                held = await asyncio.to_thread(r.client.weight_info)
+            except (VLLMError, TimeoutError):
+                continue                         # no answer: the requests' failures decide
+            if held.startswith(UNVERIFIED):
+                take_out(replicas, r, RuntimeError(f"weight version {held!r}"),
+                         "failed the trainer's verification of its weights")
 
 
 def move(replicas: list[Replica], group, rollouts: int) -> Replica:

@@ -8,9 +8,9 @@ import math
 import queue
 import time
 
-import httpx
 import numpy as np
 import pytest
+import requests
 from datasets import Dataset
 
 import rollout_helpers as h
@@ -392,7 +392,7 @@ def test_rollouts_name_the_adapter_of_the_version_they_started_under(start_serve
                                                                      tokenizer, tmp_path):
     server = start_server(*h.SERVER_FLAGS, "--enable-lora", "--max-lora-rank", "8",
                           "--max-loras", "3")
-    base = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    base = requests.get(server.url + "/v1/models").json()["data"][0]["id"]
     make_adapter(toy_dir, str(tmp_path / "v2"))
     config = h.config_for(server, max_concurrent_rollouts=2, max_completion_length=6,
                           per_device_train_batch_size=64)
@@ -404,7 +404,7 @@ def test_rollouts_name_the_adapter_of_the_version_they_started_under(start_serve
         with pytest.raises(queue.Empty):
             worker.get(timeout=1.0)                      # group 0 waits between turns for version 2
         adapter = {"lora_name": "policy-v2", "lora_path": str(tmp_path / "v2")}
-        r = httpx.post(server.url + "/v1/load_lora_adapter", json=adapter)
+        r = requests.post(server.url + "/v1/load_lora_adapter", json=adapter)
         assert r.status_code == 200
         worker.set_model_version(2)
         while (sample := worker.get(timeout=60)) is not None:
@@ -427,7 +427,7 @@ def test_a_rollout_whose_adapter_was_unloaded_goes_on_under_the_newest(start_ser
     for v in (1, 2):
         make_adapter(toy_dir, str(tmp_path / f"v{v}"))
     adapter = {"lora_name": "policy-v1", "lora_path": str(tmp_path / "v1")}
-    assert httpx.post(server.url + "/v1/load_lora_adapter", json=adapter).status_code == 200
+    assert requests.post(server.url + "/v1/load_lora_adapter", json=adapter).status_code == 200
     config = h.config_for(server, max_concurrent_rollouts=2, max_completion_length=6,
                           per_device_train_batch_size=64)
     worker = RolloutWorker(config, toy.make_dataset(2), [h.rank_reward], tokenizer,
@@ -438,8 +438,8 @@ def test_a_rollout_whose_adapter_was_unloaded_goes_on_under_the_newest(start_ser
         with pytest.raises(queue.Empty):
             worker.get(timeout=1.0)                      # group 0 waits between turns
         adapter = {"lora_name": "policy-v2", "lora_path": str(tmp_path / "v2")}
-        assert httpx.post(server.url + "/v1/load_lora_adapter", json=adapter).status_code == 200
-        r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "policy-v1"})
+        assert requests.post(server.url + "/v1/load_lora_adapter", json=adapter).status_code == 200
+        r = requests.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "policy-v1"})
         assert r.status_code == 200
         worker.set_model_version(2)
         while (sample := worker.get(timeout=60)) is not None:

@@ -179,3 +179,27 @@ def test_a_wrong_api_key_fails_at_once_with_a_clear_401(start_server, tokenizer,
         worker.start()
     assert time.monotonic() - start < 30 and "refused the key in VLLM_API_KEY" in str(failure.value)
     assert "wrong-key" not in str(failure.value) and "right-key" not in str(failure.value)
+
+
+def test_a_replica_whose_sync_failed_verification_leaves_routing_until_a_later_one_lands(
+        start_server):
+    """The trainer labels a server whose weights failed its verification "unverified-N"
+    (weight_sync._verify); the rollout process's poll takes it out of routing (drop_unverified),
+    and readmit brings it back once a later sync gives it a numbered version again."""
+    import asyncio
+
+    import requests
+
+    from rollout.servers import drop_unverified, make_replicas, readmit
+    from vllm_client import UNVERIFIED, VLLMClient
+    server = start_server(*h.SERVER_FLAGS)
+    replicas = make_replicas([server.url], bound=4, timeout=10, max_retries=0)
+    asyncio.run(drop_unverified(replicas))
+    assert replicas[0].down is None                        # "default": never synced, not refused
+    VLLMClient(server.url, timeout=10).update_weight_version(f"{UNVERIFIED}3")
+    asyncio.run(drop_unverified(replicas))
+    assert "unverified-3" in replicas[0].down
+    assert not asyncio.run(readmit(replicas, "toy", 3, adapter=False))
+    requests.post(server.url + "/update_weight_version", json={"new_version": "4"})
+    assert asyncio.run(readmit(replicas, "toy", 4, adapter=False))
+    assert replicas[0].down is None
