@@ -188,7 +188,7 @@ class AsyncRolloutLoop:
                 raise ValueError("tools and environments need conversational prompts (lists of "
                                  "messages)")
             turn = await self.generate_one_turn(self.tokenizer(prompt)["input_ids"])
-            text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(np.asarray(turn.output_ids), skip_special_tokens=True)
             return Rollout(text, turn.output_ids, [turn])
         by_name = {tool.__name__: tool for tool in tools}
         if by_name and self.tool_format is None and not self.warned_tool_format:
@@ -213,7 +213,8 @@ class AsyncRolloutLoop:
             turn = await self.generate_one_turn(prompt_ids)
             turns.append(turn)
             completion_ids += turn.output_ids
-            text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+            # an array: transformers' decode skips its per-element check of a list (21 µs of 48)
+            text = self.tokenizer.decode(np.asarray(turn.output_ids), skip_special_tokens=True)
             content = text
             requested = []
             if by_name:

@@ -110,6 +110,11 @@ class TrainingSequence:
                              f"{len(sets)} candidate sets")
         self.input_ids += turn.output_ids[:len(mask)]
         self.completion_mask += mask
+        if turn.output_mask is None:            # every token sampled (the common case): as is
+            self.sampler_logprobs += turn.output_log_probs[:n]
+            self.top_logprobs += tops[:n]
+            self.candidates += sets[:n]
+            return
         self.sampler_logprobs += [lp if m else 0.0 for lp, m in zip(turn.output_log_probs, mask)]
         self.top_logprobs += [top if m else None for top, m in zip(tops, mask)]
         self.candidates += [c if m else None for c, m in zip(sets, mask)]
