@@ -138,10 +138,11 @@ class AsyncGRPOConfig:
     use_cpu: bool = False                   # force the CPU (refused: CUDA_VISIBLE_DEVICES=)
     accelerator_config: dict | str | None = None  # accelerate's config (refused: torchrun)
     parallelism_config: dict | str | None = None  # accelerate's parallelism (refused: DP only)
-    # ── data (dataloader_*, label_names, length_column_name refused: no DataLoader) ──
+    # ── data (dataloader_* but pin_memory, label_names, length_column_name refused: no loader) ──
     dataloader_drop_last: bool = False      # drop the last incomplete batch
     dataloader_num_workers: int = 0         # loader worker processes
-    dataloader_pin_memory: bool = True      # pinned loader memory
+    dataloader_pin_memory: bool = True      # either way rows reach the device from unpinned
+                                            # memory: there is no DataLoader to pin
     dataloader_persistent_workers: bool = False  # keep loader workers alive
     dataloader_prefetch_factor: int | None = None  # batches prefetched per worker
     dataloader_multiprocessing_context: str | None = None  # the workers' start method
@@ -453,7 +454,6 @@ WHY = {
                           "(FSDP2 shards the model over them)",
     "dataloader_drop_last": _LOADER,
     "dataloader_num_workers": _LOADER,
-    "dataloader_pin_memory": _LOADER,
     "dataloader_persistent_workers": _LOADER,
     "dataloader_prefetch_factor": _LOADER,
     "dataloader_multiprocessing_context": _LOADER,

@@ -132,7 +132,8 @@ def test_every_accepted_field_is_read_by_the_code():
         source += "".join(line for line in text.splitlines(True)
                           if not re.match(r"    \w+: .+ = ", line))
     unread = ("do_train",                 # a flag for scripts
-              "remove_unused_columns")    # either value: every column reaches the rewards
+              "remove_unused_columns",    # either value: every column reaches the rewards
+              "dataloader_pin_memory")    # either value: nothing is pinned (no DataLoader)
     for name in SPEC_DEFAULTS:
         if name not in config.WHY and name not in unread:
             assert re.search(rf"[.\"']{name}\b", source), name
