@@ -42,6 +42,7 @@ Departures from the spec, one line each:
 - On a CPU both ends form a torch.distributed gloo group (local_vllm, or vLLM with vllm_plugin/).
 - A vision-language model syncs only its language model: the vision tower is frozen (train.py).
 """
+import functools
 import glob
 import importlib.util
 import logging
@@ -155,10 +156,9 @@ class FullSync:
         or another checkpoint of the same shapes, and the first rollouts would be sampled from
         that: the probe (verify_sync.Reference, on rank 0's CPU) says so once, in a warning, and
         the push, a run's first, verifies every tensor it sends."""
-        model = self.policy.model
-        reference = Reference.build(model, gathered(model), self.weights.dtype)
-        on_rank0(lambda: self._probe(reference))
-        del reference                      # its host memory: only the start needs it
+        model = self.policy.model          # every rank gathers; the reference lives only here
+        on_rank0(functools.partial(self._probe,
+                                   Reference.build(model, gathered(model), self.weights.dtype)))
         self.push(version)
 
     def _probe(self, reference: Reference) -> None:

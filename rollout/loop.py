@@ -578,13 +578,15 @@ class AsyncRolloutLoop:
         rollout/admission_wait_s and rollout/score_block_s are the seconds since the last emission
         (sum them over a logging window); the rest are samples."""
         last_time = time.monotonic()
+        checked = None                          # the version drop_unverified last looked after
         while True:
             version = self.model_version
             if await readmit(self.replicas, self.adapter_name(version), version,
                              self.lora_name is not None):
                 self.wake.set()
-            if self.lora_name is None:          # full sync: a replica the trainer refused
-                await drop_unverified(self.replicas)
+            if self.lora_name is None and version != checked:   # full sync, after each sync:
+                await drop_unverified(self.replicas)          # a replica the trainer refused
+                checked = version
             metrics = await poll_all(self.replicas)
             now = time.monotonic()
             metrics |= {"rollout/score_queue_size": self.score_queue.qsize()}

@@ -239,10 +239,11 @@ def take_out(replicas: list[Replica], replica: Replica, error: BaseException,
 
 
 async def drop_unverified(replicas: list[Replica]) -> None:
-    """Out of routing (full sync, each poll): every live replica whose weight version says that
-    its last sync failed the trainer's verification (vllm_client.UNVERIFIED, set by
-    weight_sync): it holds other weights than were sent. readmit brings it back once a later
-    sync lands on it and is verified (its version is a number again)."""
+    """Out of routing (full sync, once per policy version: the trainer relabels a server before it
+    publishes the version): every live replica whose weight version says that its last sync
+    failed the trainer's verification (vllm_client.UNVERIFIED, set by weight_sync): it holds other
+    weights than were sent. readmit brings it back once a later sync lands on it and is verified
+    (its version is a number again)."""
     for r in replicas:
         if r.down is None:
             try:
