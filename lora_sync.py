@@ -35,13 +35,14 @@ import secrets
 import shutil
 import time
 import warnings
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from verify_sync import Reference, base_card, on_rank0, probe_refusal, tolerance
+from verify_sync import Reference, base_card, probe_refusal, tolerance
 from weight_sync import (FullSync, Members, SyncStats, full_tensor, gathered, language_parameters,
-                         served_dtype)
+                         on_rank0, served_dtype)
 
 PREFIX = "policy"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values
@@ -238,8 +239,8 @@ class AdapterSync:
 
         def probe(c) -> None:
             found = self.reference.probe(c, name, adapter=True)
-            refusals[c.base_url] = probe_refusal(found, name, tolerance(self.dtypes.get(
-                c.base_url)))
+            tol = tolerance(self.dtypes.get(c.base_url))
+            refusals[c.base_url] = probe_refusal(found, name, tol)
 
         def again(c) -> None:
             if refusals.get(c.base_url):
@@ -248,12 +249,8 @@ class AdapterSync:
         self._each(probe, f"probing {name}")
         self._each(again, f"loading {name} again")
         failed = [(c, why) for c in self.members.live if (why := refusals.get(c.base_url))]
-        if failed and len(failed) == len(self.members.live):
-            whys = "; ".join(f"{c.base_url}: {why}" for c, why in failed)
-            raise RuntimeError(f"LoRA sync: {name} did not load as trained, loaded twice: {whys}; "
-                               f"restart the server(s) and resume from the last checkpoint")
-        for c, why in failed:
-            self.members.take_out(c, why, f"failed the probe of {name}, loaded twice,")
+        self.members.take_out_failed(failed, f"failed the probe of {name}, loaded twice,",
+                                     f"LoRA sync: {name} did not load as trained, loaded twice")
 
     def _reference(self) -> None:
         """Every rank, once: gather the policy (base and adapter) into rank 0's Reference."""
@@ -325,10 +322,8 @@ class MergedSync(FullSync):
     def specs(self) -> list[tuple[str, torch.Size]]:
         return [(name, base.shape) for name, base, _ in self.plan]
 
-    def push(self, version: int) -> dict[str, float]:
-        stats = self.weights.push(
-            self.specs(), lambda: (merged(base, delta) for _, base, delta in self.plan), version)
-        return stats.metrics()
+    def tensors(self) -> Iterator[torch.Tensor]:
+        return (merged(base, delta) for _, base, delta in self.plan)
 
 
 @dataclasses.dataclass

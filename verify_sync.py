@@ -266,11 +266,11 @@ class Reference:
         tokens, served = served_logprobs(client, model, prompt)
         served = torch.tensor(served)                                               # [T]
         ours = self.logprobs(prompt, tokens, base)
+        gap = float((served - ours).abs().max())
         if not adapter:
-            return Probe(float((served - ours).abs().max()))
+            return Probe(gap)
         plain = self.logprobs(prompt, tokens, base=True)
-        return Probe(float((served - ours).abs().max()), float((served - plain).abs().max()),
-                     float((ours - plain).abs().max()))
+        return Probe(gap, float((served - plain).abs().max()), float((ours - plain).abs().max()))
 
 
 def probe_refusal(probe: Probe, name: str, tol: float) -> str | None:
@@ -291,20 +291,3 @@ def probe_refusal(probe: Probe, name: str, tol: float) -> str | None:
                 f"(tolerance {tol:g})")
     return None
 
-
-def on_rank0(fn) -> None:
-    """fn() on rank 0, and its error (or none) raised on every rank together, so no rank waits in
-    a collective for one that left: the message is broadcast; rank 0 raises the error itself."""
-    error = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            fn()
-        except Exception as e:                  # noqa: BLE001 (raised below, on every rank)
-            error = e
-    message = [None if error is None else f"{type(error).__name__}: {error}"]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(message, src=0)
-    if error is not None:
-        raise error
-    if message[0] is not None:
-        raise RuntimeError(f"rank 0 stopped: {message[0]}")

@@ -42,7 +42,6 @@ Departures from the spec, one line each:
 - On a CPU both ends form a torch.distributed gloo group (local_vllm, or vLLM with vllm_plugin/).
 - A vision-language model syncs only its language model: the vision tower is frozen (train.py).
 """
-import functools
 import glob
 import importlib.util
 import logging
@@ -61,12 +60,13 @@ import torch.distributed as dist
 
 import verify_sync
 from verify_sync import (Reference, base_card, chosen, digest, digest_route, mismatches,
-                         on_rank0, served_digests, tolerance)
+                         served_digests, tolerance)
 from vllm_client import UNVERIFIED, VLLMClient, VLLMError
 
 log = logging.getLogger(__name__)
 
 PACKED_BUFFER_BYTES = 1 << 30     # vLLM's default packed_buffer_size_bytes
+FAILED = "weight sync failed"     # how every rank's error begins when a phase of a sync fails
 
 
 @dataclass
@@ -157,8 +157,8 @@ class FullSync:
         that: the probe (verify_sync.Reference, on rank 0's CPU) says so once, in a warning, and
         the push, a run's first, verifies every tensor it sends."""
         model = self.policy.model          # every rank gathers; the reference lives only here
-        on_rank0(functools.partial(self._probe,
-                                   Reference.build(model, gathered(model), self.weights.dtype)))
+        reference = Reference.build(model, gathered(model), self.weights.dtype)
+        on_rank0(lambda: self._probe(reference))
         self.push(version)
 
     def _probe(self, reference: Reference) -> None:
@@ -175,11 +175,12 @@ class FullSync:
     def close(self) -> None:
         """Nothing to release: the servers keep the last weights sent."""
 
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """What every sync sends, whole, in specs() order (every rank: the all-gathers)."""
+        return (full_tensor(p) for _, p in language_parameters(self.policy.model))
+
     def push(self, version: int) -> dict[str, float]:
-        params = language_parameters(self.policy.model)
-        stats = self.weights.push(self.specs(), lambda: (full_tensor(p) for _, p in params),
-                                  version)
-        return stats.metrics()
+        return self.weights.push(self.specs(), self.tensors, version).metrics()
 
 
 # ── what the servers accept ─────────────────────────────────────────────────────────────────
@@ -187,13 +188,12 @@ class FullSync:
 
 def transfer_flags() -> str:
     """The server flags full sync needs, with the backend this trainer's hardware can use."""
+    flags = "`--weight-transfer-config '{{\"backend\":\"{}\"}}'` and VLLM_SERVER_DEV_MODE=1"
     if torch.cuda.is_available():
-        backend = "nccl"
-    else:     # no vLLM backend runs without CUDA: ours (vllm_plugin/, tools/vllm_cpu_venv.sh)
-        backend = "gloo"
-    return (f"`--weight-transfer-config '{{\"backend\":\"{backend}\"}}'` and "
-            f"VLLM_SERVER_DEV_MODE=1" + ("" if backend == "nccl" else " (vLLM on a CPU: "
-            "`bash tools/vllm_cpu_venv.sh DIR` makes an environment with our gloo backend)"))
+        return flags.format("nccl")
+    # no vLLM backend runs without CUDA: ours (vllm_plugin/, tools/vllm_cpu_venv.sh)
+    return flags.format("gloo") + (" (vLLM on a CPU: `bash tools/vllm_cpu_venv.sh DIR` makes an "
+                                   "environment with our gloo backend)")
 
 
 def served_shapes(model: str) -> dict[str, list[int]] | None:
@@ -275,24 +275,18 @@ def dtype_warning(url: str, info: dict, compute_dtype) -> str | None:
             f"--dtype {ours}`, or set bf16/fp16 to match it")
 
 
-def warn_dtype_mismatch(urls: list[str], infos: list[dict], compute_dtype) -> None:
-    for url, info in zip(urls, infos):
-        if why := dtype_warning(url, info, compute_dtype):
-            log.warning(why)
-
-
 def check_vocab(client, tokenizer) -> None:
     """ValueError when the server does not accept the largest token id the trained model's
     tokenizer writes (one prompt token, one generated): it serves a model with another, smaller
     vocabulary, and every rollout would fail."""
     largest = len(tokenizer) - 1
-    base = next(c for c in client.models()["data"] if c.get("parent") is None)
+    base = base_card(client)
     try:
-        client.completions({"model": base["id"], "prompt": [largest], "max_tokens": 1})
+        client.completions({"model": base, "prompt": [largest], "max_tokens": 1})
     except VLLMError as e:
         if e.status != 400:
             raise
-        raise ValueError(f"the vLLM server at {client.base_url} serves {base['id']!r}, which does "
+        raise ValueError(f"the vLLM server at {client.base_url} serves {base!r}, which does "
                          f"not accept token id {largest}, the largest of the trained model's "
                          f"tokenizer ({len(tokenizer)} tokens): it serves another model; serve "
                          f"the model you train ({e})") from e
@@ -302,15 +296,15 @@ def check_servers(clients, config, tokenizer, device) -> None:
     """Rank 0, at start: a server a dead run left paused is resumed (a warning); the served
     vocabulary must hold the trained tokenizer's (an error); the served dtype should be the
     trainer's compute dtype (a warning, spec: dtype)."""
-    infos = []
     for c in clients:
         resume_leftover_pause(c)
         check_vocab(c, tokenizer)
         try:
-            infos.append(c.server_info())
+            info = c.server_info()
         except VLLMError:                       # no dev mode: weight sync says what is missing
-            infos.append({})
-    warn_dtype_mismatch([c.base_url for c in clients], infos, config.compute_dtype(device))
+            continue
+        if why := dtype_warning(c.base_url, info, config.compute_dtype(device)):
+            log.warning(why)
 
 
 # ── the transfer ────────────────────────────────────────────────────────────────────────────
@@ -356,6 +350,41 @@ def buckets(sizes: list[int], buffer_bytes: int) -> list[range]:
     return out
 
 
+# ── rank 0 acts, every rank raises together ─────────────────────────────────────────────────
+
+
+def agree(error: BaseException | None, failed: str | None = None, lost: bool = False) -> None:
+    """One collective: rank 0's failure (`error`, or None; the other ranks pass None) reaches
+    every rank, and all raise together, or none does, so no rank is left waiting in a collective
+    for one that left. With `failed`, every rank raises RuntimeError("<failed>: <the error>"), or
+    _Lost where rank 0 says `lost`; without, rank 0 raises the error itself and the others a
+    RuntimeError("rank 0 stopped: <the error>")."""
+    message = [None if error is None else f"{type(error).__name__}: {error}", lost]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
+    said, lost = message
+    if said is None:
+        return
+    if failed is not None:
+        raise (_Lost if lost else RuntimeError)(f"{failed}: {said}") from error
+    if error is not None:
+        raise error
+    raise RuntimeError(f"rank 0 stopped: {said}")
+
+
+def on_rank0(fn: Callable[[], object], failed: str | None = None):
+    """fn() on rank 0, and its failure (or none) raised on every rank together (agree, with
+    `failed`); its value on rank 0, None on the others."""
+    value, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            value = fn()
+        except Exception as e:                  # noqa: BLE001 (raised by agree, on every rank)
+            error = e
+    agree(error, failed)
+    return value
+
+
 class WeightSync:
     """The trainer's end of the weight-transfer group (state is real: the group joined once).
 
@@ -397,8 +426,8 @@ class WeightSync:
                    if not i.get("weight_transfer_config")]
             raise ValueError(f"the vLLM server(s) {bad} have no weight transfer: restart them "
                              f"with {transfer_flags()}")
-        for c, info in zip(self.members.clients, infos):
-            if specs is not None:
+        if specs is not None:
+            for c, info in zip(self.members.clients, infos):
                 check_served(specs, info["model_config"]["model"], c.base_url)
         if len(backends) > 1:
             raise ValueError(f"the servers use different weight-transfer backends "
@@ -429,12 +458,12 @@ class WeightSync:
         with ThreadPoolExecutor(len(live)) as pool:
             joins = [pool.submit(c.init_weight_transfer_engine, info | {"rank_offset": offset})
                      for c, offset in zip(live, offsets)]
-            self.group = self._join(info, self.backend)
+            self.group = self._join(info)
             for c, j in zip(live, joins):
                 _result(j, self.timeout, f"joining the weight-transfer group of {c.base_url}")
         self.grouped = live
 
-    def _join(self, info: dict, backend: str):
+    def _join(self, info: dict):
         """Rank 0's side of the rendezvous. Real vLLM (NCCL, vllm importable): vLLM's own
         nccl_common.trainer_init and packed producer. local_vllm and our gloo plugin: both ends
         make a torch.distributed group from the same init_info over a TCPStore that rank 0 owns
@@ -446,7 +475,7 @@ class WeightSync:
         store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"],
                               is_master=True, timeout=timeout)
         store = dist.PrefixStore("weight_transfer", store)
-        if backend == "gloo":
+        if self.backend == "gloo":
             return dist.ProcessGroupGloo(store, 0, info["world_size"], timeout)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -456,7 +485,7 @@ class WeightSync:
              tensors: Callable[[], Iterator[torch.Tensor]], version: int) -> SyncStats:
         """Send the tensors as `specs` names and shapes, in that order, and publish `version`.
         Every rank calls it and iterates `tensors()` (FSDP2's gathers are collectives); rank 0
-        talks to the servers. Each phase ends in one agreement (_agree: rank 0's error reaches
+        talks to the servers. Each phase ends in one agreement (agree: rank 0's error reaches
         every rank and all raise together), so no rank is left waiting in a collective. A server
         that died mid-transfer is taken out and the transfer sent once more, to the others. Then
         the sync is verified (_verify) before the servers resume. On any failure the servers are
@@ -465,10 +494,10 @@ class WeightSync:
         start = time.perf_counter()
         check = self._checked([name for name, _ in specs], version)
         try:
-            error = self._on_rank0(self._pause)
+            error = _attempt(self._pause) if self.rank == 0 else None
             stats.pause_s = time.perf_counter() - start
             t = time.perf_counter()
-            self._agree(error)              # every rank waits for rank 0's pause: the barrier
+            agree(error, FAILED)            # every rank waits for rank 0's pause: the barrier
             stats.barrier_s = time.perf_counter() - t
             t = time.perf_counter()
             try:
@@ -478,11 +507,11 @@ class WeightSync:
             stats.bytes, stats.start_s = sent.bytes, sent.start_s
             stats.transfer_s = time.perf_counter() - t - sent.start_s
             t = time.perf_counter()
-            self._agree(self._on_rank0(
-                lambda: self.members.call(lambda c: c.finish_weight_update(str(version)))))
+            on_rank0(lambda: self.members.call(lambda c: c.finish_weight_update(str(version))),
+                     FAILED)
             stats.finish_s = time.perf_counter() - t
             t = time.perf_counter()
-            self._agree(self._on_rank0(lambda: self._verify(sent.digests, version, stats)))
+            on_rank0(lambda: self._verify(sent.digests, version, stats), FAILED)
             stats.verify_s = sent.hash_s + time.perf_counter() - t
         except Exception as e:
             if self.rank == 0:
@@ -517,15 +546,10 @@ class WeightSync:
         the agreement at the end raises it on every rank: as _Lost when it took a dead server out
         and others are left (not on a resend)."""
         start = time.perf_counter()
-        update, error = [], None          # rank 0: each server's POST /update_weights, receiving
-        sent = _Sent()
-        if self.rank == 0:
-            try:
-                update = self._begin(specs, resend)
-            except Exception as e:        # noqa: BLE001 (every rank raises it, in _agree)
-                error = e
-        self._agree(error)
-        sent.start_s = time.perf_counter() - start
+        # rank 0: each server's POST /update_weights, receiving (the other ranks: None)
+        update = on_rank0(lambda: self._begin(specs, resend), FAILED)
+        error = None
+        sent = _Sent(start_s=time.perf_counter() - start)
         sizes = [math.prod(shape) * self.dtype.itemsize for _, shape in specs]
         it = iter(tensors())
         for chunk in buckets(sizes, self.buffer_bytes):
@@ -537,7 +561,7 @@ class WeightSync:
                         sent.digests[specs[i][0]] = digest(part)
                 sent.hash_s += time.perf_counter() - t
                 flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])  # [Σ bytes] uint8
-                error = self._on_rank0(lambda: self._broadcast(flat, update))
+                error = _attempt(lambda: self._broadcast(flat, update))
                 sent.bytes += flat.numel()
         lost = False
         if self.rank == 0:
@@ -545,7 +569,7 @@ class WeightSync:
                 what = f"POST {c.base_url}/update_weights"
                 error = _attempt(lambda: _result(u, self.timeout, what)) or error
             lost = error is not None and not resend and self._take_out_dead()
-        self._agree(error, lost)
+        agree(error, FAILED, lost)
         return sent
 
     def _checked(self, names: list[str], version: int) -> set[str]:
@@ -587,12 +611,9 @@ class WeightSync:
             else:
                 verified.append(len(asked) - len(excluded))
         stats.verified_tensors = min(verified, default=0)
-        if bad and len(bad) == len(self.members.live):
-            whys = "; ".join(f"{c.base_url}: {why}" for c, why in bad)
-            raise RuntimeError(f"weight sync to version {version} did not land as sent: {whys}; "
-                               "restart the server(s) and resume from the last checkpoint")
-        for c, why in bad:
-            self.members.take_out(c, why, "failed the sync's verification")
+        self.members.take_out_failed(bad, "failed the sync's verification",
+                                     f"weight sync to version {version} did not land as sent")
+        for c, _ in bad:
             _attempt(lambda: c.update_weight_version(f"{UNVERIFIED}{version}"))  # out of routing
             if still := c.resume_confirmed():      # out of the syncs, not left paused
                 warnings.warn(f"weight sync: {still}")
@@ -657,21 +678,6 @@ class WeightSync:
         if not self.vllm_group:
             work.wait()                    # raises the transport's error, if any
 
-    def _on_rank0(self, fn: Callable[[], object]) -> BaseException | None:
-        """Run fn on rank 0 and return its failure (None: it succeeded, or another rank), for
-        _agree to hand to every rank."""
-        return _attempt(fn) if self.rank == 0 else None
-
-    def _agree(self, error: BaseException | None, lost: bool = False) -> None:
-        """One collective: rank 0's failure (or None) reaches every rank, and all raise together
-        (_Lost if `lost`), or none does."""
-        message = [None if error is None else f"{type(error).__name__}: {error}", lost]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(message, src=0)
-        if message[0] is not None:
-            raise (_Lost if message[1] else RuntimeError)(
-                f"weight sync failed: {message[0]}") from error
-
 
 class Members:
     """The servers a sync reaches (state is real: who is out, and why). A server that fails a call
@@ -708,6 +714,17 @@ class Members:
         self.out[client.base_url] = why
         warnings.warn(f"{self.what}: {client.base_url} {failure} and is taken out (the run goes "
                       f"on with {len(self.live)} of {len(self.clients)}); {why}", stacklevel=4)
+
+    def take_out_failed(self, failed: list[tuple[VLLMClient, str]], failure: str,
+                        last: str) -> None:
+        """Take out each (server, why) of `failed` (take_out: `failure` is what it did); if they
+        are every live server, none is: RuntimeError("<last>: <url>: <why>; ...") instead."""
+        if failed and len(failed) == len(self.live):
+            whys = "; ".join(f"{c.base_url}: {why}" for c, why in failed)
+            raise RuntimeError(f"{last}: {whys}; restart the server(s) and resume from the last "
+                               "checkpoint")
+        for c, why in failed:
+            self.take_out(c, why, failure)
 
     def call(self, call: Callable[[VLLMClient], object]) -> None:
         """call(c) on every live server in parallel. A server that failed and fails /health is
