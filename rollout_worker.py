@@ -141,13 +141,10 @@ class RolloutWorker:
             consumed=ctx.Value("q", self.consumed, lock=False),
             heartbeat=ctx.Value("d", time.time(), lock=False),
             stop=ctx.Event(), ready=ctx.Event(), failed=ctx.Event())
-        self.process = ctx.Process(target=child_main, name="rollout", daemon=True,
-                                   args=(self.loop_cls, self.kwargs, self.channels))
-        try:
-            spawn(self.process, pickled)
-        except BaseException:
-            self.process = None         # never started: stop() has nothing to join
-            raise
+        process = ctx.Process(target=child_main, name="rollout", daemon=True,
+                              args=(self.loop_cls, self.kwargs, self.channels))
+        spawn(process, pickled)
+        self.process = process          # started (a failed start leaves stop() nothing to join)
         deadline = time.monotonic() + ready_timeout
         try:
             while not self.channels.ready.wait(0.1):

@@ -197,8 +197,7 @@ class AsyncRolloutLoop:
                         "writes <tool_call> blocks in its chat template: tool calls are parsed as "
                         "Qwen <tool_call> blocks, which this model may never write")
         schemas = tool_schemas(tools)
-        messages = list(prompt)
-        completion = []
+        messages = list(prompt)       # the prompt, then the completion's messages
         completion_ids = []
         turns = []
         calls: list[ToolCall] = []
@@ -225,7 +224,6 @@ class AsyncRolloutLoop:
                 message["tool_calls"] = [{"type": "function", "function": c}
                                          for c in requested if "error" not in c]
             messages.append(message)
-            completion.append(message)
             ended = bool(turn.output_ids) and turn.output_ids[-1] in self.eos_token_ids
             if not requested or not ended:
                 break
@@ -238,8 +236,7 @@ class AsyncRolloutLoop:
                                                     turn_index=iteration)
             calls += records
             messages += results
-            completion += results
-        return Rollout(completion, completion_ids, turns, tool_call_count=len(calls),
+        return Rollout(messages[len(prompt):], completion_ids, turns, tool_call_count=len(calls),
                        tool_failure_count=sum(c.failed for c in calls), tool_calls=calls,
                        loop_exhausted=exhausted)
 

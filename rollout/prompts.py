@@ -19,6 +19,7 @@ Departures from the spec, one line each (as it says, a streaming dataset restart
 """
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -182,11 +183,8 @@ class ResumeIndex:
         """rollout_state.json: {"prompt_index", "trained"}; `held` lists the prompt index of each
         sample handed out but not trained yet (the planner's open rows)."""
         first = min([self.value(), *held])
-        for p in held:
-            self.trained[p] -= 1
-        trained = {p: n for p, n in sorted(self.trained.items()) if p >= first and n > 0}
-        for p in held:
-            self.trained[p] += 1
+        trained = Counter(self.trained) - Counter(held)   # held: not trained yet (keeps n > 0)
+        trained = {p: n for p, n in sorted(trained.items()) if p >= first}
         for p in [p for p in self.trained if p < first]:
             del self.trained[p]
             self.skip.pop(p, None)

@@ -21,6 +21,7 @@ Departures from the spec, and why:
 """
 import asyncio
 import math
+from collections import Counter
 from typing import Callable
 
 import numpy as np
@@ -136,10 +137,8 @@ def group_metrics(group: RolloutGroup, eos_token_ids: list[int]) -> dict[str, fl
               "rollout/drift_tokens_max": max(drifts)}
     calls = [c for r in rollouts for c in r.tool_calls]
     if calls:
-        per_turn = {}
-        for j, r in enumerate(rollouts):
-            for c in r.tool_calls:
-                per_turn[(j, c.turn_index)] = per_turn.get((j, c.turn_index), 0) + 1
+        per_turn = Counter((j, c.turn_index)        # calls per (rollout, turn)
+                           for j, r in enumerate(rollouts) for c in r.tool_calls)
         m |= {"tools/call_frequency": len(calls) / len(rollouts),
               "tools/failure_frequency": sum(c.failed for c in calls) / len(calls),
               "tools/latency_s": float(np.mean([c.latency_s for c in calls])),

@@ -131,7 +131,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     for match in TOOL_CALL.finditer(text):
         try:
             call = json.loads(match[1])
-            arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+            arguments = call.get("arguments", {})     # not an object: AttributeError
             if isinstance(arguments, str):
                 arguments = json.loads(arguments)
             if not (isinstance(call.get("name"), str) and isinstance(arguments, dict)):
