@@ -156,10 +156,6 @@ def _conv_dispatcher(original):
     return causal_conv1d_fn
 
 
-def _fla_varlen(device) -> bool:
-    return device.type == "cuda" and importlib.util.find_spec("fla") is not None
-
-
 def _rule_dispatcher(original):
     """torch_chunk_gated_delta_rule that, given tree_gdn, runs the segments level by level: every
     segment of a level starts from its parent's final state S, the roots from zeros. With fla on
@@ -173,7 +169,7 @@ def _rule_dispatcher(original):
         cu_seqlens = kwargs.pop("cu_seqlens", None)
         if initial_state is not None or output_final_state or cu_seqlens is not None:
             raise ValueError("a tree-packed row runs without a cache and without cu_seqlens")
-        varlen = _fla_varlen(query.device)
+        varlen = query.device.type == "cuda" and importlib.util.find_spec("fla") is not None
         outs = []
         final = {}                                              # segment -> [H, Dk, Dv] state
         for lv in tree_gdn.levels:

@@ -315,12 +315,11 @@ class TreeRow:
             ids = self.samples[self._chain_sample[c]].input_ids
             id_parts.append(ids[start:])
             position_parts.append(np.arange(start, start + n))
+            kids = self._children.get(c, [])           # [(position, child chain)]
             below = np.zeros(n + 1, np.int64)          # [n+1] subtree tokens hung at each position
-            cuts = []
-            for pos, kid in sorted(self._children.get(c, [])):
+            for pos, kid in kids:
                 below[pos] += subtree_size[kid]
-                if not cuts or cuts[-1] != pos:
-                    cuts.append(pos)
+            cuts = sorted({pos for pos, _ in kids})    # positions where child chains hang
             first = chain_offset[c]
             subtree_end_parts.append(first + n - 1 + np.cumsum(below[::-1])[::-1][:n])
             parent = self._chain_parent[c]
@@ -334,7 +333,7 @@ class TreeRow:
                 prev = end
         kv_len = [len(p) for p in kv_parts]
         layout = dict(
-            input_ids=torch.from_numpy(np.concatenate(id_parts).astype(np.int64)),
+            input_ids=_tensor(id_parts, np.int64),
             position_ids=_tensor(position_parts, np.int64),
             subtree_end=_tensor(subtree_end_parts, np.int64),
             cu_seqlens_q=_offsets(segment_len, np.int32),
@@ -518,10 +517,8 @@ class Planner:
 
     def flush(self) -> list[TreeRow] | None:
         """The open micro-batch, every rank's row non-empty; None if fewer samples than ranks."""
-        if self.token_budget <= 0:
-            samples, self.pending = self.pending, []
-        else:
-            samples = [s for r in self.rows for s in r.samples]
+        samples = self.held()
+        self.pending = []                    # fixed-count mode's (always empty with a budget)
         rows, self.rows = self.rows, [TreeRow() for _ in range(self.world_size)]
         if len(samples) < self.world_size:
             if samples:

@@ -397,11 +397,12 @@ class VLLMClient:
         except requests.RequestException:
             return False
 
-    def _get(self, path: str, *keys: str):
-        return _field(self.base_url + path, self._request("GET", path), *keys)
+    def _json(self, method: str, path: str, *keys: str, kind: str = "control", json=None):
+        """The reply's JSON value at `keys` (_field), of a sync call with the retry policy."""
+        return _field(self.base_url + path, self._request(method, path, kind, json=json), *keys)
 
     def models(self) -> dict:
-        return self._get("/v1/models")
+        return self._json("GET", "/v1/models")
 
     def max_model_len(self) -> int:
         """The base model card's max_model_len (adapter cards have a `parent` and no length)."""
@@ -412,17 +413,16 @@ class VLLMClient:
                         self.base_url + "/v1/models")
 
     def server_info(self) -> dict:
-        return self._get("/server_info?config_format=json", "vllm_config")
+        return self._json("GET", "/server_info?config_format=json", "vllm_config")
 
     def world_size(self, include_dp: bool = True) -> int:
-        return int(self._get(f"/get_world_size?include_dp={str(include_dp).lower()}",
-                             "world_size"))
+        return int(self._json("GET", f"/get_world_size?include_dp={str(include_dp).lower()}",
+                              "world_size"))
 
     # ---- generation ----
 
     def completions(self, body: dict) -> dict:
-        path = "/v1/completions"
-        return _field(self.base_url + path, self._request("POST", path, "generation", json=body))
+        return self._json("POST", "/v1/completions", kind="generation", json=body)
 
     # ---- pause / resume / cache ----
 
@@ -452,7 +452,7 @@ class VLLMClient:
                 f"`curl -X POST {self.base_url}/resume`")
 
     def is_paused(self) -> bool:
-        return bool(self._get("/is_paused", "is_paused"))
+        return bool(self._json("GET", "/is_paused", "is_paused"))
 
     # ---- weight transfer (the order is: init once; then per sync start, update, finish) ----
 
@@ -475,7 +475,7 @@ class VLLMClient:
         self._request("POST", "/finish_weight_update", "weights", json=body)
 
     def weight_info(self) -> str:
-        return str(self._get("/weight_info", "weight_version"))
+        return str(self._json("GET", "/weight_info", "weight_version"))
 
     def update_weight_version(self, version: str) -> None:
         """Relabel the weights the server holds (a sync that failed verification: "unverified-N",
@@ -489,17 +489,15 @@ class VLLMClient:
         body = {"action": action} if baseline is None else {"action": action, "baseline": baseline}
         if names is not None:
             body["names"] = names
-        path = "/weight_checker"
-        return _field(self.base_url + path, self._request("POST", path, json=body))
+        return self._json("POST", "/weight_checker", json=body)
 
     def collective_rpc(self, method: str, *args: str) -> list:
         """POST /collective_rpc (vLLM's dev mode): `method` on every worker, e.g. one a
         --worker-extension-cls adds, with string arguments (vLLM passes them as they come: the
         method decodes them); each worker's result, in order. A 5xx (vLLM's answer when a
         worker has no such method, or it raised) is not retried."""
-        path = "/collective_rpc"
-        reply = self._request("POST", path, "weights", json={"method": method, "args": list(args)})
-        return _field(self.base_url + path, reply, "results")
+        return self._json("POST", "/collective_rpc", "results", kind="weights",
+                          json={"method": method, "args": list(args)})
 
     # ---- LoRA (success replies are plain text) ----
 
