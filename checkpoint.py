@@ -61,11 +61,11 @@ def find(output_dir: str, resume) -> str | None:
     if resume in (None, False, "", "false", "False"):
         return None
     if resume in (True, "true", "True"):
-        found = sorted(checkpoints(output_dir), key=lambda p: p[0])
+        found = checkpoints(output_dir)
         if not found:
             raise ValueError(f"resume_from_checkpoint=True but {output_dir!r} holds no "
                              "checkpoint-N directory")
-        return found[-1][1]
+        return max(found)[1]
     if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
         raise ValueError(f"resume_from_checkpoint={resume!r} is not a complete checkpoint "
                          "(no trainer_state.json)")
@@ -139,15 +139,8 @@ RESUME_FILES = ("fsdp", "scheduler.pt", "trainer_state.json", "rollout_state.jso
 
 def copy_model(path: str, output_dir: str) -> None:
     """The model and tokenizer files of checkpoint `path` into output_dir (made if missing)."""
-    os.makedirs(output_dir, exist_ok=True)
-    for name in os.listdir(path):
-        if name in RESUME_FILES or name.startswith("rng_state_"):
-            continue
-        source = os.path.join(path, name)
-        if os.path.isdir(source):
-            shutil.copytree(source, os.path.join(output_dir, name), dirs_exist_ok=True)
-        else:
-            shutil.copy2(source, output_dir)
+    shutil.copytree(path, output_dir, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns(*RESUME_FILES, "rng_state_*"))
 
 
 def load_model(path: str):

@@ -249,9 +249,8 @@ class AsyncGRPOConfig:
         need(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1,
              "max_concurrent_rollouts", "must be >= 1 (or None for the default)")
         # training
-        need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size",
-             "must be >= 1")
-        need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            need(getattr(self, name) >= 1, name, "must be >= 1")
         need(self.learning_rate >= 0, "learning_rate", "must be >= 0")
         need(self.lr_scheduler_type in SCHEDULES, "lr_scheduler_type",
              f"must be one of {SCHEDULES}")
@@ -386,6 +385,10 @@ _COMPILE = ("packed rows change shape every step, so torch.compile would recompi
             "fork train.py's Policy to try it")
 _TRACKIO_HUB = ("trackio logs to its local store here (report_to='trackio'); a hub Space or "
                 "bucket needs a hub connection: sync the local store with trackio's own CLI")
+_LIGER = ("loss.py computes the log-probs from the LM head in chunks itself, the memory saving "
+          "Liger's fused loss gives")
+_FSDP = ("FSDP2 is always on (fully_shard per decoder layer, then the root); fork train.py's "
+         "shard() for another wrapping")
 
 WHY = {
     "optim_args": "only torch.optim.AdamW is built (optim); set adam_beta1/adam_beta2/"
@@ -400,10 +403,8 @@ WHY = {
     "torch_compile": _COMPILE,
     "torch_compile_backend": _COMPILE,
     "torch_compile_mode": _COMPILE,
-    "use_liger_kernel": "loss.py computes the log-probs from the LM head in chunks itself, the "
-                        "memory saving Liger's fused loss gives",
-    "liger_kernel_config": "loss.py computes the log-probs from the LM head in chunks itself, the "
-                           "memory saving Liger's fused loss gives",
+    "use_liger_kernel": _LIGER,
+    "liger_kernel_config": _LIGER,
     "use_cache": "training forwards packed rows and never reads a KV cache; generation runs on "
                  "the vLLM server",
     "neftune_noise_alpha": "noise on the embeddings would make the trainer's log-probs differ "
@@ -465,10 +466,8 @@ WHY = {
     "ddp_bucket_cap_mb": _DDP,
     "ddp_broadcast_buffers": _DDP,
     "ddp_static_graph": _DDP,
-    "fsdp": "FSDP2 is always on (fully_shard per decoder layer, then the root); fork train.py's "
-            "shard() for another wrapping",
-    "fsdp_config": "FSDP2 is always on (fully_shard per decoder layer, then the root); fork "
-                   "train.py's shard() for another wrapping",
+    "fsdp": _FSDP,
+    "fsdp_config": _FSDP,
     "deepspeed": "DeepSpeed ZeRO is not supported (the spec: FSDP2 only)",
     "debug": "no debug modes: run one rank on a CPU (CUDA_VISIBLE_DEVICES=) to debug the loop",
     "skip_memory_metrics": "no memory metrics are collected; torch.cuda.max_memory_allocated() "

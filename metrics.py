@@ -201,8 +201,8 @@ class MetricsLog:
         self.every = config.every("logging_steps") if config.logging_strategy == "steps" else None
         self.on_log = on_log
         self.completions: list = []          # the samples trained in this logging window
-        truncated = config.top_k > 0 or config.top_p < 1 or config.min_p is not None
-        self.warn_bias = truncated           # once, if samples come without candidate sets
+        # once, if truncated sampling's samples come without candidate sets
+        self.warn_bias = config.top_k > 0 or config.top_p < 1 or config.min_p is not None
         self.prompted = truncate_completions(output_dir, state.global_step)
         self.completions_file = (open(os.path.join(output_dir, COMPLETIONS), "a")
                                  if config.log_completions else None)
@@ -232,7 +232,6 @@ class MetricsLog:
             lines = completion_records(state.global_step, step.version, samples, self.prompted)
             self.completions_file.writelines(json.dumps(r) + "\n" for r in lines)
             self.completions_file.flush()
-        if self.config.log_completions:
             self.completions += samples
         if self.warn_bias and all(s.candidate_counts is None for s in samples):
             self.warn_bias = False
@@ -266,7 +265,7 @@ class MetricsLog:
         """(prompt, completion, reward) of num_completions_to_print samples (None: all)."""
         n = self.config.num_completions_to_print
         rows = []
-        for s in self.completions[:n] if n is not None else self.completions:
+        for s in self.completions[:n]:                  # n None: all
             prompt = s.prompt[-1]["content"] if isinstance(s.prompt, list) else s.prompt
             rows.append((prompt, completion_text(s.completion), float(s.reward)))
         return rows
@@ -348,10 +347,15 @@ def load_completions(run_dir: str) -> list[dict]:
 
 def reward_by_prompt(lines: list[dict]) -> dict[int, float]:
     """prompt_index → the mean reward of its trained samples."""
-    rewards: dict[int, list[float]] = {}
+    return mean_by(lines, "prompt_index", "reward")
+
+
+def mean_by(lines: list[dict], key: str, value: str) -> dict:
+    """Each line[key] (sorted) → the mean line[value] of its lines."""
+    groups: dict = {}
     for r in lines:
-        rewards.setdefault(r["prompt_index"], []).append(r["reward"])
-    return {p: float(np.mean(v)) for p, v in sorted(rewards.items())}
+        groups.setdefault(r[key], []).append(r[value])
+    return {k: float(np.mean(v)) for k, v in sorted(groups.items())}
 
 
 def _read_lines(path: str) -> list[dict]:
@@ -378,12 +382,12 @@ class Dashboard:
 def open_dashboards(config, output_dir: str) -> list[Dashboard]:
     """The dashboards report_to names, each started with the run name and the config."""
     installed = [n for n in DASHBOARDS if importlib.util.find_spec(n) is not None]
+    run_name = config.run_name or os.path.basename(os.path.abspath(output_dir))
     boards = []
     for name in config.dashboards(installed):
-        if importlib.util.find_spec(name) is None:
+        if name not in installed:
             raise ImportError(f"AsyncGRPOConfig.report_to={config.report_to!r} names {name}, which "
                               "is not installed: pip install -r requirements-dashboards.txt")
-        run_name = config.run_name or os.path.basename(os.path.abspath(output_dir))
         boards.append(OPENERS[name](config, output_dir, run_name))
     return boards
 
@@ -437,13 +441,7 @@ def open_wandb(config, output_dir: str, run_name: str) -> Dashboard:
     import wandb
     run = wandb.init(project=os.environ.get("WANDB_PROJECT", config.project), name=run_name,
                      config=config_dict(config), dir=output_dir)
-
-    def table(step: int, rows: list[tuple]) -> None:
-        data = [[step, p, c, r] for p, c, r in rows]
-        run.log({"completions": wandb.Table(columns=COLUMNS, data=data)}, step=step)
-
-    return Dashboard("wandb", lambda metrics, step: run.log(metrics, step=step), table,
-                     run.finish)
+    return _wandb_like("wandb", run.log, wandb.Table, run.finish)
 
 
 def open_trackio(config, output_dir: str, run_name: str) -> Dashboard:
@@ -451,13 +449,17 @@ def open_trackio(config, output_dir: str, run_name: str) -> Dashboard:
     import trackio
     trackio.init(project=config.project, name=run_name, config=config_dict(config),
                  auto_log_gpu=False, auto_log_cpu=False)
+    return _wandb_like("trackio", trackio.log, trackio.Table, trackio.finish)
 
+
+def _wandb_like(name: str, log, table_type, finish) -> Dashboard:
+    """The Dashboard of wandb's API, which trackio follows: log(metrics, step=step), a
+    table_type(columns=..., data=...) logged as "completions", finish()."""
     def table(step: int, rows: list[tuple]) -> None:
         data = [[step, p, c, r] for p, c, r in rows]
-        trackio.log({"completions": trackio.Table(columns=COLUMNS, data=data)}, step=step)
+        log({"completions": table_type(columns=COLUMNS, data=data)}, step=step)
 
-    return Dashboard("trackio", lambda metrics, step: trackio.log(metrics, step=step), table,
-                     trackio.finish)
+    return Dashboard(name, lambda metrics, step: log(metrics, step=step), table, finish)
 
 
 OPENERS = {"tensorboard": open_tensorboard, "wandb": open_wandb, "trackio": open_trackio}
@@ -492,8 +494,7 @@ def figure(run_dir: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
+    lines = _read_lines(os.path.join(run_dir, "metrics.jsonl"))
     panels = [("reward", ["reward", "reward_kept"]), ("loss", ["loss"]),
               ("staleness (versions)", ["sample/staleness_mean", "sample/staleness_max"]),
               ("throughput (tokens/s)",
@@ -507,22 +508,17 @@ def figure(run_dir: str):
             if points:
                 _curve(ax, *map(list, zip(*points)), name)
         ax.set_title(title)
-        ax.legend(fontsize=8)
     for ax in axes[1]:
         ax.set_xlabel("optimizer step")
     if trained:
         by_prompt = reward_by_prompt(trained)
         _curve(axes[2, 0], list(by_prompt), list(by_prompt.values()), "mean reward")
         axes[2, 0].set(title="reward by prompt (completions.jsonl)", xlabel="prompt_index")
-        tokens: dict[int, list[int]] = {}
-        for r in trained:
-            tokens.setdefault(r["step"], []).append(r["completion_tokens"])
-        _curve(axes[2, 1], list(tokens), [float(np.mean(v)) for v in tokens.values()],
-               "completion_tokens")
+        tokens = mean_by(trained, "step", "completion_tokens")
+        _curve(axes[2, 1], list(tokens), list(tokens.values()), "completion_tokens")
         axes[2, 1].set(title="completion length (tokens)", xlabel="optimizer step")
-        for ax in axes[2]:
-            ax.legend(fontsize=8)
     for ax in axes.flat:
+        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(os.path.basename(os.path.normpath(os.path.abspath(run_dir))))
     fig.tight_layout()
