@@ -124,7 +124,7 @@ def our_transfer(monkeypatch, pairs, dtype: torch.dtype, buffer_bytes: int) -> d
     is the CPU. Without vllm importable (this venv) the broadcast is torch's NCCL group's;
     with it, vLLM's PyNcclCommunicator gets the same buffers."""
     server, group = Server(dtype), Group()
-    monkeypatch.setattr(WeightSync, "_join", lambda sync, info, backend: group)
+    monkeypatch.setattr(WeightSync, "_join", lambda sync, info: group)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     sync = WeightSync([server], timeout=10.0, buffer_bytes=buffer_bytes)
     sync.connect()
