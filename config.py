@@ -21,6 +21,7 @@ Departures from the spec, one line each:
 - TrainingArguments fields that do not apply are refused when set (WHY, the last section, says why).
 - `bf16=None` is True on CUDA only (spec: True): CPU bf16 matmuls are slow, the tests compare fp32.
 - `tree_attention_backend` and `logging_dir` are ours: the spec has one attention kernel.
+- `weight_sync_verify_every` is ours: the spec does not check that a sync landed (verify_sync.py).
 - `optim` offers the two AdamW variants only: train.py builds torch.optim.AdamW itself.
 - `ddp_timeout` is at least vllm_server_timeout + rollout_worker_timeout (set lower: a warning).
 """
@@ -212,8 +213,10 @@ class AsyncGRPOConfig:
     log_completions: bool = False           # log (prompt, completion) pairs every logging step
     num_completions_to_print: int | None = None  # how many of them; None: all
     # ── ours (not in the spec) ──
-    tree_attention_backend: str | None = None  # ours: sdpa|flex|flash; None: CUDA flex, else sdpa
+    tree_attention_backend: str | None = None  # ours: sdpa|flex|flash; None: CUDA flash, else sdpa
     logging_dir: str | None = None          # ours: tensorboard's dir; None: output_dir/runs/run
+    weight_sync_verify_every: int | None = None  # ours: each tensor verified within N syncs
+                                            # (verify_sync.py); 0: none, nor probes; None: 16
 
     def __post_init__(self):
         refuse_inapplicable(self)
@@ -248,6 +251,8 @@ class AsyncGRPOConfig:
         need(self.weight_sync_steps >= 1, "weight_sync_steps", "must be >= 1")
         need(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1,
              "max_concurrent_rollouts", "must be >= 1 (or None for the default)")
+        need(self.weight_sync_verify_every is None or self.weight_sync_verify_every >= 0,
+             "weight_sync_verify_every", "must be >= 0 (0: no verification; None: the default)")
         # training
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
             need(getattr(self, name) >= 1, name, "must be >= 1")

@@ -170,7 +170,7 @@ class AdapterSync:
     Every load is proven by a probe (verify_sync.py): the trainer's log-probs come from rank 0's
     CPU copy of the policy (verify_sync.Reference: gathered once, the base frozen, each sync's
     adapter swapped in), not from the FSDP2 shards, so only rank 0 takes part and the other ranks
-    wait at the sync's end."""
+    wait at the sync's end. weight_sync_verify_every=0: no probe, and no copy."""
 
     def __init__(self, policy, clients, config, output_dir: str):
         self.policy = policy
@@ -184,6 +184,8 @@ class AdapterSync:
         self.dtypes: dict[str, str | None] = {}        # rank 0: base_url → its served dtype
         self.reference: Reference | None = None        # rank 0: the policy on its CPU, once built
         self.built = False                             # every rank: the reference was gathered
+        every = config.weight_sync_verify_every
+        self.verify = every is None or every > 0       # probes (0: off, and no Reference)
 
     def connect(self) -> None:
         """Rank 0: the adapters' directory, and each server's dtype (the probe's tolerance)."""
@@ -222,7 +224,8 @@ class AdapterSync:
         self.members.returning()               # back since the last sync: it gets this adapter
         self._each(lambda c: c.load_lora_adapter(name, final), f"loading {name}")
         verify = time.perf_counter()
-        self._verify(name, final, state)
+        if self.verify:
+            self._verify(name, final, state)
         stats.verify_s = time.perf_counter() - verify
         self.loaded.append(version)
         while len(self.loaded) > self.config.max_staleness + 1:        # the new one is in: unload
@@ -254,7 +257,7 @@ class AdapterSync:
 
     def _reference(self) -> None:
         """Every rank, once: gather the policy (base and adapter) into rank 0's Reference."""
-        if not self.built:
+        if self.verify and not self.built:
             dtype = next((d for d in self.dtypes.values() if d), "float32")
             self.reference = Reference.build(self.policy.model, gathered(self.policy.model), dtype)
             self.built = True
@@ -264,8 +267,9 @@ class AdapterSync:
         with the trainer's (the adapter switched off), and one that serves another base stops the
         run with a ValueError before any rollout: an adapter cannot fix its base. Then a resumed
         run loads its saved adapter; a fresh one generates from the base model."""
-        self._reference()
-        on_rank0(self._check_bases)
+        if self.verify:
+            self._reference()
+            on_rank0(self._check_bases)
         if version > 0:
             self.push(version)
 

@@ -21,7 +21,8 @@ VERIFY_EVERY syncs; a run's first sync verifies every tensor. VERIFY_EVERY keeps
 under 5% of the sync's time: `python -m tools.bench sync` (a ~25M-parameter fp32 model, gloo on
 CPU) measured verify_share 0.030 and 0.019 at 16 (0.047 at 8, 0.133 at 4). The share is about
 (hashed bytes / sha256's ~1.4 GB/s per side) / the sync's seconds, so where the transfer outruns
-sha256 (NCCL between GPUs) it grows: raise VERIFY_EVERY there.
+sha256 (NCCL between GPUs) it grows: raise it there (AsyncGRPOConfig.weight_sync_verify_every;
+0: no verification at all, probes and their CPU copy of the policy included).
 
 How a server shows what it holds (digest_route):
 

@@ -136,7 +136,8 @@ class FullSync:
 
     def __init__(self, policy, clients: list[VLLMClient], config):
         self.policy = policy
-        self.weights = WeightSync(clients, config.vllm_server_timeout)
+        self.weights = WeightSync(clients, config.vllm_server_timeout,
+                                  verify_every=config.weight_sync_verify_every)
         self.weights.always = embedding_names(policy.model)     # verified at every sync
 
     def specs(self) -> list[tuple[str, torch.Size]]:
@@ -156,10 +157,11 @@ class FullSync:
         or another checkpoint of the same shapes, and the first rollouts would be sampled from
         that: the probe (verify_sync.Reference, on rank 0's CPU) says so once, in a warning, and
         the push, a run's first, verifies every tensor it sends."""
-        model = self.policy.model          # every rank gathers; the reference lives only here
-        reference = Reference.build(model, gathered(model), self.weights.dtype)
-        on_rank0(lambda: self._probe(reference))
-        del reference                      # 4 bytes a parameter of host memory: not during push
+        if self.weights.verify_every > 0:     # off (weight_sync_verify_every=0): no probe either
+            model = self.policy.model      # every rank gathers; the reference lives only here
+            reference = Reference.build(model, gathered(model), self.weights.dtype)
+            on_rank0(lambda: self._probe(reference))
+            del reference                  # 4 bytes a parameter of host memory: not during push
         self.push(version)
 
     def _probe(self, reference: Reference) -> None:
@@ -442,8 +444,9 @@ class WeightSync:
         if self.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._regroup()
-        for c in self.members.clients:
-            self._route(c)
+        if self.verify_every > 0:          # how each server shows its digests, said once
+            for c in self.members.clients:
+                self._route(c)
 
     def _regroup(self) -> None:
         """Rank 0: one group with the workers of every live server (at connect, and after a

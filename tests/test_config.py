@@ -96,6 +96,7 @@ def test_bf16_none_means_on_cuda_only():
     ("temperature", {"temperature": 0.0}),
     ("vllm_importance_sampling_clip_min/max", {"vllm_importance_sampling_clip_min": 1.5}),
     ("weight_sync_steps", {"weight_sync_steps": 0}),
+    ("weight_sync_verify_every", {"weight_sync_verify_every": -1}),
     ("warmup_steps", {"warmup_steps": 0.5}),  # a fraction of max_steps, which is not set
 ])
 def test_bad_values_name_the_field(field, kwargs):

@@ -341,14 +341,17 @@ def test_a_run_with_a_corrupted_replica_goes_on_with_the_other(start_server, cor
 
 
 def test_without_verification_the_parity_figure_catches_a_corrupted_server(corrupted, toy_dir,
-                                                                          tmp_path, monkeypatch):
-    """The only server corrupted and verification off: every step's sampling/mismatch_kl (k3 over
-    the tokens sampled by the trainer's current weights) is far above the fp32 floor (1e-6)."""
-    monkeypatch.setattr(verify_sync, "VERIFY_EVERY", 0)
+                                                                          tmp_path, recwarn):
+    """The only server corrupted and verification off (weight_sync_verify_every=0): no probe, no
+    digest, the run goes on, and every step's sampling/mismatch_kl (k3 over the tokens sampled by
+    the trainer's current weights) is far above the fp32 floor (1e-6)."""
     server = corrupted("model.norm.weight")
-    run([server], tmp_path, 2, toy_dir, max_staleness=0)
+    last = run([server], tmp_path, 2, toy_dir, max_staleness=0, weight_sync_verify_every=0)
     kl = [r["sampling/mismatch_kl"] for r in lines(str(tmp_path))]
     assert min(kl) > 1e-3, kl
+    assert last["sync/verified_tensors"] == 0
+    said = [str(w.message) for w in recwarn]
+    assert not [w for w in said if "start probe" in w or "verification" in w], said
 
 
 def test_a_corrupted_adapter_load_is_loaded_again_then_the_replica_is_taken_out(
@@ -378,3 +381,9 @@ def test_a_corrupted_adapter_load_is_loaded_again_then_the_replica_is_taken_out(
     with pytest.raises(RuntimeError, match=f"did not load as trained, loaded twice: {b.url}"):
         run([b], tmp_path / "alone", 2, toy_dir, peft_config=peft_config, learning_rate=1e-2,
             max_staleness=1)
+    built = []                           # verification off: no probe, no CPU copy of the policy
+    monkeypatch.setattr(verify_sync.Reference, "build", lambda *a: built.append(a))
+    loads.clear()
+    last = run([b], tmp_path / "off", 2, toy_dir, peft_config=peft_config, learning_rate=1e-2,
+               max_staleness=1, weight_sync_verify_every=0)
+    assert last["step"] == 2 and not built and (b.url, True) not in loads
