@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from verify_sync import Reference, base_card, probe_refusal, tolerance
+from vllm_client import VLLMError
 from weight_sync import (FullSync, Members, SyncStats, full_tensor, gathered, language_parameters,
                          on_rank0, served_dtype)
 
@@ -254,6 +255,12 @@ class AdapterSync:
         failed = [(c, why) for c in self.members.live if (why := refusals.get(c.base_url))]
         self.members.take_out_failed(failed, f"failed the probe of {name}, loaded twice,",
                                      f"LoRA sync: {name} did not load as trained, loaded twice")
+        for c, _ in failed:                 # out of routing too (rollout.servers.drop_unverified)
+            try:
+                unload(c, name)
+            except (VLLMError, TimeoutError) as e:     # out of the syncs already: said, not raised
+                warnings.warn(f"LoRA sync: {c.base_url} keeps {name} loaded ({e}): the rollout "
+                              f"process may still generate from it", stacklevel=2)
 
     def _reference(self) -> None:
         """Every rank, once: gather the policy (base and adapter) into rank 0's Reference."""
@@ -289,7 +296,7 @@ class AdapterSync:
 
     def _unload(self, version: int) -> None:
         old = f"{self.prefix}-v{version}"
-        self._each(lambda c: c.unload_lora_adapter(old), f"unloading {old}")
+        self._each(lambda c: unload(c, old), f"unloading {old}")
         shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
 
     def close(self) -> None:
@@ -311,6 +318,16 @@ class AdapterSync:
             self.members.call(call)
         except RuntimeError as e:
             raise RuntimeError(f"{what}: {e}") from e
+
+
+def unload(client, name: str) -> None:
+    """Unload adapter `name`; one the server does not hold is fine (a 404: a replica back since
+    it was loaded never had it, or its failed probe unloaded it)."""
+    try:
+        client.unload_lora_adapter(name)
+    except VLLMError as e:
+        if e.status != 404:
+            raise
 
 
 # ── merged ──────────────────────────────────────────────────────────────────────────────────

@@ -364,12 +364,17 @@ class AsyncRolloutLoop:
         stream = prompt_stream(self.dataset, self.dataset_start_index, config.num_train_epochs,
                                config.max_steps, config.shuffle_seed())
         prompts = filtered_stream(stream, self.filter_prompt)   # an epoch rejected whole raises
+        checked = None                          # the version drop_unverified last looked after
         for prompt_index, _, row_index, row, accepted in prompts:
             if not accepted:
                 self.channels.progress.put((prompt_index, 0))
                 continue
             await self._wait_until(lambda: not self.score_queue.full(), "score_block_s")
             await self._wait_until(self._admissible, "admission_wait_s")
+            if (version := self.model_version) != checked:    # a sync since: refused replicas
+                adapter = self.lora_name is not None and version > 0
+                await drop_unverified(self.replicas, self.adapter_name(version), adapter)
+                checked = version
             replica = pick(self.replicas)
             group = PendingGroup(group_id, row_index, prompt_index, row, G, replica)
             group_id += 1
@@ -575,15 +580,11 @@ class AsyncRolloutLoop:
         rollout/admission_wait_s and rollout/score_block_s are the seconds since the last emission
         (sum them over a logging window); the rest are samples."""
         last_time = time.monotonic()
-        checked = None                          # the version drop_unverified last looked after
         while True:
             version = self.model_version
             if await readmit(self.replicas, self.adapter_name(version), version,
                              self.lora_name is not None):
                 self.wake.set()
-            if self.lora_name is None and version != checked:   # full sync, after each sync:
-                await drop_unverified(self.replicas)          # a replica the trainer refused
-                checked = version
             metrics = await poll_all(self.replicas)
             now = time.monotonic()
             metrics |= {"rollout/score_queue_size": self.score_queue.qsize()}

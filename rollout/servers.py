@@ -238,21 +238,27 @@ def take_out(replicas: list[Replica], replica: Replica, error: BaseException,
                     sum(r.down is None for r in replicas))
 
 
-async def drop_unverified(replicas: list[Replica]) -> None:
-    """Out of routing (full sync, once per policy version: the trainer relabels a server before it
-    publishes the version): every live replica whose weight version says that its last sync
-    failed the trainer's verification (vllm_client.UNVERIFIED, set by weight_sync): it holds other
-    weights than were sent. readmit brings it back once a later sync lands on it and is verified
-    (its version is a number again)."""
+async def drop_unverified(replicas: list[Replica], model: str, adapter: bool) -> None:
+    """Out of routing (once per policy version, before a group starts at it: the trainer marks a
+    server before it publishes the version): every live replica that failed the trainer's check
+    of what it serves. Full sync: its weight version says so (vllm_client.UNVERIFIED, set by
+    weight_sync): it holds other weights than were sent. Adapter sync (`adapter`): it lists no
+    card for the current adapter `model` (lora_sync unloads an adapter whose probe failed).
+    readmit brings it back once a later sync lands on it and is verified."""
     for r in replicas:
         if r.down is None:
             try:
-                held = await asyncio.to_thread(r.client.weight_info)
+                if adapter:
+                    cards = (await asyncio.to_thread(r.client.models))["data"]
+                    held = None if any(c["id"] == model for c in cards) else f"no adapter {model}"
+                else:
+                    held = await asyncio.to_thread(r.client.weight_info)
+                    held = f"weight version {held!r}" if held.startswith(UNVERIFIED) else None
             except (VLLMError, TimeoutError):
                 continue                         # no answer: the requests' failures decide
-            if held.startswith(UNVERIFIED):
-                take_out(replicas, r, RuntimeError(f"weight version {held!r}"),
-                         "failed the trainer's verification of its weights")
+            if held is not None:
+                take_out(replicas, r, RuntimeError(held),
+                         "failed the trainer's verification of what it serves")
 
 
 def move(replicas: list[Replica], group, rollouts: int) -> Replica:

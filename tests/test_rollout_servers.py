@@ -184,8 +184,9 @@ def test_a_wrong_api_key_fails_at_once_with_a_clear_401(start_server, tokenizer,
 def test_a_replica_whose_sync_failed_verification_leaves_routing_until_a_later_one_lands(
         start_server):
     """The trainer labels a server whose weights failed its verification "unverified-N"
-    (weight_sync._verify); the rollout process's poll takes it out of routing (drop_unverified),
-    and readmit brings it back once a later sync gives it a numbered version again."""
+    (weight_sync._verify); the rollout process takes it out of routing before a group starts at
+    that version (drop_unverified), and readmit brings it back once a later sync gives it a
+    numbered version again."""
     import asyncio
 
     import requests
@@ -194,12 +195,44 @@ def test_a_replica_whose_sync_failed_verification_leaves_routing_until_a_later_o
     from vllm_client import UNVERIFIED, VLLMClient
     server = start_server(*h.SERVER_FLAGS)
     replicas = make_replicas([server.url], bound=4, timeout=10, max_retries=0)
-    asyncio.run(drop_unverified(replicas))
+    asyncio.run(drop_unverified(replicas, "toy", adapter=False))
     assert replicas[0].down is None                        # "default": never synced, not refused
     VLLMClient(server.url, timeout=10).update_weight_version(f"{UNVERIFIED}3")
-    asyncio.run(drop_unverified(replicas))
+    asyncio.run(drop_unverified(replicas, "toy", adapter=False))
     assert "unverified-3" in replicas[0].down
     assert not asyncio.run(readmit(replicas, "toy", 3, adapter=False))
     requests.post(server.url + "/update_weight_version", json={"new_version": "4"})
     assert asyncio.run(readmit(replicas, "toy", 4, adapter=False))
+    assert replicas[0].down is None
+
+
+def test_a_replica_whose_adapter_failed_its_probe_leaves_routing_until_a_later_one_lands(
+        start_server, toy_dir, tmp_path):
+    """Adapter sync: the trainer unloads an adapter whose probe failed on a replica
+    (lora_sync.AdapterSync._verify, lora_sync.unload); that replica lists no card for the
+    current adapter, so the rollout process takes it out of routing before a group starts under
+    it, and readmit brings it back once a later adapter loads there. Unloading an adapter a
+    server never held is not an error (a replica back since it was loaded)."""
+    import asyncio
+
+    import lora_sync
+    from rollout.servers import drop_unverified, make_replicas, readmit
+    from test_serve_local import make_adapter
+    from vllm_client import VLLMClient
+    server = start_server(*h.SERVER_FLAGS, "--enable-lora", "--max-lora-rank", "8",
+                          "--max-loras", "3")
+    client = VLLMClient(server.url, timeout=10)
+    for v in (1, 2):
+        make_adapter(toy_dir, str(tmp_path / f"v{v}"))
+    client.load_lora_adapter("policy-v1", str(tmp_path / "v1"))
+    replicas = make_replicas([server.url], bound=4, timeout=10, max_retries=0)
+    asyncio.run(drop_unverified(replicas, "policy-v1", adapter=True))
+    assert replicas[0].down is None
+    lora_sync.unload(client, "policy-v1")                   # its probe failed
+    lora_sync.unload(client, "policy-v1")                   # not held: no error
+    asyncio.run(drop_unverified(replicas, "policy-v1", adapter=True))
+    assert "no adapter policy-v1" in replicas[0].down
+    assert not asyncio.run(readmit(replicas, "policy-v1", 1, adapter=True))
+    client.load_lora_adapter("policy-v2", str(tmp_path / "v2"))
+    assert asyncio.run(readmit(replicas, "policy-v2", 2, adapter=True))
     assert replicas[0].down is None

@@ -355,7 +355,7 @@ def test_without_verification_the_parity_figure_catches_a_corrupted_server(corru
 
 
 def test_a_corrupted_adapter_load_is_loaded_again_then_the_replica_is_taken_out(
-        start_server, monkeypatch, toy_dir, tmp_path):
+        start_server, monkeypatch, toy_dir, tmp_path, capfd):
     """Adapter sync to two replicas, b's fault switch on one of the adapter's tensors: the probe
     under each new adapter's name finds b's log-probs off the trainer's, b loads it once more
     (in place), fails again and is taken out; the run finishes on a. Alone, b stops the run."""
@@ -378,6 +378,8 @@ def test_a_corrupted_adapter_load_is_loaded_again_then_the_replica_is_taken_out(
                    learning_rate=1e-2, max_staleness=1)
     assert last["step"] == 2 and last["sync/verify_s"] > 0
     assert (b.url, True) in loads and (a.url, True) not in loads         # b's second load only
+    err = capfd.readouterr().err                    # b unloaded it: out of routing too
+    assert f"the vLLM server at {b.url} failed the trainer's verification of what it" in err
     with pytest.raises(RuntimeError, match=f"did not load as trained, loaded twice: {b.url}"):
         run([b], tmp_path / "alone", 2, toy_dir, peft_config=peft_config, learning_rate=1e-2,
             max_staleness=1)
