@@ -355,9 +355,10 @@ class AsyncRolloutLoop:
                 self.tool_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _generate_loop(self) -> None:
-        """Per prompt: filter_prompt → room in the score queue → admission by staleness → a replica
-        for the whole group (its prompt stays in one prefix cache) → its rollouts, each waiting for
-        a slot under the replica's cap and started as its own task."""
+        """Per prompt: filter_prompt → room in the score queue → admission by staleness → (after a
+        sync: the replicas the trainer refused leave routing, drop_unverified) → a replica for the
+        whole group (its prompt stays in one prefix cache) → its rollouts, each waiting for a slot
+        under the replica's cap and started as its own task."""
         config = self.config
         G = config.num_generations
         group_id = 0
