@@ -40,10 +40,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from verify_sync import Reference, base_card, probe_refusal, tolerance
+from verify_sync import Reference, base_card, probe_refusal, served_dtype, tolerance
 from vllm_client import VLLMError
 from weight_sync import (FullSync, Members, SyncStats, full_tensor, gathered, language_parameters,
-                         on_rank0, served_dtype)
+                         on_rank0)
 
 PREFIX = "policy"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values

@@ -4,6 +4,9 @@ and after every sync. weight_sync.py and lora_sync.py act on the findings (a rep
 error); this file measures.
 
     when                       how                                         the finding
+    start, before anything     the served checkpoint's names and shapes    ValueError (names,
+    is sent (check_servers,    (check_served, from its safetensors), the   shapes, vocabulary);
+    WeightSync.connect)        largest token id (check_vocab), the dtype   a dtype warning
     start (FullSync.start,     the server samples PROBE_TOKENS after       full sync: a warning,
     AdapterSync.start)         probe_prompt() (temperature 1, seed fixed)  then the trainer's
                                with each token's log-prob; the trainer's   weights are sent;
@@ -46,9 +49,12 @@ Departures, one line each:
 """
 import contextlib
 import copy
+import glob
 import hashlib
 import json
+import os
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +154,85 @@ def mismatches(sent: dict[str, str], served: dict[str, str], excluded: dict[str,
     """
     return [f"{n}: sent sha256 {d}, served {served.get(n, 'nothing')}"
             for n, d in sent.items() if n not in excluded and served.get(n) != d]
+
+
+# ── at start: is the served model the one we train? ─────────────────────────────────────────
+# (spec: AsyncGRPOConfig.dtype: 「不一致は、トレーニング開始時に警告としてログに記録されます」, a
+# dtype mismatch is logged as a warning at training start.) weight_sync.check_servers and
+# WeightSync.connect call these before anything is sent; `info` is a server's /server_info
+# vllm_config.
+
+
+def served_shapes(model: str) -> dict[str, list[int]] | None:
+    """{name: shape} of the checkpoint a server loaded (/server_info's model_config.model: a
+    directory, or a hub id in this machine's cache), read from its safetensors headers; None when
+    it cannot be read here."""
+    from safetensors import safe_open
+    if not os.path.isdir(model):
+        try:
+            from huggingface_hub import snapshot_download
+            model = snapshot_download(model, local_files_only=True,
+                                      allow_patterns=["*.safetensors"])
+        except Exception:  # noqa: BLE001 (not in the cache, or not a hub id)
+            return None
+    shapes = {}
+    for path in glob.glob(os.path.join(model, "*.safetensors")):
+        with safe_open(path, "pt") as f:
+            shapes |= {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    return shapes or None
+
+
+def check_served(specs: list[tuple[str, torch.Size]], model: str, url: str) -> None:
+    """Refuse, before anything is sent, a sync whose names or shapes the server's model lacks:
+    real vLLM answers such an update with a 500 and is left unable to generate. A checkpoint this
+    machine cannot read is only warned about (vLLM checks while loading)."""
+    served = served_shapes(model)
+    if served is None:
+        warnings.warn(f"{url} serves {model!r}, which this machine cannot read: a sync's names "
+                      f"and shapes are not checked before they are sent", stacklevel=3)
+        return
+    unknown = [n for n, _ in specs if n not in served]
+    wrong = [f"{n} {list(s)} (served {served[n]})" for n, s in specs
+             if n in served and list(s) != served[n]]
+    if unknown or wrong:
+        raise ValueError(f"{url} serves {model!r}, whose weights are not the trained model's: "
+                         f"unknown names {unknown[:5]}, other shapes {wrong[:5]}; nothing was "
+                         f"sent (vLLM cannot survive a refused update): serve the model you train")
+
+
+def served_dtype(info: dict) -> str | None:
+    """The server's dtype without the "torch." prefix ("bfloat16"), or None if it is not said."""
+    dtype = (info.get("model_config") or {}).get("dtype")
+    return str(dtype).removeprefix("torch.") if dtype else None
+
+
+def dtype_warning(url: str, info: dict, compute_dtype) -> str | None:
+    """Why the trainer's and the server's log-probs differ in precision, with the fix; None when
+    they agree (or the server does not say)."""
+    served = served_dtype(info)
+    ours = str(compute_dtype).removeprefix("torch.")
+    if served is None or served == ours:
+        return None
+    return (f"the vLLM server at {url} serves {served} but the trainer computes in {ours}, so "
+            f"every importance ratio carries the precision gap: restart it with `vllm serve "
+            f"--dtype {ours}`, or set bf16/fp16 to match it")
+
+
+def check_vocab(client, tokenizer) -> None:
+    """ValueError when the server does not accept the largest token id the trained model's
+    tokenizer writes (one prompt token, one generated): it serves a model with another, smaller
+    vocabulary, and every rollout would fail."""
+    largest = len(tokenizer) - 1
+    base = base_card(client)
+    try:
+        client.completions({"model": base, "prompt": [largest], "max_tokens": 1})
+    except VLLMError as e:
+        if e.status != 400:
+            raise
+        raise ValueError(f"the vLLM server at {client.base_url} serves {base!r}, which does "
+                         f"not accept token id {largest}, the largest of the trained model's "
+                         f"tokenizer ({len(tokenizer)} tokens): it serves another model; serve "
+                         f"the model you train ({e})") from e
 
 
 # ── start and adapters: the log-prob probe ──────────────────────────────────────────────────

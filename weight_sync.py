@@ -42,11 +42,9 @@ Departures from the spec, one line each:
 - On a CPU both ends form a torch.distributed gloo group (local_vllm, or vLLM with vllm_plugin/).
 - A vision-language model syncs only its language model: the vision tower is frozen (train.py).
 """
-import glob
 import importlib.util
 import logging
 import math
-import os
 import socket
 import time
 import warnings
@@ -59,8 +57,8 @@ import torch
 import torch.distributed as dist
 
 import verify_sync
-from verify_sync import (Reference, base_card, chosen, digest, digest_route, mismatches,
-                         served_digests, tolerance)
+from verify_sync import (Reference, base_card, check_served, check_vocab, chosen, digest,
+                         digest_route, dtype_warning, mismatches, served_digests, tolerance)
 from vllm_client import UNVERIFIED, VLLMClient, VLLMError
 
 log = logging.getLogger(__name__)
@@ -186,7 +184,8 @@ class FullSync:
         return self.weights.push(self.specs(), self.tensors, version).metrics()
 
 
-# ── what the servers accept ─────────────────────────────────────────────────────────────────
+# ── at start: what the servers must be started with, and a pause a dead run left ──────────────
+# (whether the served model is the trained one: verify_sync.py's start checks, called here)
 
 
 def transfer_flags() -> str:
@@ -197,49 +196,6 @@ def transfer_flags() -> str:
     # no vLLM backend runs without CUDA: ours (vllm_plugin/, tools/vllm_cpu_venv.sh)
     return flags.format("gloo") + (" (vLLM on a CPU: `bash tools/vllm_cpu_venv.sh DIR` makes an "
                                    "environment with our gloo backend)")
-
-
-def served_shapes(model: str) -> dict[str, list[int]] | None:
-    """{name: shape} of the checkpoint a server loaded (/server_info's model_config.model: a
-    directory, or a hub id in this machine's cache), read from its safetensors headers; None when
-    it cannot be read here."""
-    from safetensors import safe_open
-    if not os.path.isdir(model):
-        try:
-            from huggingface_hub import snapshot_download
-            model = snapshot_download(model, local_files_only=True,
-                                      allow_patterns=["*.safetensors"])
-        except Exception:  # noqa: BLE001 (not in the cache, or not a hub id)
-            return None
-    shapes = {}
-    for path in glob.glob(os.path.join(model, "*.safetensors")):
-        with safe_open(path, "pt") as f:
-            shapes |= {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
-    return shapes or None
-
-
-def check_served(specs: list[tuple[str, torch.Size]], model: str, url: str) -> None:
-    """Refuse, before anything is sent, a sync whose names or shapes the server's model lacks:
-    real vLLM answers such an update with a 500 and is left unable to generate. A checkpoint this
-    machine cannot read is only warned about (vLLM checks while loading)."""
-    served = served_shapes(model)
-    if served is None:
-        warnings.warn(f"{url} serves {model!r}, which this machine cannot read: a sync's names "
-                      f"and shapes are not checked before they are sent", stacklevel=3)
-        return
-    unknown = [n for n, _ in specs if n not in served]
-    wrong = [f"{n} {list(s)} (served {served[n]})" for n, s in specs
-             if n in served and list(s) != served[n]]
-    if unknown or wrong:
-        raise ValueError(f"{url} serves {model!r}, whose weights are not the trained model's: "
-                         f"unknown names {unknown[:5]}, other shapes {wrong[:5]}; nothing was "
-                         f"sent (vLLM cannot survive a refused update): serve the model you train")
-
-
-# ── at start: is the served model the one we train? ─────────────────────────────────────────
-# (spec: AsyncGRPOConfig.dtype: 「不一致は、トレーニング開始時に警告としてログに記録されます」, a
-# dtype mismatch is logged as a warning at training start.) Each check costs at most one 1-token
-# request; `info` is a server's /server_info vllm_config.
 
 
 def resume_leftover_pause(client) -> bool:
@@ -260,45 +216,11 @@ def resume_leftover_pause(client) -> bool:
     return True
 
 
-def served_dtype(info: dict) -> str | None:
-    """The server's dtype without the "torch." prefix ("bfloat16"), or None if it is not said."""
-    dtype = (info.get("model_config") or {}).get("dtype")
-    return str(dtype).removeprefix("torch.") if dtype else None
-
-
-def dtype_warning(url: str, info: dict, compute_dtype) -> str | None:
-    """Why the trainer's and the server's log-probs differ in precision, with the fix; None when
-    they agree (or the server does not say)."""
-    served = served_dtype(info)
-    ours = str(compute_dtype).removeprefix("torch.")
-    if served is None or served == ours:
-        return None
-    return (f"the vLLM server at {url} serves {served} but the trainer computes in {ours}, so "
-            f"every importance ratio carries the precision gap: restart it with `vllm serve "
-            f"--dtype {ours}`, or set bf16/fp16 to match it")
-
-
-def check_vocab(client, tokenizer) -> None:
-    """ValueError when the server does not accept the largest token id the trained model's
-    tokenizer writes (one prompt token, one generated): it serves a model with another, smaller
-    vocabulary, and every rollout would fail."""
-    largest = len(tokenizer) - 1
-    base = base_card(client)
-    try:
-        client.completions({"model": base, "prompt": [largest], "max_tokens": 1})
-    except VLLMError as e:
-        if e.status != 400:
-            raise
-        raise ValueError(f"the vLLM server at {client.base_url} serves {base!r}, which does "
-                         f"not accept token id {largest}, the largest of the trained model's "
-                         f"tokenizer ({len(tokenizer)} tokens): it serves another model; serve "
-                         f"the model you train ({e})") from e
-
-
 def check_servers(clients, config, tokenizer, device) -> None:
     """Rank 0, at start: a server a dead run left paused is resumed (a warning); the served
-    vocabulary must hold the trained tokenizer's (an error); the served dtype should be the
-    trainer's compute dtype (a warning, spec: dtype)."""
+    vocabulary must hold the trained tokenizer's (an error, verify_sync.check_vocab); the served
+    dtype should be the trainer's compute dtype (a warning, spec: dtype). Each check costs at
+    most one 1-token request."""
     for c in clients:
         resume_leftover_pause(c)
         check_vocab(c, tokenizer)

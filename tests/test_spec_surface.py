@@ -17,7 +17,7 @@ import config
 import lora_sync
 import toy
 import train
-import weight_sync
+import verify_sync
 from config import AsyncGRPOConfig
 from vllm_client import VLLMError
 
@@ -349,8 +349,8 @@ def test_dtype_mismatch_warns_and_data_parallel_refuses_adapter_sync():
     import torch
     info = {"model_config": {"dtype": "torch.bfloat16"},
             "parallel_config": {"data_parallel_size": 2}}
-    assert weight_sync.dtype_warning("http://a", info, torch.bfloat16) is None
-    assert "vllm serve --dtype float32" in weight_sync.dtype_warning("http://a", info,
+    assert verify_sync.dtype_warning("http://a", info, torch.bfloat16) is None
+    assert "vllm serve --dtype float32" in verify_sync.dtype_warning("http://a", info,
                                                                          torch.float32)
     assert "--data-parallel-size 2" in lora_sync.adapter_dp_refusal("http://a", info)
     assert lora_sync.adapter_dp_refusal("http://a", {"parallel_config": {}}) is None
@@ -370,9 +370,9 @@ def test_a_server_with_a_smaller_vocabulary_is_refused(train_server):
     from vllm_client import VLLMClient
     tokenizer = toy.build_tokenizer()
     with pytest.raises(ValueError, match="serves another model"):
-        weight_sync.check_vocab(SmallVocabServer(), tokenizer)
+        verify_sync.check_vocab(SmallVocabServer(), tokenizer)
     client = VLLMClient(train_server.url, timeout=60)
     try:
-        weight_sync.check_vocab(client, tokenizer)          # the toy server: the same model
+        verify_sync.check_vocab(client, tokenizer)          # the toy server: the same model
     finally:
         client.close()
