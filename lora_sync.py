@@ -13,12 +13,17 @@ AdapterSync of run 3f9a1c, one sync to version 5 with max_staleness = 2 (3 versi
     write   .vllm_lora/.policy-3f9a1c-v5.tmp/ → rename → policy-3f9a1c-v5/    atomic: vLLM never
                                                                               reads half of one
     load    POST /v1/load_lora_adapter {"lora_name": "policy-3f9a1c-v5", "lora_path": ...}  every
-    probe   a completion under policy-3f9a1c-v5 gives the trainer's log-probs  replica; loaded:
-            (verify_sync.py; else loaded again, then the replica is taken out) v3-5
+    probe   a completion under policy-3f9a1c-v5 shows the trained adapter,    replica; loaded:
+            not the base nor v4 (verify_sync.refusal; else loaded again,     v3-5
+            then the replica is taken out)
     unload  POST /v1/unload_lora_adapter policy-3f9a1c-v2; delete its dir
     end     unload (and delete) v3 v4 v5: a long-lived server keeps no name of a finished run
     A rollout started under version N requests model="policy-<run>-vN" to its end (rollout/loop.py,
     lora_name), so the oldest loaded version may still be in use: max_loras needs a spare slot.
+
+At start the servers' base must be the trainer's: with weight transfer (--weight-transfer-config
+beside --enable-lora, as the spec starts vLLM) the base weights are sent once, as a full sync
+would; without, a server whose base differs on the start probe is refused.
 
 MergedSync is a weight_sync.FullSync of W + s·B·A (merged()) under the base model's names, as
 peft's merge_and_unload() merges it: the bias of lora_B too (lora_bias), GPT-2's transposed
@@ -29,6 +34,7 @@ Departures from the spec, one line each:
   it is unloaded, so a second run (or a crashed one) against the same server never collides.
 - Several replicas are served without a proxy: each load and unload goes to each (TRL refuses that).
 """
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -40,10 +46,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from verify_sync import Reference, base_card, probe_refusal, served_dtype, tolerance
+from verify_sync import BASE_KL, NOISE_FLOOR, base_card, refusal, served_dtype
 from vllm_client import VLLMError
-from weight_sync import (FullSync, Members, SyncStats, full_tensor, gathered, language_parameters,
-                         on_rank0)
+from weight_sync import (FullSync, Members, SyncStats, full_tensor, language_parameters, on_rank0,
+                         parity, probe, shared)
 
 PREFIX = "policy"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values
@@ -166,52 +172,112 @@ def adapter_state(policy) -> dict[str, torch.Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def swapped(params: list[torch.Tensor], values: list[torch.Tensor]):
+    """`params` hold `values` inside the block, their own after it (every rank: its shards)."""
+    own = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            p.copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, v in zip(params, own):
+                p.copy_(v)
+
+
 class AdapterSync:
     """Adapter-only sync over disk and /v1/load_lora_adapter (state is real: the loaded window).
-    Every load is proven by a probe (verify_sync.py): the trainer's log-probs come from rank 0's
-    CPU copy of the policy (verify_sync.Reference: gathered once, the base frozen, each sync's
-    adapter swapped in), not from the FSDP2 shards, so only rank 0 takes part and the other ranks
-    wait at the sync's end. weight_sync_verify_every=0: no probe, and no copy."""
+    Every load is proven by the probe (verify_sync.refusal), scored by the policy itself on every
+    rank: under the trained adapter, with the adapter off (the base) and with the previous one (a
+    stale load; each rank keeps its shards of it). weight_sync_verify_every=0: no probe."""
 
     def __init__(self, policy, clients, config, output_dir: str):
         self.policy = policy
-        self.clients = clients
         self.members = Members(clients, config.vllm_server_timeout, "LoRA sync")
         self.config = config
         self.root = os.path.join(os.path.abspath(output_dir), ".vllm_lora")
         self.prefix = f"{PREFIX}-{secrets.token_hex(3)}"    # this run's names: policy-<run>-v<N>
         self.dtype = config.export_dtype(next(policy.parameters()))   # the checkpoint's dtype
         self.loaded: list[int] = []                    # versions loaded on every server, oldest 1st
-        self.dtypes: dict[str, str | None] = {}        # rank 0: base_url → its served dtype
-        self.reference: Reference | None = None        # rank 0: the policy on its CPU, once built
-        self.built = False                             # every rank: the reference was gathered
         every = config.weight_sync_verify_every
-        self.verify = every is None or every > 0       # probes (0: off, and no Reference)
+        self.verify = every is None or every > 0       # probes (0: off)
+        self.adapter = [p for p in policy.parameters() if p.requires_grad]   # this rank's shards
+        self.previous: list[torch.Tensor] | None = None  # the adapter at the last sync (shards)
+        self.noise = NOISE_FLOOR                       # the run's own, from the start probe
+        self.parity: dict[str, float] = {}             # sync/probe_kl of the last probe
+        self.base = None                               # MergedSync of the base, with transfer
 
     def connect(self) -> None:
-        """Rank 0: the adapters' directory, and each server's dtype (the probe's tolerance)."""
+        """Every rank: the adapters' directory (rank 0); where every server has weight transfer
+        (--weight-transfer-config beside --enable-lora), a sync of the base weights, joined."""
+        transfer = None
         if dist.get_rank() == 0:
             os.makedirs(self.root, exist_ok=True)
-            self.dtypes = {c.base_url: served_dtype(c.server_info()) for c in self.clients}
+            transfer = all(c.server_info().get("weight_transfer_config")
+                           for c in self.members.clients)
+        if shared(transfer):
+            self.base = MergedSync(self.policy, self.members.clients, self.config, adapter=False)
+            self.base.connect()
 
     def worker_kwargs(self) -> dict:
         """RolloutWorker arguments: rollouts request model="policy-<run>-v<their version>"."""
         return {"lora_name": self.prefix}
 
+    def start(self, version: int) -> None:
+        """Every rank, before generation starts: the servers' base must be the trainer's. With
+        weight transfer it is sent (a full sync of the base, verified as one); then the start
+        probe, the adapter switched off, measures the run's own noise (what refusal judges
+        against) and, where the base could not be sent, refuses a base farther than BASE_KL:
+        an adapter cannot fix its base. A resumed run then loads its saved adapter."""
+        if self.base is not None:
+            self.base.push(version, probe_after=False)
+        if self.verify:
+            probes = probe(self.policy, self.members, base_card,
+                           under=self.policy.model.disable_adapter)
+            self.parity = parity(probes, self.members.clients)
+            self.noise = max([NOISE_FLOOR] + [p.noise for p in probes])
+            if self.base is None:
+                on_rank0(lambda: self._check_bases(probes))
+        if version > 0:
+            self.push(version)
+
+    def _check_bases(self, probes) -> None:
+        """Rank 0: ValueError naming the first server whose base's probe KL exceeds BASE_KL."""
+        for p in probes:
+            dtype = served_dtype(next(c for c in self.members.clients
+                                      if c.base_url == p.url).server_info())
+            bound = BASE_KL.get(dtype, max(BASE_KL.values()))
+            if p.kl > bound:
+                source = getattr(self.policy.model.config, "_name_or_path", "")
+                raise ValueError(f"LoRA sync: {p.url} serves another base model than the trained "
+                                 f"one: on the start probe its log-probs are {p.kl:.3g} (k3 KL) "
+                                 f"from the trainer's base model's (bound {bound:g} for "
+                                 f"{dtype}), and an adapter cannot fix the base, nor can this "
+                                 f"run send it (no --weight-transfer-config): serve the "
+                                 f"checkpoint the trainer loads ({source})")
+
     def push(self, version: int) -> dict[str, float]:
-        """Every rank: gather the adapter; rank 0 publishes it (_publish); an error there is
-        raised on every rank together."""
+        """Every rank: gather the adapter; rank 0 writes it and loads it on every live replica
+        (_publish); every rank proves the loads (_verify); rank 0 unloads the version that left
+        the staleness window. An error on rank 0 is raised on every rank together."""
         start = time.perf_counter()
-        self._reference()
         state = adapter_state(self.policy)
         stats = SyncStats()
-        on_rank0(lambda: self._publish(version, state, stats))
+        name = f"{self.prefix}-v{version}"
+        path = on_rank0(lambda: self._publish(version, state, stats))
+        if self.verify:
+            t = time.perf_counter()
+            self._verify(name, path)
+            stats.verify_s = time.perf_counter() - t
+        self.previous = [p.detach().clone() for p in self.adapter]
+        on_rank0(self._retire)
         stats.total_s = time.perf_counter() - start
         return stats.metrics()
 
-    def _publish(self, version: int, state: dict[str, torch.Tensor], stats: SyncStats) -> None:
-        """Rank 0: write the adapter (atomically), load it on every live replica, prove each load
-        (_verify), then unload the version that left the staleness window."""
+    def _publish(self, version: int, state: dict[str, torch.Tensor], stats: SyncStats) -> str:
+        """Rank 0: write the adapter (atomically), load it on every live replica; its path."""
         name = f"{self.prefix}-v{version}"
         final = os.path.join(self.root, name)
         tmp = os.path.join(self.root, f".{name}.tmp")
@@ -224,75 +290,50 @@ class AdapterSync:
         t = time.perf_counter()
         self.members.returning()               # back since the last sync: it gets this adapter
         self._each(lambda c: c.load_lora_adapter(name, final), f"loading {name}")
-        verify = time.perf_counter()
-        if self.verify:
-            self._verify(name, final, state)
-        stats.verify_s = time.perf_counter() - verify
         self.loaded.append(version)
-        while len(self.loaded) > self.config.max_staleness + 1:        # the new one is in: unload
-            self._unload(self.loaded.pop(0))
-        stats.transfer_s = time.perf_counter() - t - stats.verify_s
+        stats.transfer_s = time.perf_counter() - t
+        return final
 
-    def _verify(self, name: str, path: str, state: dict[str, torch.Tensor]) -> None:
-        """Rank 0: each live replica's probe under `name` must give the trainer's log-probs and
-        not the base's (verify_sync.probe_refusal). One that does not is sent the adapter once
-        more (loaded in place) and probed again; then it is taken out (Members), or, if it is the
-        last one, the sync raises."""
-        self.reference.load(state)
-        refusals: dict[str, str | None] = {}
+    def _verify(self, name: str, path: str | None) -> None:
+        """Every rank: each live replica's probe under `name` must show the trained adapter, not
+        a failed delivery (verify_sync.refusal). One that does not is sent the adapter once more
+        (loaded in place) and probed again; then it is taken out (Members) and the adapter
+        unloaded there, or, if it is the last one, the sync raises."""
+        others = {"the base": self.policy.model.disable_adapter}
+        if self.previous is not None:
+            others["the previous adapter"] = lambda: swapped(self.adapter, self.previous)
+        refused: dict[str, str] = {}
+        for attempt in range(2):
+            probes = probe(self.policy, self.members, lambda c: name, others=others,
+                           only=set(refused) if attempt else None)
+            if not attempt:
+                self.parity = parity(probes, self.members.clients)
+            refused = {p.url: why for p in probes if (why := refusal(p, self.noise))}
+            if not refused:
+                return
+            if not attempt:
+                on_rank0(lambda: self._each(
+                    lambda c: c.base_url in refused and c.load_lora_adapter(name, path, True),
+                    f"loading {name} again"))
+        on_rank0(lambda: self._take_out(name, refused))
 
-        def probe(c) -> None:
-            found = self.reference.probe(c, name, adapter=True)
-            tol = tolerance(self.dtypes.get(c.base_url))
-            refusals[c.base_url] = probe_refusal(found, name, tol)
-
-        def again(c) -> None:
-            if refusals.get(c.base_url):
-                c.load_lora_adapter(name, path, load_inplace=True)
-                probe(c)
-        self._each(probe, f"probing {name}")
-        self._each(again, f"loading {name} again")
-        failed = [(c, why) for c in self.members.live if (why := refusals.get(c.base_url))]
+    def _take_out(self, name: str, refused: dict[str, str]) -> None:
+        """Rank 0: out of the syncs (the last one: the sync raises), and of routing: the adapter
+        unloaded there (rollout.servers.drop_unverified)."""
+        failed = [(c, refused[c.base_url]) for c in self.members.live if c.base_url in refused]
         self.members.take_out_failed(failed, f"failed the probe of {name}, loaded twice,",
                                      f"LoRA sync: {name} did not load as trained, loaded twice")
-        for c, _ in failed:                 # out of routing too (rollout.servers.drop_unverified)
+        for c, _ in failed:
             try:
                 unload(c, name)
             except (VLLMError, TimeoutError) as e:     # out of the syncs already: said, not raised
                 warnings.warn(f"LoRA sync: {c.base_url} keeps {name} loaded ({e}): the rollout "
                               f"process may still generate from it", stacklevel=2)
 
-    def _reference(self) -> None:
-        """Every rank, once: gather the policy (base and adapter) into rank 0's Reference."""
-        if self.verify and not self.built:
-            dtype = next((d for d in self.dtypes.values() if d), "float32")
-            self.reference = Reference.build(self.policy.model, gathered(self.policy.model), dtype)
-            self.built = True
-
-    def start(self, version: int) -> None:
-        """Every rank, before generation starts: the start probe compares each server's base model
-        with the trainer's (the adapter switched off), and one that serves another base stops the
-        run with a ValueError before any rollout: an adapter cannot fix its base. Then a resumed
-        run loads its saved adapter; a fresh one generates from the base model."""
-        if self.verify:
-            self._reference()
-            on_rank0(self._check_bases)
-        if version > 0:
-            self.push(version)
-
-    def _check_bases(self) -> None:
-        """Rank 0: ValueError naming the first server whose base model's log-probs on the probe are
-        farther from the trainer's base than its dtype's tolerance."""
-        for c in self.clients:
-            tol = tolerance(self.dtypes.get(c.base_url))
-            gap = self.reference.probe(c, base_card(c), base=True).gap
-            if gap > tol:
-                source = getattr(self.policy.model.config, "_name_or_path", "")
-                raise ValueError(f"LoRA sync: {c.base_url} serves another base model than the "
-                                 f"trained one: on the start probe its log-probs differ from the "
-                                 f"trainer's base model's by up to {gap:.3g} (max |Δ log p|; "
-                                 f"tolerance {tol:g}), and an adapter cannot fix the base: serve "
-                                 f"the checkpoint the trainer loads ({source})")
+    def _retire(self) -> None:
+        """Rank 0: unload the versions that left the staleness window (the new one is in)."""
+        while len(self.loaded) > self.config.max_staleness + 1:
+            self._unload(self.loaded.pop(0))
 
     def _unload(self, version: int) -> None:
         old = f"{self.prefix}-v{version}"
@@ -334,17 +375,19 @@ def unload(client, name: str) -> None:
 
 
 class MergedSync(FullSync):
-    """A full sync of the merged weights W + s·B·A under the base names; the shards never change."""
+    """A full sync of the merged weights W + s·B·A under the base names; the shards never change.
+    adapter=False: of the base weights W alone (AdapterSync's base, sent at start)."""
 
-    def __init__(self, policy, clients, config):
+    def __init__(self, policy, clients, config, adapter: bool = True):
         super().__init__(policy, clients, config)
         self.plan = merge_plan(policy.model)
+        self.with_adapter = adapter
 
     def specs(self) -> list[tuple[str, torch.Size]]:
         return [(name, base.shape) for name, base, _ in self.plan]
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        return (merged(base, delta) for _, base, delta in self.plan)
+        return (merged(base, delta if self.with_adapter else None) for _, base, delta in self.plan)
 
 
 @dataclasses.dataclass
@@ -433,13 +476,3 @@ def merged(base: torch.Tensor, delta: Delta | None) -> torch.Tensor:
     if delta.magnitude is not None:
         w = w * (full_tensor(delta.magnitude).float() / w.norm(dim=1))[:, None]
     return (w.T if delta.fan_in_fan_out else w).to(base.dtype)
-
-
-def adapter_bytes(model, peft_config, dtype=torch.bfloat16) -> tuple[int, int]:
-    """(full weight bytes, adapter bytes) of `model` (meta device is fine) with `peft_config`'s
-    targets."""
-    from peft import get_peft_model
-    full = sum(p.numel() for p in model.parameters()) * dtype.itemsize
-    adapted = get_peft_model(model, peft_config)
-    lora = sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n) * dtype.itemsize
-    return full, lora

@@ -301,6 +301,12 @@ def policy_loss(lp: TokenLogProbs, sampler_logprobs, advantages, num_tokens, con
     return loss, metrics
 
 
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """[F] Schulman's k3 per token, (r - 1) - log r with log r = log_ratio: an unbiased estimate of
+    KL(q ‖ π) from samples of q, >= 0 each (the clamp keeps e^x finite)."""
+    return log_ratio.clamp(-20, 20).exp() - 1 - log_ratio
+
+
 def mismatch_metrics(log_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
     """How far the served policy q is from the trained one π_θ, over F tokens that q sampled from
     the very weights π_θ holds (staleness 0): with no train/inference mismatch every log r_t =
@@ -311,9 +317,8 @@ def mismatch_metrics(log_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
     log_ratio: [F]. Returns [sum, count] for the mean, a scalar max (-inf without tokens) and the
     count (summed over micro-batches and ranks)."""
     F_ = log_ratio.numel()
-    k3 = log_ratio.clamp(-20, 20).exp() - 1 - log_ratio                # [F]
     count = torch.tensor(F_, dtype=torch.float64, device=log_ratio.device)
-    return {"sampling/mismatch_kl": torch.stack([k3.sum().to(torch.float64), count]),
+    return {"sampling/mismatch_kl": torch.stack([k3(log_ratio).sum().to(torch.float64), count]),
             "sampling/logprob_diff_max": (log_ratio.abs().max() if F_
                                           else log_ratio.new_tensor(float("-inf"))),
             "sampling/mismatch_tokens": count}

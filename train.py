@@ -65,7 +65,8 @@ import rollout_worker
 from rollout_worker import RolloutWorker
 from trie_pack import Planner
 from vllm_client import VLLMClient, server_urls
-from weight_sync import FullSync, check_servers, free_port, full_tensor, language_parameters
+from weight_sync import (FullSync, check_servers, free_port, full_tensor, language_parameters,
+                         on_rank0)
 
 # ── the loop ─────────────────────────────────────────────────────────────────────────────────
 
@@ -97,7 +98,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
         state = checkpoint.load(resume, policy, optimizer, scheduler)
     hooks.state.global_step = state.global_step
     clients = [VLLMClient(url, timeout=config.vllm_server_timeout) for url in server_urls(config)]
-    sync = make_sync(policy, clients, config, peft_config, output_dir)
+    sync = None                                 # chosen once the servers answer
     saving = config.save_strategy == "steps"
     feed = None                                 # rank 0: its end of the rollout queue
     log = None                                  # rank 0: metrics.jsonl and the progress bar
@@ -112,10 +113,9 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             hooks.event("on_save")
 
     try:
-        if rank == 0:
-            for c in clients:
-                c.wait_for_health()
-            check_servers(clients, config, tokenizer, device)
+        on_rank0(lambda: [c.wait_for_health() for c in clients])   # before anything reads them
+        sync = make_sync(policy, clients, config, peft_config, output_dir)
+        on_rank0(lambda: check_servers(clients, config, tokenizer, device))
         sync.connect()
         sync.start(state.model_version)         # the servers may hold another run's weights
         if rank == 0:
@@ -160,6 +160,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                 if rank == 0:
                     feed.worker.set_model_version(state.model_version)
             if rank == 0:
+                step_metrics |= sync.parity             # the last sync's probe: every step has one
                 step_metrics["perf/step_s"] = time.perf_counter() - started
                 log.step(state, step_metrics, step)
                 hooks.event("on_step_end")
@@ -177,7 +178,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             feed.worker.stop()
         if log is not None:
             log.close()
-        sync.close()                            # LoRA: the servers unload this run's adapters
+        if sync is not None:
+            sync.close()                        # LoRA: the servers unload this run's adapters
         for c in clients:
             c.close()
         dist.destroy_process_group()

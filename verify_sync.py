@@ -1,68 +1,61 @@
 """The proof that the served policy is the trained one (概要 (Overview: weight_sync_steps) and the
 adapter-sync note): what each vLLM server holds, measured against what the trainer sent, at start
-and after every sync. weight_sync.py and lora_sync.py act on the findings (a replica taken out, an
-error); this file measures.
+and after every sync. weight_sync.py and lora_sync.py act on the findings; this file measures.
 
-    when                       how                                         the finding
-    start, before anything     the served checkpoint's names and shapes    ValueError (names,
-    is sent (check_servers,    (check_served, from its safetensors), the   shapes, vocabulary);
-    WeightSync.connect)        largest token id (check_vocab), the dtype   a dtype warning
-    start (FullSync.start,     the server samples PROBE_TOKENS after       full sync: a warning,
-    AdapterSync.start)         probe_prompt() (temperature 1, seed fixed)  then the trainer's
-                               with each token's log-prob; the trainer's   weights are sent;
-                               Reference scores the same tokens            adapter sync: ValueError
-    every full sync            rank 0 hashes (sha256) the bytes it         a mismatch names the
-    (WeightSync.push, after    broadcasts of the tensors chosen(); then    server, the tensor and
-    /finish_weight_update,     each server hashes what it now holds        both digests; that
-    before /resume)            (digest_route)                              replica is taken out
-    every adapter load         the probe, under the adapter's name: the    loaded once more, then
-    (AdapterSync.push)         trainer's log-probs, not the base's         the replica is out
+    when                       how                                           the finding
+    start, before anything     the served checkpoint's names and shapes      ValueError (names,
+    is sent (check_servers,    (check_served), its largest token id          shapes, vocabulary);
+    WeightSync.connect)        (check_vocab), its dtype                      a dtype warning
+    every full sync, after     rank 0 fingerprints the tensors chosen() as   a mismatch names the
+    /finish_weight_update      it sends them (Fingerprints), each server     server, the tensor,
+    (FullSync.push)            those it now holds (vllm_plugin's extension)  both: replica out
+    every sync, and at start   the probe: each server samples PROBE_TOKENS   sync/probe_kl; an
+    (weight_sync.probe)        with their log-probs; every rank scores them  adapter refused
+                               with the policy itself (policy_logprobs: one  (refusal): loaded
+                               no-grad forward) and under each failed        again, then the
+                               delivery (the adapter off, the previous one)  replica is out
 
-Which tensors a full sync verifies (chosen): the rotating slice names[version % VERIFY_EVERY ::
-VERIFY_EVERY] and always the embedding and LM head, so every tensor is verified within
-VERIFY_EVERY syncs; a run's first sync verifies every tensor. VERIFY_EVERY keeps verification
-under 5% of the sync's time: `python -m tools.bench sync` (a ~25M-parameter fp32 model, gloo on
-CPU) measured verify_share 0.030 and 0.019 at 16 (0.047 at 8, 0.133 at 4). The share is about
-(hashed bytes / sha256's ~1.4 GB/s per side) / the sync's seconds, so where the transfer outruns
-sha256 (NCCL between GPUs) it grows: raise it there (AsyncGRPOConfig.weight_sync_verify_every;
-0: no verification at all, probes and their CPU copy of the policy included).
+Fingerprints (vllm_plugin/weight_digests.fingerprint) are integer sums on the tensor's device,
+bit-exact on CPU and CUDA, one read of its bytes. Which tensors (chosen): a rotating 1/VERIFY_EVERY
+plus the embedding and LM head every sync, every tensor on a run's first. The arithmetic for an
+H200: a 4B model is 8 GB in bf16; one read at ~4 TB/s of HBM is ~2 ms, while NCCL moves the same
+bytes to a vLLM GPU at ~300 GB/s over NVLink (~27 ms) or ~50 GB/s through one 400 Gb/s NIC. The
+trainer fingerprints in its send loop, so all of them would add ~7% to an NVLink transfer: over the
+5% goal, hence the rotation (1/16: ~0.5%). `python -m tools.bench sync` measures the share (CPU).
 
-How a server shows what it holds (digest_route):
+The probe's verdict (refusal) is relative, so it holds in bf16: the served log-probs must lie
+nearer the trained policy's than each failed delivery's, judged only where the two stand apart
+by SEPARATION times the run's own noise (the start probe's, on identical weights). A full sync's
+verdict is its fingerprints; its probe is the parity figure only.
 
-    our vLLM worker extension    POST /collective_rpc {"method": "weight_digests", "args":
-    (vllm_plugin/weight_digests)   ["<names, JSON>"]} → {"results": [{"digests", "excluded"}]}
-    local_vllm                   POST /weight_checker {"action": "checksum", "names": [...]}
-    neither                      a warning, once per server (how to enable it): not verified
+How a server shows what it holds: POST /collective_rpc {"method": "weight_digests"} (our worker
+extension, vllm_plugin/, in vLLM and in the stand-in); without it, said once, syncs unverified.
 
 Departures, one line each:
-- vLLM's own /weight_checker is not used: it hashes vLLM's fused tensors (qkv_proj, gate_up_proj),
-  and on a CPU each linear layer's weight is empty once its GEMM has repacked it.
+- vLLM's /weight_checker is not used: it hashes vLLM's fused tensors, and on a CPU each linear
+  layer's weight is empty once its GEMM has repacked it.
 - The probe's tokens are sampled by the server and scored by the trainer, as rollouts are (the
-  stand-in has no prompt_logprobs): the same request shape on the stand-in and on vLLM.
-- The reference is a CPU copy on rank 0 (Reference): the policy's weights gathered whole, rounded
-  to the served dtype, computed in fp32 with eager attention. Simplest to get right under FSDP2 and
-  tree attention; it holds 4 bytes a parameter of host memory while it lives: during the start
-  probe with full sync, the whole run with adapter sync (the adapter is swapped in at each sync).
-  Each adapter probe costs a request and two CPU forwards of 24 tokens per replica: most of an
-  adapter sync on the bench (adapter_verify_share ~0.89 against the stand-in, which recomputes
-  every token: no KV cache).
+  stand-in has no prompt_logprobs): the same request on the stand-in and on vLLM.
 """
-import contextlib
-import copy
 import glob
-import hashlib
 import json
 import os
-import threading
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterator
 
+import numpy as np
 import torch
-import torch.distributed as dist
 
+import tree_attention
+from loss import k3, token_logprobs
+from rollout.samples import RolloutSample
+from trie_pack import build_row
 from vllm_client import VLLMError
+from vllm_plugin.weight_digests import fingerprint
 
-VERIFY_EVERY = 16         # every tensor verified at least every N syncs (tools.bench sync: <= 5%)
+VERIFY_EVERY = 16         # every tensor verified at least every N syncs (the arithmetic above)
 EXTENSION = "weight_digests.WeightDigests"       # vllm serve --worker-extension-cls (vllm_plugin/)
 METHOD = "weight_digests"                        # its method, called through POST /collective_rpc
 ENABLE = (f"start vLLM with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {EXTENSION} "
@@ -70,21 +63,12 @@ ENABLE = (f"start vLLM with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {E
 PROBE_LENGTH = 16         # the probe's prompt tokens
 PROBE_TOKENS = 8          # tokens the server samples after them
 PROBE_SEED = 27
-TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}   # max |Δ log p| by served dtype
+SEPARATION = 4.0          # a failed delivery is judged once it stands this many noise levels off
+NOISE_FLOOR = 1e-6        # the least noise assumed (fp32 servers agree to ~1e-7)
+BASE_KL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}   # k3 a served base may differ by
 
 
-# ── full sync: digests ──────────────────────────────────────────────────────────────────────
-
-
-def digest(t: torch.Tensor) -> str:
-    """sha256 (hex) of a tensor's bytes in its dtype, row-major: what the trainer broadcasts, and
-    what the stand-in and our worker extension hash. torch.ones(2) in fp32 is 0000803f twice:
-
-    >>> digest(torch.ones(2))[:16]
-    '80b8fd6d60fa85fd'
-    """
-    flat = t.detach().contiguous().view(-1).view(torch.uint8).cpu()    # [bytes]
-    return hashlib.sha256(flat.numpy()).hexdigest()
+# ── full sync: fingerprints ─────────────────────────────────────────────────────────────────
 
 
 def chosen(names: list[str], version: int, every: int, always: set[str],
@@ -107,35 +91,39 @@ def chosen(names: list[str], version: int, every: int, always: set[str],
     return [n for n in names if n in picked or any(a == n or a.endswith("." + n) for a in always)]
 
 
-def digest_route(client) -> tuple[str | None, str]:
-    """How a server shows the digests of what it holds: ("rpc", "") for our worker extension
-    (POST /collective_rpc), ("checker", "") for local_vllm (/weight_checker with names), or
-    (None, why). Each try asks for no names: nothing is hashed."""
+@dataclass
+class Fingerprints:
+    """What one full sync sent of the tensors it verifies (rank 0; empty `names` elsewhere),
+    fingerprinted in the send loop as they stream by, already in the wire dtype."""
+    names: set[str]
+    sent: dict[str, str] = field(default_factory=dict)     # name → fingerprint, in sent order
+    seconds: float = 0.0                                    # the fingerprinting's time
+
+    def record(self, specs, tensors: Iterator[torch.Tensor], device, dtype) -> Iterator:
+        """`tensors` (in specs' order) on `device` in `dtype`, the ones named fingerprinted."""
+        for (name, _), t in zip(specs, tensors):
+            t = t.to(device, dtype)
+            if name in self.names:
+                start = time.perf_counter()
+                self.sent[name] = fingerprint(t)
+                self.seconds += time.perf_counter() - start
+            yield t
+
+
+def cannot_show(client) -> str | None:
+    """Why the server cannot show what it holds (None: it can, through our worker extension). The
+    try asks for no names: nothing is computed."""
     try:
         results = client.collective_rpc(METHOD, "[]")
-    except VLLMError as e:
-        if e.status != 404:                    # real vLLM (dev mode) without our extension
-            return None, f"/collective_rpc has no {METHOD}: {e.message[:300]}"
-    else:
-        unsupported = [r["unsupported"] for r in results if "unsupported" in r]
-        if unsupported:
-            return None, unsupported[0]
-        return "rpc", ""
-    try:
-        shown = client.weight_checker("checksum", names=[])
-    except VLLMError as e:
-        return None, f"it has neither /collective_rpc nor /weight_checker ({e.message[:300]})"
-    if shown.get("checksums") == {}:
-        return "checker", ""
-    return None, "its /weight_checker hashes every weight (under its own names), not those asked"
+    except VLLMError as e:                     # 404: no dev mode; 500: no extension
+        return f"/collective_rpc has no {METHOD}: {e.message[:300]}"
+    return next((r["unsupported"] for r in results if "unsupported" in r), None)
 
 
-def served_digests(client, route: str, names: list[str]) -> tuple[dict[str, str], dict[str, str]]:
-    """({name: digest} of what the server now holds, {name: why it cannot be read back}) for
-    `names`. With several workers (data parallel), their digests of a tensor joined by " | "
-    where they differ: no sent digest equals that."""
-    if route == "checker":
-        return client.weight_checker("checksum", names=names)["checksums"], {}
+def served_digests(client, names: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """({name: fingerprint} of what the server now holds, {name: why it cannot be read back}) for
+    `names`. With several workers (data parallel), their fingerprints of a tensor joined by " | "
+    where they differ: no sent fingerprint equals that."""
     digests: dict[str, str] = {}
     excluded: dict[str, str] = {}
     for result in client.collective_rpc(METHOD, json.dumps(names)):
@@ -146,21 +134,19 @@ def served_digests(client, route: str, names: list[str]) -> tuple[dict[str, str]
 
 
 def mismatches(sent: dict[str, str], served: dict[str, str], excluded: dict[str, str]) -> list[str]:
-    """One line per sent tensor the server holds otherwise, with both digests; an excluded tensor
-    is not verified, so never wrong.
+    """One line per sent tensor the server holds otherwise, with both fingerprints; an excluded
+    tensor is not verified, so never wrong.
 
     >>> mismatches({"w": "aa", "b": "bb", "n": "cc"}, {"w": "aa", "b": "ff"}, {"n": "repacked"})
-    ['b: sent sha256 bb, served ff']
+    ['b: sent bb, served ff']
     """
-    return [f"{n}: sent sha256 {d}, served {served.get(n, 'nothing')}"
+    return [f"{n}: sent {d}, served {served.get(n, 'nothing')}"
             for n, d in sent.items() if n not in excluded and served.get(n) != d]
 
 
 # ── at start: is the served model the one we train? ─────────────────────────────────────────
 # (spec: AsyncGRPOConfig.dtype: 「不一致は、トレーニング開始時に警告としてログに記録されます」, a
-# dtype mismatch is logged as a warning at training start.) weight_sync.check_servers and
-# WeightSync.connect call these before anything is sent; `info` is a server's /server_info
-# vllm_config.
+# dtype mismatch is logged as a warning at training start.) `info`: a server's /server_info.
 
 
 def served_shapes(model: str) -> dict[str, list[int]] | None:
@@ -235,13 +221,7 @@ def check_vocab(client, tokenizer) -> None:
                          f"the model you train ({e})") from e
 
 
-# ── start and adapters: the log-prob probe ──────────────────────────────────────────────────
-
-
-def tolerance(dtype) -> float:
-    """The probe's bound on max |Δ log p| for a served dtype (a torch.dtype or its name; unknown or
-    None: the loosest)."""
-    return TOLERANCE.get(str(dtype).removeprefix("torch."), max(TOLERANCE.values()))
+# ── the probe: the server's log-probs against the policy's own ─────────────────────────────
 
 
 def probe_prompt(vocab_size: int) -> list[int]:
@@ -272,108 +252,69 @@ def served_logprobs(client, model: str, prompt: list[int]) -> tuple[list[int], l
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
+def policy_logprobs(policy, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+    """Every rank (FSDP2 gathers in the forward): [T] log-probs the policy (train.Policy) gives the
+    tokens of each (prompt, tokens), as the loss computes them, from one no-grad forward of all of
+    them packed as one trie row (dropout off); fp32 on the CPU."""
+    samples = [RolloutSample(input_ids=np.array(p + t, np.int64),
+                             completion_mask=np.array([0] * len(p) + [1] * len(t), np.int8),
+                             sampler_logprobs=np.zeros(len(p) + len(t), np.float32),
+                             advantage=0.0, group_id=0, model_version=0) for p, t in sequences]
+    row = build_row(samples).pack()
+    softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
+    training = policy.training
+    policy.eval()
+    try:
+        with torch.no_grad():
+            hidden = policy(row).last_hidden_state[0]                               # [N, H]
+            head = policy.head()
+            device = head.weight.device
+            lp = token_logprobs(hidden, head.weight, head.bias, row.token_index.to(device),
+                                row.targets.to(device), final_logit_softcapping=softcap)
+    finally:
+        policy.train(training)
+    return list(lp.target.float().cpu().split([len(t) for _, t in sequences]))   # [T] each
+
+
 @dataclass
 class Probe:
-    """One probe of one server: max |Δ log p| over its sampled tokens against the reference (gap),
-    against the reference's base (base_gap), and between those two (moved: how far the adapter
-    moves these tokens); the last two only for an adapter."""
-    gap: float
-    base_gap: float | None = None
-    moved: float | None = None
+    """One server's probe: the log-probs [T] of the tokens it sampled as it served them (served),
+    under the trained policy (ours), and under each failed delivery (others: what → [T])."""
+    url: str
+    served: torch.Tensor
+    ours: torch.Tensor
+    others: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def kl(self) -> float:
+        """k3 of KL(served ‖ trained) over its tokens: sampling/mismatch_kl's estimator."""
+        return float(k3(self.ours - self.served).mean())
+
+    @property
+    def noise(self) -> float:
+        """rms(served - ours): all noise where the server holds the trained weights."""
+        return float((self.served - self.ours).pow(2).mean().sqrt())
 
 
-class Reference:
-    """The trainer's policy on rank 0's CPU, what the probes score with (state is real: a copy of
-    the model). Every parameter of the (FSDP2-sharded) policy gathered whole, rounded to the served
-    dtype and held in fp32, eager attention, no tree masks; a PeftModel stays one, so its adapter
-    can be swapped in (load) and switched off (base=True).
+def refusal(probe: Probe, noise: float) -> str | None:
+    """Why the probe says the server does not serve the trained policy (None: it does, or the
+    alternatives cannot be told apart). For each failed delivery a (probe.others: the base, the
+    previous adapter), Δ = ours - a is what the delivery changes on the probe's tokens, and the
+    server shows the share s = <served - a, Δ> / <Δ, Δ> of it (1: all, 0: none, it serves a; noise
+    moves s by about noise / rms(Δ) / √T). Judged only where rms(Δ) >= SEPARATION · noise (the
+    run's own, from the start probe); refused where s lies outside [1/2, 3/2].
 
-        ref = Reference.build(policy.model, gathered(policy.model), "bfloat16")   # every rank
-        ref.probe(client, "policy-3f9a1c-v5", adapter=True).gap                   # rank 0
+    Worked, T = 2: ours (-1.0, -2.0), the base (-1.4, -1.6): Δ = (0.4, -0.4), rms 0.4 >= 4 · 0.05.
+    Served (-1.02, -1.97): s = (0.38·0.4 + (-0.37)·(-0.4)) / 0.32 = 0.94, accepted; served
+    (-1.36, -1.64), a stale load: s = (0.04·0.4 + (-0.04)·(-0.4)) / 0.32 = 0.10, refused.
     """
-
-    def __init__(self, model, dtype: torch.dtype):
-        self.model = model
-        self.dtype = dtype
-        self.vocab = model.get_input_embeddings().num_embeddings
-        self.lock = threading.Lock()      # probes of several servers run in threads; base=True
-                                          # switches the adapter off for the whole model
-
-    @classmethod
-    def build(cls, model, tensors, dtype) -> "Reference | None":
-        """Every rank iterates `tensors`, (name, whole tensor) for each of model.named_parameters()
-        (gathering them is a collective); rank 0 returns the copy, the other ranks None. The copy
-        is made on the meta device and filled: parameters from `tensors`, buffers from the model,
-        ties re-tied."""
-        dtype = getattr(torch, str(dtype).removeprefix("torch."))
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        state = {}
-        for name, t in tensors:                  # every rank: the gathers
-            if rank0:
-                state[name] = t.detach().to(dtype).float().cpu()
-        if not rank0:
-            return None
-        peft = hasattr(model, "peft_config")
-        hf = model.get_base_model() if peft else model
-        with torch.device("meta"):
-            twin = type(hf)._from_config(copy.deepcopy(hf.config), attn_implementation="eager",
-                                         dtype=torch.float32)
-            if peft:
-                from peft import get_peft_model
-                twin = get_peft_model(twin, copy.deepcopy(model.peft_config[model.active_adapter]))
-        twin.to_empty(device="cpu")
-        _, unexpected = twin.load_state_dict(state, strict=False)      # missing: tied copies
-        if unexpected:
-            raise ValueError(f"the probe's copy of {type(hf).__name__} has no {unexpected[:5]}")
-        for name, b in model.named_buffers():
-            twin.get_buffer(name).copy_(b)
-        twin.tie_weights()
-        return cls(twin.eval().requires_grad_(False), dtype)
-
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy these tensors (by parameter name: an adapter's) into the copy, rounded the same."""
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, t in tensors.items():
-                params[name].copy_(t.to(self.dtype).float())
-
-    def logprobs(self, prompt: list[int], tokens: list[int], base: bool = False) -> torch.Tensor:
-        """[T] log-probs of `tokens` after `prompt`; base=True: with the adapter switched off."""
-        ids = torch.tensor([prompt + tokens])                                       # [1, P + T]
-        off = self.model.disable_adapter() if base else contextlib.nullcontext()
-        with self.lock, torch.no_grad(), off:
-            logits = self.model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1]
-        return logits.float().log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
-
-    def probe(self, client, model: str, base: bool = False, adapter: bool = False) -> Probe:
-        """Probe `model` on the server against this copy (its base with base=True; adapter=True:
-        against both, for an adapter's name)."""
-        prompt = probe_prompt(self.vocab)
-        tokens, served = served_logprobs(client, model, prompt)
-        served = torch.tensor(served)                                               # [T]
-        ours = self.logprobs(prompt, tokens, base)
-        gap = float((served - ours).abs().max())
-        if not adapter:
-            return Probe(gap)
-        plain = self.logprobs(prompt, tokens, base=True)
-        return Probe(gap, float((served - plain).abs().max()), float((ours - plain).abs().max()))
-
-
-def probe_refusal(probe: Probe, name: str, tol: float) -> str | None:
-    """Why an adapter's probe says the server does not serve the trained adapter (None: it does):
-    its log-probs are farther than `tol` from the trainer's, or, where the trained adapter moves
-    the probe's log-probs by more than 2·tol (the two are told apart), within `tol` of the base's.
-
-    >>> probe_refusal(Probe(gap=3e-5, base_gap=0.4, moved=0.4), "policy-v2", 1e-4) is None
-    True
-    >>> probe_refusal(Probe(gap=0.4, base_gap=2e-5, moved=0.4), "policy-v2", 1e-4)[:46]
-    'its log-probs under policy-v2 are the base mod'
-    """
-    if probe.moved > 2 * tol and probe.base_gap <= tol:
-        return (f"its log-probs under {name} are the base model's (within {probe.base_gap:.3g}), "
-                f"which the trained adapter moves by {probe.moved:.3g}")
-    if probe.gap > tol:
-        return (f"its log-probs under {name} differ from the trainer's by up to {probe.gap:.3g} "
-                f"(tolerance {tol:g})")
+    for what, theirs in probe.others.items():
+        delta = probe.ours - theirs                                                 # [T]
+        size = float(delta.pow(2).mean().sqrt())
+        if size < SEPARATION * noise:
+            continue
+        share = float((probe.served - theirs).dot(delta) / delta.dot(delta))
+        if not 0.5 <= share <= 1.5:
+            return (f"on the probe it shows {share:.2f} of the change from {what} to the trained "
+                    f"policy (rms {size:.3g}, the run's noise {noise:.3g}), where 1 is all of it")
     return None
-

@@ -16,11 +16,12 @@ One `VLLMClient` talks to one server; `server_urls` splits `vllm_server_base_url
                      POST /inference/v1/generate           agenerate  (--enable-scale-out)
     pause            POST /pause?mode=&clear_cache=        pause
                      POST /resume,  GET /is_paused         resume, is_paused, resume_confirmed
+                     POST /reset_prefix_cache              reset_prefix_cache
     weight transfer  POST /init_weight_transfer_engine     init_weight_transfer_engine (collective)
                      POST /start_weight_update             start_weight_update
                      POST /update_weights                  update_weights              (collective)
                      POST /finish_weight_update            finish_weight_update
-                     GET  /weight_info, POST /weight_checker  weight_info, weight_checker
+                     GET  /weight_info                     weight_info
                      POST /update_weight_version           update_weight_version
     workers          POST /collective_rpc                  collective_rpc  (a worker extension's)
     LoRA             POST /v1/load_lora_adapter            load_lora_adapter    (plain-text reply)
@@ -85,7 +86,7 @@ ENABLED_BY = {
     "/update_weights": (_DEV_MODE, _TRANSFER),
     "/finish_weight_update": (_DEV_MODE, _TRANSFER),
     "/weight_info": (_DEV_MODE, None),
-    "/weight_checker": (_DEV_MODE, None),
+    "/reset_prefix_cache": (_DEV_MODE, None),
     "/update_weight_version": (_DEV_MODE, None),
     "/collective_rpc": (_DEV_MODE, None),
     "/v1/load_lora_adapter": (_LORA, None),
@@ -233,6 +234,7 @@ class VLLMClient:
         self._session = self._sync_session()
         self._aio: aiohttp.ClientSession | None = None   # made in, and tied to, ...
         self._aio_loop: asyncio.AbstractEventLoop | None = None   # ... this event loop
+        self._info: dict | None = None                    # server_info(), once read
 
     def _sync_session(self) -> requests.Session:
         session = requests.Session()
@@ -413,7 +415,11 @@ class VLLMClient:
                         self.base_url + "/v1/models")
 
     def server_info(self) -> dict:
-        return self._json("GET", "/server_info?config_format=json", "vllm_config")
+        """/server_info's vllm_config, read once: a server's configuration does not change while
+        it runs, and several start checks read it."""
+        if self._info is None:
+            self._info = self._json("GET", "/server_info?config_format=json", "vllm_config")
+        return self._info
 
     def world_size(self, include_dp: bool = True) -> int:
         return int(self._json("GET", f"/get_world_size?include_dp={str(include_dp).lower()}",
@@ -427,9 +433,16 @@ class VLLMClient:
     # ---- pause / resume / cache ----
 
     def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
-        """mode: abort | wait | keep. Note: clear_cache=True preempts running requests even with
-        keep."""
+        """mode: abort | wait | keep. clear_cache=True preempts running requests even with keep in
+        vLLM <= 0.33's engine, though 0.33 documents it as ignored there: reset_prefix_cache says
+        it explicitly."""
         self._request("POST", f"/pause?mode={mode}&clear_cache={str(clear_cache).lower()}")
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached KV block, preempting the running requests (they recompute theirs
+        after /resume): after a weight update no block of the old weights is served."""
+        if not self._json("POST", "/reset_prefix_cache?reset_running_requests=true", "success"):
+            raise VLLMError("/reset_prefix_cache answered success=false", self.base_url)
 
     def resume(self, retries: int | None = None) -> None:
         self._request("POST", "/resume", retries=retries)
@@ -481,15 +494,6 @@ class VLLMClient:
         """Relabel the weights the server holds (a sync that failed verification: "unverified-N",
         so the rollout process stops routing to it)."""
         self._request("POST", "/update_weight_version", "weights", json={"new_version": version})
-
-    def weight_checker(self, action: str, baseline: dict | None = None,
-                       names: list[str] | None = None) -> dict:
-        """action: checksum | reset | compare (compare needs `baseline`, a checksum reply's
-        `checksums`); `names`: checksum only those (local_vllm; vLLM's own route ignores it)."""
-        body = {"action": action} if baseline is None else {"action": action, "baseline": baseline}
-        if names is not None:
-            body["names"] = names
-        return self._json("POST", "/weight_checker", json=body)
 
     def collective_rpc(self, method: str, *args: str) -> list:
         """POST /collective_rpc (vLLM's dev mode): `method` on every worker, e.g. one a

@@ -2,7 +2,7 @@
 
 Spec: "weight_sync_steps 回の学習ステップごとに、更新された重みが NCCL を介して vLLM サーバーに転送され"
 (every weight_sync_steps steps the updated weights go to the servers over NCCL); 記録されたメトリクス
-(Logged metrics): perf/weight_sync_*. One sync, in the order of reference/vllm_api.md §6:
+(Logged metrics): perf/weight_sync_*. One sync, FullSync.push, in the order of vllm_api.md §6:
 
     rank 0                          servers (HTTP)                    every rank
     ──────                          ──────────────                    ──────────
@@ -13,30 +13,26 @@ Spec: "weight_sync_steps 回の学習ステップごとに、更新された重�
     POST /update_weights (thread) ► blocks inside the collective       ┘
     for each parameter, in order:                                      ┐ perf/weight_sync_transfer_s
         full_tensor(p): all-gather the FSDP2 shards ◄───────────────── │ (every rank gathers)
-        cast to the server dtype, append to the bucket                 │
-        (rank 0: sha256 of the tensors chosen to verify, as sent)      │
+        cast to the server dtype (rank 0: fingerprint those verified)  │
         bucket > packed_buffer_size_bytes → broadcast(bucket) ───────► │ receive, load by HF name
     join the thread ◄──────────────── "Weights updated"                ┘
     POST /finish_weight_update {"weight_version": "N"} ► reload ends    perf/weight_sync_finish_s
-    POST /collective_rpc (vLLM) or /weight_checker ─► each server     ┐ sync/verify_s (with
-      (local_vllm): the chosen tensors' digests      hashes what it   │ rank 0's hashing above),
-      ◄─────────────────────────────────────────── holds now          ┘ sync/verified_tensors
+    verify: POST /collective_rpc ───► each server's fingerprints        sync/verify_s (verify_sync)
+    POST /reset_prefix_cache ───────► no KV of the old weights is kept (vLLM 0.33: not by /pause)
     POST /resume  (every path; after a failure over fresh connections,   perf/weight_sync_resume_s
                    confirmed by /is_paused)
+    the probe (every rank: one no-grad forward) ► sync/probe_kl per server: the parity figure
 
-FullSync sends language_parameters(model); lora_sync.MergedSync, a FullSync, sends W + s·B·A.
-Only one bucket (buckets()) is held at a time, never the whole model.
-
-Learned from real vLLM 0.32 (reference/vllm_cpu.md): a refused update leaves its model on the meta
-device and the next forward kills the engine, so nothing is sent that the server could refuse;
-uvicorn closes a connection after a 500, so the closing /resume never reuses a pooled one.
+Only one bucket (buckets()) is held at a time, never the whole model. Learned from real vLLM 0.32
+(reference/vllm_cpu.md): a refused update leaves its model on the meta device and the next forward
+kills the engine, so nothing is sent that the server could refuse; uvicorn closes a connection
+after a 500, so the closing /resume never reuses a pooled one.
 
 Replicas can die (Members): one that fails a call and /health is taken out and the group re-formed
 over the rest (one that dies mid-transfer: the sync is sent once more); back on /health, it rejoins.
-Every sync is verified (verify_sync.py: which tensors, and how each server shows them): a
-server that holds other bytes than were sent is named with the tensor and both digests and taken
-out the same way (resumed, then sent the weights and verified again at the next sync); if it was
-the last one, the sync raises.
+A server whose fingerprints differ from what was sent is named with the tensor and both and taken
+out the same way (resumed, sent the weights again at the next sync); if it was the last, the sync
+raises. lora_sync.MergedSync, a FullSync, sends W + s·B·A.
 
 Departures from the spec, one line each:
 - On a CPU both ends form a torch.distributed gloo group (local_vllm, or vLLM with vllm_plugin/).
@@ -49,16 +45,17 @@ import socket
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-import verify_sync
-from verify_sync import (Reference, base_card, check_served, check_vocab, chosen, digest,
-                         digest_route, dtype_warning, mismatches, served_digests, tolerance)
+from verify_sync import (ENABLE, VERIFY_EVERY, Fingerprints, Probe, base_card, cannot_show,
+                         check_served, check_vocab, chosen, dtype_warning, mismatches,
+                         policy_logprobs, probe_prompt, served_digests, served_logprobs)
 from vllm_client import UNVERIFIED, VLLMClient, VLLMError
 
 log = logging.getLogger(__name__)
@@ -78,7 +75,7 @@ class SyncStats:
     finish_s: float = 0.0         # /finish_weight_update: the servers' reload ends
     resume_s: float = 0.0         # /resume, every server
     bytes: int = 0                # what rank 0 sent: the tensors' bytes, or the adapter file's
-    verify_s: float = 0.0         # proving it landed: hashing and the digests (or the probe)
+    verify_s: float = 0.0         # proving it landed: fingerprints and the probe
     verified_tensors: int = 0     # tensors each verifiable server showed as sent (full sync)
 
     def metrics(self) -> dict[str, float]:
@@ -112,11 +109,6 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def gathered(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, whole tensor) of every parameter, in order: every rank iterates it (all-gathers)."""
-    return ((name, full_tensor(p)) for name, p in model.named_parameters())
-
-
 def embedding_names(model) -> set[str]:
     """The names of the input embedding's and the LM head's weights (one name when tied): every
     sync verifies them (verify_sync.chosen)."""
@@ -125,7 +117,8 @@ def embedding_names(model) -> set[str]:
 
 
 class FullSync:
-    """The sync of a model without LoRA: every sync sends the language model's full weights.
+    """The sync of a model without LoRA: every sync sends the language model's full weights,
+    verified by fingerprints, then probed (the parity figure, `parity`: sync/probe_kl).
 
         sync = FullSync(policy, clients, config)   # every rank
         sync.connect()                             # rank 0 joins the servers
@@ -134,58 +127,146 @@ class FullSync:
 
     def __init__(self, policy, clients: list[VLLMClient], config):
         self.policy = policy
-        self.weights = WeightSync(clients, config.vllm_server_timeout,
-                                  verify_every=config.weight_sync_verify_every)
-        self.weights.always = embedding_names(policy.model)     # verified at every sync
+        self.weights = WeightSync(clients, config.vllm_server_timeout)
+        every = config.weight_sync_verify_every
+        self.every = VERIFY_EVERY if every is None else every    # 0: no verification, no probe
+        self.always = embedding_names(policy.model)              # verified at every sync
+        self.pushes = 0                                          # the first verifies every tensor
+        self.showing: set[str] = set()       # rank 0: the URLs that show their fingerprints
+        self.unreadable: set[str] = set()    # rank 0: URLs whose unreadable tensors were said
+        self.parity: dict[str, float] = {}   # sync/probe_kl of the last sync, logged every step
 
     def specs(self) -> list[tuple[str, torch.Size]]:
         """(name, shape) of what every sync sends, in order: the server's names."""
         return [(name, p.shape) for name, p in language_parameters(self.policy.model)]
 
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """What every sync sends, whole, in specs() order (every rank: the all-gathers)."""
+        return (full_tensor(p) for _, p in language_parameters(self.policy.model))
+
     def connect(self) -> None:
+        """Rank 0: join the servers (WeightSync.connect); say once which cannot show what they
+        hold, and how to enable it."""
         self.weights.connect(self.specs())
+        for c in self.weights.members.clients if self.weights.rank == 0 and self.every else []:
+            if why := cannot_show(c):
+                warnings.warn(f"weight sync: {c.base_url} cannot show the weights it holds ({why}),"
+                              f" so syncs to it are not verified; {ENABLE}", stacklevel=3)
+            else:
+                self.showing.add(c.base_url)
 
     def worker_kwargs(self) -> dict:
         """RolloutWorker arguments this sync needs: none (rollouts request the base model card)."""
         return {}
 
     def start(self, version: int) -> None:
-        """Every rank, before generation starts: the start probe, then this run's weights are sent.
-        A long-lived server holds whatever the last run (or a resumed run's older steps) sent it,
-        or another checkpoint of the same shapes, and the first rollouts would be sampled from
-        that: the probe (verify_sync.Reference, on rank 0's CPU) says so once, in a warning, and
-        the push, a run's first, verifies every tensor it sends."""
-        if self.weights.verify_every > 0:     # off (weight_sync_verify_every=0): no probe either
-            model = self.policy.model      # every rank gathers; the reference lives only here
-            reference = Reference.build(model, gathered(model), self.weights.dtype)
-            on_rank0(lambda: self._probe(reference))
-            del reference                  # 4 bytes a parameter of host memory: not during push
+        """Every rank, before generation starts: a long-lived server holds whatever the last run
+        sent it, so this run's weights are sent, and the first push verifies every tensor."""
         self.push(version)
-
-    def _probe(self, reference: Reference) -> None:
-        """Rank 0: warn, once, naming each live server whose log-probs on the probe are farther
-        from the trainer's than the served dtype's tolerance."""
-        tol = tolerance(self.weights.dtype)
-        far = [f"{c.base_url} (max |Δ log p| {gap:.3g})" for c in self.weights.members.live
-               if (gap := reference.probe(c, base_card(c)).gap) > tol]
-        if far:
-            warnings.warn(f"weight sync: {', '.join(far)} serve(s) another model than the "
-                          f"trainer's on the start probe (tolerance {tol:g}): the trainer sends "
-                          f"its weights before generation starts", stacklevel=3)
 
     def close(self) -> None:
         """Nothing to release: the servers keep the last weights sent."""
 
-    def tensors(self) -> Iterator[torch.Tensor]:
-        """What every sync sends, whole, in specs() order (every rank: the all-gathers)."""
-        return (full_tensor(p) for _, p in language_parameters(self.policy.model))
+    def push(self, version: int, probe_after: bool = True) -> dict[str, float]:
+        """Every rank: send, verify (rank 0, between finish and resume: _verify), then probe."""
+        specs = self.specs()
+        names = chosen([n for n, _ in specs], version, self.every, self.always, self.pushes == 0)
+        check = Fingerprints(set(names) if self.showing else set())     # empty off rank 0
+        w = self.weights
+        stats = w.push(specs, lambda: check.record(specs, self.tensors(), w.device, w.dtype),
+                       version, lambda: self._verify(check, version))
+        self.pushes += 1
+        start = time.perf_counter()
+        if probe_after and self.every:
+            self.parity = parity(probe(self.policy, w.members, base_card), w.members.clients)
+        stats.verify_s += check.seconds + time.perf_counter() - start
+        return stats.metrics()
 
-    def push(self, version: int) -> dict[str, float]:
-        return self.weights.push(self.specs(), self.tensors, version).metrics()
+    def _verify(self, check: Fingerprints, version: int) -> int:
+        """Rank 0, after /finish_weight_update and before /resume: every live server that can
+        shows the fingerprints of the tensors `check` sent; one that holds other bytes is named
+        with the tensors and both fingerprints, taken out (Members) and resumed, since rollouts
+        may still reach it; if it was the last one, the sync raises. Tensors a server cannot read
+        back exactly are said once and not counted. Returns the tensors every server verified."""
+        if not check.sent:
+            return 0
+        asked = list(check.sent)
+        shown = {}
+
+        def fetch(c: VLLMClient) -> None:
+            if c.base_url in self.showing:
+                shown[c.base_url] = served_digests(c, asked)
+        self.weights.members.call(fetch)
+        bad, verified = [], []
+        for c in self.weights.members.live:
+            if c.base_url not in shown:
+                continue
+            served, excluded = shown[c.base_url]
+            if excluded and c.base_url not in self.unreadable:
+                self.unreadable.add(c.base_url)
+                warnings.warn(f"weight sync: {c.base_url} cannot read back {len(excluded)} "
+                              f"tensor(s) exactly, which are not verified: {excluded}")
+            if wrong := mismatches(check.sent, served, excluded):
+                bad.append((c, f"it holds other bytes than were sent in {len(wrong)} of "
+                               f"{len(asked)} verified tensors: {'; '.join(wrong[:3])}"))
+            else:
+                verified.append(len(asked) - len(excluded))
+        self.weights.members.take_out_failed(bad, "failed the sync's verification",
+                                             f"weight sync to version {version} did not land "
+                                             "as sent")
+        for c, _ in bad:
+            _attempt(lambda: c.update_weight_version(f"{UNVERIFIED}{version}"))  # out of routing
+            if still := c.resume_confirmed():      # out of the syncs, not left paused
+                warnings.warn(f"weight sync: {still}")
+        return min(verified, default=0)
+
+
+# ── the probe: what each server's log-probs say (verify_sync measures, this gathers) ──────────
+
+
+def probe(policy, members: "Members", model_of: Callable[[VLLMClient], str], under=None,
+          others: dict | None = None, only: set[str] | None = None) -> list[Probe]:
+    """Every rank. Rank 0 asks each live server of `members` (in `only`, if given) for the probe's
+    tokens under model_of(server), in parallel; every rank scores them with the policy, under the
+    context `under()` if given (e.g. the adapter switched off), and under each of `others`
+    (what → a context: a failed delivery). The findings, on every rank, in the servers' order."""
+    prompt = probe_prompt(policy.model.get_input_embeddings().num_embeddings)
+    found = {}
+
+    def ask(c: VLLMClient) -> None:
+        if only is None or c.base_url in only:
+            found[c.base_url] = served_logprobs(c, model_of(c), prompt)
+
+    def ask_all() -> list[tuple[str, list[int], list[float]]]:
+        members.call(ask)
+        return [(c.base_url, *found[c.base_url]) for c in members.clients if c.base_url in found]
+    asked = shared(on_rank0(ask_all, FAILED))
+    sequences = [(prompt, tokens) for _, tokens, _ in asked]
+    if not sequences:
+        return []
+    with (under or nullcontext)():
+        ours = policy_logprobs(policy, sequences)
+    theirs = {}
+    for what, context in (others or {}).items():
+        with context():
+            theirs[what] = policy_logprobs(policy, sequences)
+    return [Probe(url, torch.tensor(served), ours[i], {w: t[i] for w, t in theirs.items()})
+            for i, (url, _, served) in enumerate(asked)]
+
+
+def parity(probes: list[Probe], clients: list[VLLMClient]) -> dict[str, float]:
+    """sync/probe_kl (ours): the largest probe KL, and with several servers each one's as
+    sync/probe_kl/<its index in vllm_server_base_url>."""
+    if not probes:
+        return {}
+    out = {"sync/probe_kl": max(p.kl for p in probes)}
+    if len(clients) > 1:
+        index = {c.base_url: i for i, c in enumerate(clients)}
+        out |= {f"sync/probe_kl/{index[p.url]}": p.kl for p in probes}
+    return out
 
 
 # ── at start: what the servers must be started with, and a pause a dead run left ──────────────
-# (whether the served model is the trained one: verify_sync.py's start checks, called here)
 
 
 def transfer_flags() -> str:
@@ -310,18 +391,24 @@ def on_rank0(fn: Callable[[], object], failed: str | None = None):
     return value
 
 
+def shared(value):
+    """Rank 0's `value` on every rank (a picklable object; the other ranks pass anything)."""
+    box = [value]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class WeightSync:
     """The trainer's end of the weight-transfer group (state is real: the group joined once).
 
         sync = WeightSync(clients, timeout=config.vllm_server_timeout)   # every rank
-        sync.connect()                                                    # rank 0 joins the servers
-        stats = sync.push(names_and_shapes, tensors, version)             # every rank, each sync
-
-    `verify_every`: verify_sync.chosen's (default verify_sync.VERIFY_EVERY; 0: no verification).
+        sync.connect(specs)                                               # rank 0 joins the servers
+        stats = sync.push(specs, tensors, version, verify)                # every rank, each sync
     """
 
     def __init__(self, clients: list[VLLMClient], timeout: float,
-                 buffer_bytes: int = PACKED_BUFFER_BYTES, verify_every: int | None = None):
+                 buffer_bytes: int = PACKED_BUFFER_BYTES):
         self.members = Members(clients, timeout, "weight sync")   # replicas that can die
         self.timeout = timeout                       # vllm_server_timeout: every call and the group
         self.buffer_bytes = buffer_bytes             # packed_buffer_size_bytes
@@ -333,11 +420,6 @@ class WeightSync:
         self.vllm_group = False     # joined through vLLM's helpers (real vLLM, NCCL)
         self.device = torch.device("cpu")
         self.dtype = torch.float32  # the servers' dtype: what is sent
-        self.verify_every = verify_sync.VERIFY_EVERY if verify_every is None else verify_every
-        self.always: set[str] = set()         # names verified at every sync (FullSync's ends)
-        self.routes: dict[str, str | None] = {}   # rank 0: how each URL shows digests (or None)
-        self.pushes = 0                       # syncs so far: the first verifies every tensor
-        self.unreadable: set[str] = set()     # rank 0: URLs whose unreadable tensors were said
 
     def connect(self, specs: list[tuple[str, torch.Size]] | None = None) -> None:
         """Rank 0: read every server's config, check `specs` (the names and shapes every sync
@@ -366,9 +448,6 @@ class WeightSync:
         if self.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._regroup()
-        if self.verify_every > 0:          # how each server shows its digests, said once
-            for c in self.members.clients:
-                self._route(c)
 
     def _regroup(self) -> None:
         """Rank 0: one group with the workers of every live server (at connect, and after a
@@ -408,17 +487,17 @@ class WeightSync:
         return dist.ProcessGroupNCCL(store, 0, info["world_size"], options)
 
     def push(self, specs: list[tuple[str, torch.Size]],
-             tensors: Callable[[], Iterator[torch.Tensor]], version: int) -> SyncStats:
+             tensors: Callable[[], Iterator[torch.Tensor]], version: int,
+             verify: Callable[[], int] | None = None) -> SyncStats:
         """Send the tensors as `specs` names and shapes, in that order, and publish `version`.
         Every rank calls it and iterates `tensors()` (FSDP2's gathers are collectives); rank 0
         talks to the servers. Each phase ends in one agreement (agree: rank 0's error reaches
         every rank and all raise together), so no rank is left waiting in a collective. A server
-        that died mid-transfer is taken out and the transfer sent once more, to the others. Then
-        the sync is verified (_verify) before the servers resume. On any failure the servers are
-        resumed before the error is raised."""
+        that died mid-transfer is taken out and the transfer sent once more, to the others. After
+        /finish_weight_update, `verify()` (rank 0; the tensors it verified) and the prefix-cache
+        reset; then /resume. On any failure the servers are resumed before the error is raised."""
         stats = SyncStats()
         start = time.perf_counter()
-        check = self._checked([name for name, _ in specs], version)
         try:
             error = _attempt(self._pause) if self.rank == 0 else None
             stats.pause_s = time.perf_counter() - start
@@ -427,18 +506,18 @@ class WeightSync:
             stats.barrier_s = time.perf_counter() - t
             t = time.perf_counter()
             try:
-                sent = self._transfer(specs, tensors, check, resend=False)
+                stats.bytes, stats.start_s = self._transfer(specs, tensors, resend=False)
             except _Lost:                   # a server died mid-transfer: once more, to the others
-                sent = self._transfer(specs, tensors, check, resend=True)
-            stats.bytes, stats.start_s = sent.bytes, sent.start_s
-            stats.transfer_s = time.perf_counter() - t - sent.start_s
+                stats.bytes, stats.start_s = self._transfer(specs, tensors, resend=True)
+            stats.transfer_s = time.perf_counter() - t - stats.start_s
             t = time.perf_counter()
             on_rank0(lambda: self.members.call(lambda c: c.finish_weight_update(str(version))),
                      FAILED)
             stats.finish_s = time.perf_counter() - t
             t = time.perf_counter()
-            on_rank0(lambda: self._verify(sent.digests, version, stats), FAILED)
-            stats.verify_s = sent.hash_s + time.perf_counter() - t
+            stats.verified_tensors = on_rank0(verify or (lambda: 0), FAILED) or 0
+            stats.verify_s = time.perf_counter() - t
+            on_rank0(lambda: self.members.call(lambda c: c.reset_prefix_cache()), FAILED)
         except Exception as e:
             if self.rank == 0:
                 still = [why for c in self.paused if (why := c.resume_confirmed())]
@@ -452,43 +531,39 @@ class WeightSync:
                 raise RuntimeError(f"weight sync to version {version} landed, but "
                                    f"{'; '.join(still)}")
         stats.resume_s = time.perf_counter() - t
-        self.pushes += 1
         stats.total_s = time.perf_counter() - start
         return stats
 
     def _pause(self) -> None:
         """Rank 0: pause every live server (and those back since the last sync: Members); one
-        that stopped answering is taken out. A server left or came back: re-form the group."""
+        that stopped answering is taken out. A server left or came back: re-form the group. The
+        caches are reset after the update (/reset_prefix_cache), not by /pause: vLLM 0.33 ignores
+        clear_cache in keep mode."""
         self.members.returning()
         self.paused = self.members.live     # resumed whatever happens (one dead since: named)
-        self.members.call(lambda c: c.pause(mode="keep"))
+        self.members.call(lambda c: c.pause(mode="keep", clear_cache=False))
         if self.grouped != self.members.live:
             self._regroup()
 
-    def _transfer(self, specs, tensors, check: set[str], resend: bool) -> "_Sent":
+    def _transfer(self, specs, tensors, resend: bool) -> tuple[int, float]:
         """Every rank gathers every tensor; rank 0 first opens the update on every server
-        (_begin), then broadcasts the buckets while they receive, hashing the tensors named in
-        `check` as they go out. A failure while sending stops the sending, never the gathering;
-        the agreement at the end raises it on every rank: as _Lost when it took a dead server out
-        and others are left (not on a resend)."""
+        (_begin), then broadcasts the buckets while they receive. A failure while sending stops
+        the sending, never the gathering; the agreement at the end raises it on every rank: as
+        _Lost when it took a dead server out and others are left (not on a resend). Returns
+        (bytes sent, seconds opening the update)."""
         start = time.perf_counter()
         # rank 0: each server's POST /update_weights, receiving (the other ranks: None)
         update = on_rank0(lambda: self._begin(specs, resend), FAILED)
-        error = None
-        sent = _Sent(start_s=time.perf_counter() - start)
+        start_s = time.perf_counter() - start
+        error, sent = None, 0
         sizes = [math.prod(shape) * self.dtype.itemsize for _, shape in specs]
         it = iter(tensors())
         for chunk in buckets(sizes, self.buffer_bytes):
             parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]  # all ranks
             if self.rank == 0 and error is None:
-                t = time.perf_counter()
-                for i, part in zip(chunk, parts):
-                    if specs[i][0] in check:
-                        sent.digests[specs[i][0]] = digest(part)
-                sent.hash_s += time.perf_counter() - t
                 flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])  # [Σ bytes] uint8
                 error = _attempt(lambda: self._broadcast(flat, update))
-                sent.bytes += flat.numel()
+                sent += flat.numel()
         lost = False
         if self.rank == 0:
             for c, u in zip(self.grouped, update):      # a server's own error comes first
@@ -496,65 +571,7 @@ class WeightSync:
                 error = _attempt(lambda: _result(u, self.timeout, what)) or error
             lost = error is not None and not resend and self._take_out_dead()
         agree(error, FAILED, lost)
-        return sent
-
-    def _checked(self, names: list[str], version: int) -> set[str]:
-        """Rank 0: the names a sync to `version` verifies (verify_sync.chosen; a run's first sync:
-        all); none on the other ranks, and none when no live server can show what it holds."""
-        if self.rank != 0 or not any(self.routes.get(c.base_url, "new") is not None
-                                     for c in self.members.live):
-            return set()
-        return set(chosen(names, version, self.verify_every, self.always, self.pushes == 0))
-
-    def _verify(self, digests: dict[str, str], version: int, stats: SyncStats) -> None:
-        """Rank 0, after /finish_weight_update and before /resume: every live server shows the
-        digests of the tensors `digests` names (what was sent of them); one that holds other
-        bytes is named with the tensors and both digests and taken out (Members), and resumed,
-        since rollouts may still reach it (the next sync sends it the weights and verifies them
-        again); if it was the last one, the sync raises. Tensors a server cannot read back
-        exactly are said once and not counted."""
-        if not digests:
-            return
-        asked = list(digests)
-        shown = {}
-
-        def fetch(c: VLLMClient) -> None:
-            if (route := self._route(c)) is not None:
-                shown[c.base_url] = served_digests(c, route, asked)
-        self.members.call(fetch)
-        bad, verified = [], []
-        for c in self.members.live:
-            if c.base_url not in shown:
-                continue
-            served, excluded = shown[c.base_url]
-            if excluded and c.base_url not in self.unreadable:
-                self.unreadable.add(c.base_url)
-                warnings.warn(f"weight sync: {c.base_url} cannot read back {len(excluded)} "
-                              f"tensor(s) exactly, which are not verified: {excluded}")
-            if wrong := mismatches(digests, served, excluded):
-                bad.append((c, f"it holds other bytes than were sent in {len(wrong)} of "
-                               f"{len(asked)} verified tensors: {'; '.join(wrong[:3])}"))
-            else:
-                verified.append(len(asked) - len(excluded))
-        stats.verified_tensors = min(verified, default=0)
-        self.members.take_out_failed(bad, "failed the sync's verification",
-                                     f"weight sync to version {version} did not land as sent")
-        for c, _ in bad:
-            _attempt(lambda: c.update_weight_version(f"{UNVERIFIED}{version}"))  # out of routing
-            if still := c.resume_confirmed():      # out of the syncs, not left paused
-                warnings.warn(f"weight sync: {still}")
-
-    def _route(self, c: VLLMClient) -> str | None:
-        """Rank 0: how `c` shows digests (verify_sync.digest_route), found once per URL; a server
-        that cannot is said once, with how to enable it."""
-        if c.base_url not in self.routes:
-            route, why = digest_route(c)
-            self.routes[c.base_url] = route
-            if route is None:
-                warnings.warn(f"weight sync: {c.base_url} cannot show the weights it holds ({why}),"
-                              f" so syncs to it are not verified; {verify_sync.ENABLE}",
-                              stacklevel=4)
-        return self.routes[c.base_url]
+        return sent, start_s
 
     def _begin(self, specs, resend: bool) -> list:
         """Rank 0: open the update on every live server (begin_update), re-form the group if one
@@ -673,13 +690,14 @@ class Members:
 
 def begin_update(client: VLLMClient, resend: bool = False) -> None:
     """POST /start_weight_update. A session a dead run left open (it was killed between start and
-    update: vLLM answers "already active") is finished first, with a warning: this update sends
-    every tensor, so nothing of the dead run's stays. On a resend the open session is this run's
-    own (a survivor of the failed transfer received it all): finished without a warning."""
+    update: vLLM answers "already active"; a later revision, 409 "already in progress") is
+    finished first, with a warning: this update sends every tensor, so nothing of the dead run's
+    stays. On a resend the open session is this run's own (a survivor of the failed transfer
+    received it all): finished without a warning."""
     try:
         client.start_weight_update()
     except VLLMError as e:
-        if "already active" not in e.message:
+        if e.status != 409 and "already active" not in e.message:
             raise
         if not resend:
             warnings.warn(f"{client.base_url} holds a weight update another run began and never "
@@ -715,15 +733,6 @@ def _attempt(fn: Callable[[], object]) -> BaseException | None:
     except Exception as e:     # noqa: BLE001 (the caller reports it)
         return e
     return None
-
-
-@dataclass
-class _Sent:
-    """What rank 0 sent in one transfer: the bytes, and the digests of the tensors it checks."""
-    bytes: int = 0
-    digests: dict[str, str] = field(default_factory=dict)     # name → sha256, in sent order
-    hash_s: float = 0.0                                       # the time hashing them took
-    start_s: float = 0.0                                      # opening the update (_begin)
 
 
 class _Lost(RuntimeError):

@@ -45,6 +45,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from vllm_plugin.weight_digests import fingerprint
+
 FAULT = "ASYNC_GRPO_FAULT_NOISE"    # the fault switch: a tensor name (vllm_plugin/ reads it too)
 
 # ── records ───────────────────────────────────────────────────────────────────────────────
@@ -604,12 +606,19 @@ class Engine:
             for n, t in zip(names, tensors):
                 state[n].copy_(fault_noise(t) if n == self.fault else t)
 
-    def checksums(self, names: list[str] | None = None) -> dict[str, str]:
-        """sha256 over each tensor's bytes in the server dtype, by state-dict name: of `names`
-        (those the model has), or of every tensor."""
+    def checksums(self) -> dict[str, str]:
+        """sha256 over each tensor's bytes in the server dtype, by state-dict name (vLLM's
+        /weight_checker)."""
         def sha256(t: torch.Tensor) -> str:
             return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8)
                                   .numpy()).hexdigest()
         with self.between_steps():
+            return {n: sha256(t) for n, t in self.model.state_dict().items()}
+
+    def digests(self, names: list[str]) -> dict:
+        """Our worker extension's reply (vllm_plugin/weight_digests.py): the fingerprint of each
+        named tensor as the model holds it now; a name it lacks is excluded, with why."""
+        with self.between_steps():
             state = self.model.state_dict()
-            return {n: sha256(state[n]) for n in (state if names is None else names) if n in state}
+            return {"digests": {n: fingerprint(state[n]) for n in names if n in state},
+                    "excluded": {n: "no such tensor" for n in names if n not in state}}

@@ -23,8 +23,9 @@ Departures from vLLM, one line each:
 - On CPU, one intra-op thread unless OMP_NUM_THREADS is set: the trainer runs on the same cores.
 - Requests are checked strictly (requests.py): unknown fields and coercible types are a 400.
 - No stop strings, streaming, min_tokens or prompt_logprobs; string prompts get no special tokens.
-- /weight_checker's compare checks the names of the baseline it is given (or the last checksum);
-  its checksum takes "names" (ours: only those are hashed; verify_sync.py asks for them).
+- /weight_checker's compare checks the names of the baseline it is given (or the last checksum).
+- /collective_rpc knows one method, weight_digests, our worker extension (vllm_plugin/), built in:
+  as vLLM started with --worker-extension-cls weight_digests.WeightDigests (the flag is accepted).
 - A refused weight update is received, dropped and answered 500 with the model untouched, as
   vllm_plugin/'s gloo backend does (vLLM's own engines reload first and cannot generate after).
 - /finish_weight_update keeps loaded adapters (vLLM reloads them from disk: the same from outside).
@@ -416,10 +417,8 @@ def weight_info(eng, body, query):
 @route("POST", "/weight_checker", dev=True)
 def weight_checker(eng, body, query):
     action = typed(body, "action", str)
-    if action == "checksum":                       # "names" (ours): hash only those, cheaply
-        names = typed(body, "names", list, None, lambda v: all(type(n) is str for n in v),
-                      "of strings")
-        eng.baseline = eng.checksums(names)
+    if action == "checksum":
+        eng.baseline = eng.checksums()
         return {"checksums": eng.baseline}
     if action == "reset":
         eng.baseline = None
@@ -434,6 +433,20 @@ def weight_checker(eng, body, query):
         return {"match": not mismatches, "mismatches": mismatches}
     raise APIError(400, f"Unknown action {action!r}: use checksum, reset or compare",
                    param="action")
+
+
+@route("POST", "/collective_rpc", dev=True)
+def collective_rpc(eng, body, query):
+    """A method on every worker (one here); vLLM answers a method no worker has with a 500."""
+    method = typed(body, "method", str)
+    args = typed(body, "args", list, [], lambda v: all(type(a) is str for a in v), "of strings")
+    if method != "weight_digests":
+        raise worker_error(f"Method {method!r} is not implemented.")
+    try:
+        names = json.loads(args[0]) if args else []
+    except ValueError as e:
+        raise worker_error(f"weight_digests: its argument is not JSON: {e}") from e
+    return {"results": [eng.digests(names)]}
 
 
 # ── the CLI ───────────────────────────────────────────────────────────────────────────────
@@ -463,6 +476,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--kv-cache-tokens", type=int,
                     help="KV capacity in tokens (default 16 × max_model_len)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--worker-extension-cls", choices=["weight_digests.WeightDigests"],
+                    help="accepted for vLLM's command line: the extension is built in")
     ap.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                     help="require `Authorization: Bearer <key>` on every route but /health and "
                          "/metrics (default: $VLLM_API_KEY, as vLLM)")

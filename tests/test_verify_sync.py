@@ -1,0 +1,375 @@
+"""verify_sync.py: the proof that the served policy is the trained one, against local_vllm.
+
+Fingerprints (vllm_plugin/weight_digests.fingerprint): the worked example, exact integer sums on
+any implementation, and every full sync verified (a corrupted replica named and taken out; alone,
+it stops the sync). The probe: the policy's own forward scores the server's tokens (no copy of the
+policy anywhere); every logged step has sync/probe_kl; a correct bf16 LoRA run raises no alarm
+while a stale adapter is caught; a LoRA run sends its base, waits for its server, and refuses a
+base it cannot send. The fault switch (ASYNC_GRPO_FAULT_NOISE) corrupts one tensor on a server."""
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+import torch
+import torch.distributed as dist
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM
+
+import toy
+import train
+import verify_sync
+from conftest import ROOT
+from local_vllm.engine import FAULT, fault_noise
+from local_vllm.launch import LocalServer, free_port
+from test_serve_local import reference_logprobs
+from train import AsyncGRPOConfig
+from train_helpers import SERVER_ARGS, SMALL, lines
+from verify_sync import Probe, chosen, policy_logprobs, refusal
+from vllm_client import VLLMClient
+from vllm_plugin.weight_digests import _mixing, fingerprint
+from weight_sync import FullSync, full_tensor
+
+CORRUPT = "model.layers.1.mlp.down_proj.weight"      # the fault switch's tensor in these tests
+LORA = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "3")
+NO_TRANSFER = ("--max-model-len", "128", "--logprobs-mode", "processed_logprobs",
+               "--max-logprobs", "-1")
+
+
+# ── fingerprints ────────────────────────────────────────────────────────────────────────────
+
+
+def test_the_fingerprints_worked_example():
+    """torch.ones(2) in fp32: bytes 00 00 80 3f twice, signed -128 at 2 and 6, 63 at 3 and 7."""
+    m = _mixing("cpu").long()
+    sums = (-128 * m[2] + 63 * m[3] - 128 * m[6] + 63 * m[7]).tolist()
+    import hashlib
+    assert fingerprint(torch.ones(2)) == hashlib.sha256(f"8:{sums}".encode()).hexdigest()
+
+
+def reference(t: torch.Tensor) -> list[int]:
+    """The fingerprint's sums F_j by its formula, in Python integers."""
+    data = t.contiguous().view(-1).view(torch.int8).long()
+    rows = torch.nn.functional.pad(data, (0, -len(data) % 1024)).view(-1, 1024)
+    weight = torch.arange(len(rows)) % 4093 + 1
+    return ((rows @ _mixing("cpu").long()) * weight[:, None]).sum(0).tolist()
+
+
+@pytest.mark.parametrize("shape,dtype", [((3,), torch.float32), ((17, 1024), torch.int8),
+                                         ((40, 1000), torch.bfloat16), ((5000, 7), torch.float16),
+                                         ((33, 1024), torch.float32)])
+def test_the_fingerprint_is_its_formula_exactly(shape, dtype):
+    """Whole rows as views, a padded tail, a small tensor padded to 17 rows: the int8 GEMM's sums
+    equal the formula's in exact integers (bytes at both extremes included)."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8) if dtype == torch.int8 \
+        else torch.randn(shape, generator=g).to(dtype)
+    if dtype == torch.int8:
+        t.view(-1)[:2] = torch.tensor([-128, 127], dtype=torch.int8)
+    import hashlib
+    n = t.numel() * t.element_size()
+    assert fingerprint(t) == hashlib.sha256(f"{n}:{reference(t)}".encode()).hexdigest()
+
+
+def test_the_fingerprint_tells_a_flipped_bit_a_swap_and_a_stale_tensor():
+    t = torch.randn(64, 300)
+    flipped = t.clone()
+    flipped.view(torch.int32)[7, 9] ^= 1
+    swapped = t.clone()
+    swapped[[3, 4]] = t[[4, 3]]
+    assert len({fingerprint(x) for x in (t, flipped, swapped, t + 1e-3, t.bfloat16())}) == 5
+    assert fingerprint(t) == fingerprint(t.clone().t().contiguous().t().contiguous())   # bytes
+
+
+def test_every_tensor_is_verified_within_verify_every_syncs():
+    names = [f"t{i}" for i in range(19)]
+    always = {"base_model.model.t0", "t18"}                 # a prefix names the same tensor
+    for every in (1, 4, 8):
+        seen = [chosen(names, v, every, always) for v in range(10, 10 + every)]
+        assert set().union(*seen) == set(names)
+        assert all({"t0", "t18"} <= set(s) for s in seen)
+        assert max(map(len, seen)) <= len(names) // every + 3
+    assert chosen(names, 5, 8, always, first=True) == names         # a run's first sync: all
+    assert chosen(names, 5, 0, always) == []                         # off
+
+
+def test_the_stand_in_shows_what_it_holds_as_our_extension_does(start_server, toy_dir):
+    """POST /collective_rpc weight_digests: the fingerprint of what the model holds (the
+    checkpoint's tensor here), unknown names excluded with why; another method is a 500."""
+    server = start_server(*SERVER_ARGS)
+    client = VLLMClient(server.url, timeout=30)
+    assert verify_sync.cannot_show(client) is None
+    digests, excluded = verify_sync.served_digests(client, ["model.norm.weight", "model.x"])
+    held = AutoModelForCausalLM.from_pretrained(toy_dir).model.norm.weight
+    assert digests == {"model.norm.weight": fingerprint(held)}
+    assert excluded == {"model.x": "no such tensor"}
+    reply = requests.post(server.url + "/collective_rpc", json={"method": "nope", "args": []})
+    assert reply.status_code == 500 and "not implemented" in reply.text
+
+
+@pytest.fixture
+def policy(toy_dir):
+    """The toy model as train() shards it (FSDP2 over a process group of one), in fp32."""
+    config = AsyncGRPOConfig(gradient_checkpointing=False)
+    _, _, device = train.setup_distributed(config)
+    model, _ = train.load_model(toy_dir, config)
+    yield train.shard(train.Policy(model), config, device)
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def corrupted(start_server, monkeypatch):
+    """corrupted(name=CORRUPT): a server whose fault switch adds noise to that tensor after every
+    update."""
+    def start(name: str = CORRUPT, *args: str):
+        monkeypatch.setenv(FAULT, name)
+        server = start_server(*SERVER_ARGS, *args)
+        monkeypatch.delenv(FAULT)
+        return server
+    return start
+
+
+def test_a_corrupted_replica_is_named_with_its_tensor_and_fingerprints_and_taken_out(
+        start_server, corrupted, policy):
+    """Two servers, b's fault switch on: the first sync verifies every tensor (a's all match; b's
+    CORRUPT holds other bytes: the warning names b, the tensor and both fingerprints, and b is
+    taken out, resumed); a later sync verifies a slice, the embedding and head always."""
+    a, b = start_server(*SERVER_ARGS), corrupted()
+    sync = FullSync(policy, [VLLMClient(s.url, timeout=30, max_retries=1) for s in (a, b)],
+                    AsyncGRPOConfig())
+    sync.connect()
+    sent = full_tensor(dict(policy.model.named_parameters())[CORRUPT])
+    with pytest.warns(UserWarning, match=f"{b.url} failed the sync's verification") as warned:
+        stats = sync.push(1)
+    said = " ".join(str(w.message) for w in warned)
+    assert f"{CORRUPT}: sent {fingerprint(sent)}, served {fingerprint(fault_noise(sent))}" in said
+    assert stats["sync/verified_tensors"] == len(sync.specs()) and stats["sync/verify_s"] > 0
+    assert sync.weights.members.live == [sync.weights.members.clients[0]]
+    for s in (a, b):
+        assert requests.get(s.url + "/is_paused").json() == {"is_paused": False}
+    assert requests.get(b.url + "/weight_info").json() == {"weight_version": "unverified-1"}
+    stats = sync.push(2)              # b answers /health: back in, CORRUPT not in this slice
+    assert 2 <= stats["sync/verified_tensors"] < len(sync.specs())      # a slice, ends included
+    assert sync.parity["sync/probe_kl/0"] < 1e-6                         # fp32: the same model
+    assert sync.parity["sync/probe_kl/1"] == sync.parity["sync/probe_kl"] > 1e-5   # the figure
+
+
+def test_when_the_only_server_is_corrupted_the_sync_raises_naming_it(corrupted, policy):
+    server = corrupted()
+    sync = FullSync(policy, [VLLMClient(server.url, timeout=30, max_retries=1)],
+                    AsyncGRPOConfig())
+    sync.connect()
+    with pytest.raises(RuntimeError, match=f"did not land as sent: {server.url}: .*{CORRUPT}: "
+                                           f"sent [0-9a-f]{{64}}, served [0-9a-f]{{64}}"):
+        sync.push(1)
+    assert requests.get(server.url + "/is_paused").json() == {"is_paused": False}
+    off = FullSync(policy, [VLLMClient(server.url, timeout=30)],
+                   AsyncGRPOConfig(weight_sync_verify_every=0))
+    off.connect()
+    assert off.push(2)["sync/verified_tensors"] == 0 and off.parity == {}
+
+
+def test_a_server_that_cannot_show_its_weights_is_said_once_and_synced_unverified(
+        start_server, policy):
+    """Real vLLM without our worker extension: /collective_rpc has no such method (a 500)."""
+    server = start_server(*SERVER_ARGS)
+
+    class Unverifiable(VLLMClient):
+        def collective_rpc(self, method, *args):
+            from vllm_client import VLLMError
+            raise VLLMError("Method 'weight_digests' is not implemented.", self.base_url, 500)
+
+    sync = FullSync(policy, [Unverifiable(server.url, timeout=30)], AsyncGRPOConfig())
+    with pytest.warns(UserWarning, match="cannot show the weights it holds.*not verified.*"
+                                         "--worker-extension-cls weight_digests.WeightDigests"):
+        sync.connect()
+    for version in (1, 2):
+        assert sync.push(version)["sync/verified_tensors"] == 0
+        assert sync.parity["sync/probe_kl"] < 1e-6          # the probe still measures parity
+    assert requests.get(server.url + "/weight_info").json() == {"weight_version": "2"}
+
+
+# ── the probe ───────────────────────────────────────────────────────────────────────────────
+
+
+def test_the_policys_own_forward_scores_as_a_plain_forward(policy, toy_dir):
+    """Two sequences sharing a prompt, packed as one trie row through the FSDP2 policy: each
+    token's log-prob equals a plain transformers forward of the sequence alone (fp32)."""
+    model = AutoModelForCausalLM.from_pretrained(toy_dir).eval()
+    prompt = verify_sync.probe_prompt(model.config.vocab_size)
+    sequences = [(prompt, [5, 9, 11]), (prompt, [5, 7])]
+    got = policy_logprobs(policy, sequences)
+    for (p, tokens), ours in zip(sequences, got):
+        ref = reference_logprobs(model, p, tokens)                          # [T, V]
+        expected = torch.stack([ref[j, t] for j, t in enumerate(tokens)])
+        assert torch.allclose(ours, expected, atol=1e-5)
+
+
+def test_the_refusal_replays_its_worked_example():
+    ours, base = torch.tensor([-1.0, -2.0]), torch.tensor([-1.4, -1.6])
+    good = Probe("u", torch.tensor([-1.02, -1.97]), ours, {"the base": base})
+    stale = Probe("u", torch.tensor([-1.36, -1.64]), ours, {"the base": base})
+    assert refusal(good, noise=0.05) is None
+    assert "shows 0.10 of the change from the base" in refusal(stale, noise=0.05)
+    assert refusal(stale, noise=0.2) is None                 # rms 0.4 < 4 · 0.2: indistinct
+
+
+def run(servers, out, steps, model, peft_config=None, **fields):
+    config = AsyncGRPOConfig(**SMALL | dict(output_dir=str(out), max_steps=steps, save_steps=steps,
+                                            vllm_server_base_url=",".join(s.url for s in servers))
+                             | fields)
+    return train.train(config, toy.make_dataset(64), [toy.sum_reward], model=model,
+                       peft_config=peft_config)
+
+
+def test_every_logged_step_has_a_parity_figure(start_server, toy_dir, tmp_path):
+    """max_staleness 2 and a sync every second step: steps whose samples were all sampled by an
+    older version have no sampling/mismatch_kl, but every line has the last sync's probe KL."""
+    server = start_server(*SERVER_ARGS)
+    run([server], tmp_path, 6, toy_dir, max_staleness=2, weight_sync_steps=2)
+    records = lines(str(tmp_path))
+    assert len(records) == 6
+    assert all(0 <= r["sync/probe_kl"] < 1e-6 for r in records)
+
+
+@pytest.fixture(scope="module")
+def peaky_dir(tmp_path_factory) -> str:
+    """The warmed-up toy with its LM head untied and 4x sharper: peaky distributions, where bf16
+    kernels differ most on sampled tokens (as trained models' do)."""
+    model = AutoModelForCausalLM.from_pretrained(toy.ensure_saved())
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach() * 4)
+    path = str(tmp_path_factory.mktemp("peaky"))
+    model.save_pretrained(path)
+    toy.build_tokenizer().save_pretrained(path)
+    return path
+
+
+BF16_LORA = dict(bf16=True, learning_rate=2e-2, max_staleness=1)
+PEFT = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def stale_loads(monkeypatch, root: str) -> list[str]:
+    """Every adapter load after the first reads the first adapter's files (a server that keeps
+    serving what it loaded first): the names are new, the weights stale. Returns the loads."""
+    loads = []
+    load = VLLMClient.load_lora_adapter
+
+    def stale(client, name, path, load_inplace=False):
+        if not loads:
+            shutil.copytree(path, root)
+        loads.append(name)
+        return load(client, name, root, load_inplace)
+    monkeypatch.setattr(VLLMClient, "load_lora_adapter", stale)
+    return loads
+
+
+def test_a_correct_bf16_lora_run_raises_no_alarm_and_a_stale_adapter_is_caught(
+        start_server, peaky_dir, tmp_path, monkeypatch, recwarn):
+    """Trainer in bf16 (FSDP2 mixed precision), the stand-in serving bf16, a peaky model: 6 syncs
+    of a correct run warn nothing and keep the replica; the same run against a server that keeps
+    its first adapter is refused (loaded once more, then the run stops: it was the only one)."""
+    server = start_server(*SERVER_ARGS, *LORA, "--dtype", "bfloat16", model_dir=peaky_dir)
+    last = run([server], tmp_path / "ok", 6, peaky_dir, PEFT, **BF16_LORA)
+    assert last["step"] == 6 and not [w for w in recwarn if "LoRA sync" in str(w.message)]
+    assert all(r["sync/probe_kl"] < 0.05 for r in lines(str(tmp_path / "ok")))
+    loads = stale_loads(monkeypatch, str(tmp_path / "first-adapter"))
+    with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*shows "
+                                           r"-?\d\.\d\d of the change from the (base|previous)"):
+        run([server], tmp_path / "stale", 6, peaky_dir, PEFT, **BF16_LORA)
+    assert len(loads) <= 6 + 1                # caught before the run's end, after one reload
+
+
+def test_a_lora_run_after_a_full_sync_run_sends_its_base(start_server, toy_dir, tmp_path):
+    """The spec's examples one after another on one server: a full-sync run leaves its trained
+    weights there; the LoRA run then sends its base (a full sync, verified) before its adapters,
+    and the server serves exactly the trained adapter on that base."""
+    server = start_server(*SERVER_ARGS, *LORA)
+    run([server], tmp_path / "full", 2, toy_dir, learning_rate=5e-2)
+    last = run([server], tmp_path / "lora", 2, toy_dir, PEFT, learning_rate=1e-2,
+               max_staleness=1)
+    assert last["step"] == 2 and last["sync/probe_kl"] < 1e-6
+
+
+def test_a_lora_run_against_another_base_it_cannot_send_stops_before_the_first_rollout(
+        start_server, tmp_path):
+    """No weight transfer (a LoRA-only server): the start probe finds the random-init toy where
+    the trainer loads the warm one, and the run stops before any step."""
+    path = str(tmp_path / "random-toy")
+    toy.build_model(len(toy.build_tokenizer()), seed=5).save_pretrained(path)
+    toy.build_tokenizer().save_pretrained(path)
+    server = start_server(*NO_TRANSFER, *LORA, model_dir=path)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=f"{server.url} serves another base model than the "
+                                         r"trained one: .*\(k3 KL\).*bound 1e-06 for float32.*"
+                                         "no --weight-transfer-config"):
+        run([server], tmp_path / "out", 1, toy.ensure_saved(), PEFT, max_staleness=1)
+    assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")        # no step was trained
+    assert time.monotonic() - start < 60
+
+
+def test_a_lora_run_waits_for_a_server_still_starting(toy_dir, tmp_path):
+    """The server comes up 3 s after the trainer starts: the LoRA run waits for its health
+    (within vllm_server_timeout) before it reads the server's configuration, and trains."""
+    port = free_port()
+    started = []
+    starter = threading.Timer(3.0, lambda: started.append(
+        LocalServer(toy_dir, *SERVER_ARGS, *LORA, port=port)))
+    starter.start()
+    try:
+        config = AsyncGRPOConfig(**SMALL | dict(output_dir=str(tmp_path), max_steps=1,
+                                                max_staleness=1, learning_rate=1e-2,
+                                                vllm_server_base_url=f"http://127.0.0.1:{port}"))
+        last = train.train(config, toy.make_dataset(64), [toy.sum_reward], model=toy_dir,
+                           peft_config=PEFT)
+        assert last["step"] == 1
+    finally:
+        starter.join()
+        for s in started:
+            s.stop()
+
+
+MEMORY_RUN = """
+import json, resource, sys
+sys.path.insert(0, {root!r})
+import toy, train
+config = train.AsyncGRPOConfig(output_dir={out!r}, vllm_server_base_url={url!r}, max_steps=2,
+                               save_strategy="no", weight_sync_verify_every={every},
+                               **{small!r})
+train.train(config, toy.make_dataset(64), [toy.sum_reward], model={model!r})
+print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+"""
+
+
+@pytest.mark.slow
+def test_verification_adds_no_copy_of_the_policy_to_the_hosts_memory(start_server, tmp_path):
+    """A ~50M-parameter model (200 MB in fp32), full sync with and without verification: the
+    trainer's peak RSS differs by less than a quarter of the model's fp32 bytes (a host copy of
+    the policy, as verification once kept, would add all of it)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    path = str(tmp_path / "model")
+    tokenizer = toy.build_tokenizer()
+    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=768, intermediate_size=2048,
+                      num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=4,
+                      head_dim=64, max_position_embeddings=256, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg)
+    fp32_bytes = sum(p.numel() for p in model.parameters()) * 4
+    assert 150e6 < fp32_bytes < 250e6
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    server = start_server(*SERVER_ARGS, model_dir=path)
+    peak = {}
+    for every in (16, 0):
+        script = MEMORY_RUN.format(root=ROOT, out=str(tmp_path / f"out{every}"), url=server.url,
+                                   every=every, small=SMALL, model=path)
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        peak[every] = int(done.stdout.split()[-1]) * 1024                  # KiB → bytes
+    print(f"peak RSS: verification on {peak[16] / 2**20:.0f} MiB, off {peak[0] / 2**20:.0f} MiB, "
+          f"model {fp32_bytes / 2**20:.0f} MiB in fp32")
+    assert peak[16] - peak[0] < fp32_bytes / 4
