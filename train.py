@@ -91,7 +91,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     scaler = None                               # fp16: loss scaling (bf16 needs none)
     if config.fp16:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        scaler = ShardedGradScaler()
+        scaler = ShardedGradScaler(device=device.type)    # its default, "cuda", is off on a CPU
     state = checkpoint.TrainState()
     resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
     if resume:

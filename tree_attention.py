@@ -24,6 +24,9 @@ position_ids[i] - position_ids[j] < window (depth = position). Attention logit s
                                     # sdpa on CPU; refuses what a backend cannot compute exactly
     out = forward_row(model, row)   # batch size 1 (one row per DP rank), masks from row_kwargs
 
+Mixed precision: FSDP2 casts each layer's kwargs, rebuilding dicts and dataclasses from their items,
+so the lazily built masks ride in a _PerWindow, passed as is; flash's and tree_gdn's are int tensors.
+
 Departures from the spec, one line each:
 - sdpa (flex has no CPU backward in torch 2.13) and flex (88% of the FLOP bound on an H200) too.
 - install() refuses, with every reason, what a backend cannot compute exactly: see _refusals.
@@ -47,16 +50,18 @@ _MISSING = ("tree attention needs the row's kwargs: "
             "model(..., **tree_attention.row_kwargs(model, row))")
 
 
-class _PerWindow(dict):
-    """sliding window (None: none) -> the row's mask for it, built once, shared by the layers."""
+class _PerWindow:
+    """sliding window (None: none) -> the row's mask for it, built once, shared by the layers.
+    Not a dict: FSDP2's input cast would hand each layer a new dict of the masks built so far."""
 
     def __init__(self, build):
-        super().__init__()
         self.build = build
+        self.masks = {}
 
-    def __missing__(self, window):
-        mask = self[window] = self.build(window)
-        return mask
+    def __getitem__(self, window):
+        if window not in self.masks:
+            self.masks[window] = self.build(window)
+        return self.masks[window]
 
 
 # ── the attention functions transformers calls: q [1, Hq, N, D], k/v [1, Hkv, N, D] ──────────────

@@ -5,6 +5,7 @@ test_checkpoint.py, test_metrics.py and test_weight_sync.py); the other tests tr
 servers of their own (a sync changes a server's weights), and the two-rank and failure tests start
 processes of their own. Last, the command line (parse_cli).
 """
+import math
 import os
 import signal
 import subprocess
@@ -129,6 +130,36 @@ def test_quickstart_and_curriculum_examples_train(start_server, toy_dir, tmp_pat
     trainer = CurriculumTrainer(model=toy_dir, reward_funcs=toy.sum_reward,
                                 train_dataset=toy.make_dataset(32), args=args)
     assert trainer.train()["step"] == 2
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_mixed_precision_run_trains(start_server, toy_dir, tmp_path, precision, monkeypatch):
+    """Issue 32: bf16 stopped at step 1 (FSDP2's input cast emptied the tree masks). bf16, and
+    fp16 with loss scaling (config.py refuses fp16 without CUDA: set after the check), train
+    through FSDP2's MixedPrecisionPolicy: finite losses, and the saved matrices moved."""
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    scales, update = [], ShardedGradScaler.update
+
+    def spy(scaler, *args):                         # the scale each fp16 step's loss was scaled by
+        scales.append(scaler.get_scale())
+        return update(scaler, *args)
+    monkeypatch.setattr(ShardedGradScaler, "update", spy)
+    server = start_server(*SERVER_ARGS)
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=server.url,
+                             max_steps=2, bf16=precision == "bf16", **SMALL)
+    config.fp16 = precision == "fp16"
+    train.train(config, toy.make_dataset(32), [toy.sum_reward], model=toy_dir)
+    records = lines(str(tmp_path))
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    assert scales == ([2.0 ** 16] * 2 if precision == "fp16" else [])   # 1.0: scaling off
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    before = load_file(os.path.join(toy_dir, "model.safetensors"))
+    after = load_file(tmp_path / "checkpoint-2" / "model.safetensors")
+    assert {t.dtype for t in after.values()} == {dtype}          # saved in the compute dtype
+    for name, p in before.items():
+        assert p.ndim < 2 or not torch.equal(p.to(dtype), after[name]), name
 
 
 # ── processes: failures ─────────────────────────────────────────────────────────────────────
