@@ -187,6 +187,23 @@ def swapped(params: list[torch.Tensor], values: list[torch.Tensor]):
                 p.copy_(v)
 
 
+@contextlib.contextmanager
+def adapter_off(model):
+    """The base model's forward inside the block: every LoRA layer's scale is 0 (plain LoRA, as
+    adapter sync serves it: base + 0 · B·A is the base exactly). Not peft's disable_adapter, which
+    also marks the adapter frozen: FSDP2, initialised in the first forward, would keep it so."""
+    from peft.tuners.lora import LoraLayer
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    scales = [dict(m.scaling) for m in layers]
+    for m in layers:
+        m.scaling.update(dict.fromkeys(m.scaling, 0.0))
+    try:
+        yield
+    finally:
+        for m, scale in zip(layers, scales):
+            m.scaling.update(scale)
+
+
 class AdapterSync:
     """Adapter-only sync over disk and /v1/load_lora_adapter (state is real: the loaded window).
     Every load is proven by the probe (verify_sync.refusal), scored by the policy itself on every
@@ -205,7 +222,8 @@ class AdapterSync:
         self.verify = every is None or every > 0       # probes (0: off)
         self.adapter = [p for p in policy.parameters() if p.requires_grad]   # this rank's shards
         self.previous: list[torch.Tensor] | None = None  # the adapter at the last sync (shards)
-        self.noise = NOISE_FLOOR                       # the run's own, from the start probe
+        self.noise = NOISE_FLOOR                       # the run's own: the probes' largest
+                                                       # rms(served - ours) where they passed
         self.parity: dict[str, float] = {}             # sync/probe_kl of the last probe
         self.base = None                               # MergedSync of the base, with transfer
 
@@ -235,7 +253,7 @@ class AdapterSync:
             self.base.push(version, probe_after=False)
         if self.verify:
             probes = probe(self.policy, self.members, base_card,
-                           under=self.policy.model.disable_adapter)
+                           under=lambda: adapter_off(self.policy.model))
             self.parity = parity(probes, self.members.clients)
             self.noise = max([NOISE_FLOOR] + [p.noise for p in probes])
             if self.base is None:
@@ -299,7 +317,7 @@ class AdapterSync:
         a failed delivery (verify_sync.refusal). One that does not is sent the adapter once more
         (loaded in place) and probed again; then it is taken out (Members) and the adapter
         unloaded there, or, if it is the last one, the sync raises."""
-        others = {"the base": self.policy.model.disable_adapter}
+        others = {"the base": lambda: adapter_off(self.policy.model)}
         if self.previous is not None:
             others["the previous adapter"] = lambda: swapped(self.adapter, self.previous)
         refused: dict[str, str] = {}
@@ -309,6 +327,7 @@ class AdapterSync:
             if not attempt:
                 self.parity = parity(probes, self.members.clients)
             refused = {p.url: why for p in probes if (why := refusal(p, self.noise))}
+            self.noise = max([self.noise] + [p.noise for p in probes if p.url not in refused])
             if not refused:
                 return
             if not attempt:

@@ -63,7 +63,7 @@ ENABLE = (f"start vLLM with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {E
 PROBE_LENGTH = 16         # the probe's prompt tokens
 PROBE_TOKENS = 8          # tokens the server samples after them
 PROBE_SEED = 27
-SEPARATION = 4.0          # a failed delivery is judged once it stands this many noise levels off
+SEPARATION = 6.0          # a failed delivery is judged once it stands this many noise levels off
 NOISE_FLOOR = 1e-6        # the least noise assumed (fp32 servers agree to ~1e-7)
 BASE_KL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}   # k3 a served base may differ by
 
@@ -301,10 +301,11 @@ def refusal(probe: Probe, noise: float) -> str | None:
     alternatives cannot be told apart). For each failed delivery a (probe.others: the base, the
     previous adapter), Δ = ours - a is what the delivery changes on the probe's tokens, and the
     server shows the share s = <served - a, Δ> / <Δ, Δ> of it (1: all, 0: none, it serves a; noise
-    moves s by about noise / rms(Δ) / √T). Judged only where rms(Δ) >= SEPARATION · noise (the
-    run's own, from the start probe); refused where s lies outside [1/2, 3/2].
+    moves s by about noise / rms(Δ) / √T <= 1 / (6 √8) = 0.06). Judged only where rms(Δ) >=
+    SEPARATION · noise (the run's own: rms(served - ours) of the probes that passed, the start
+    probe's first); refused where s lies outside [1/2, 3/2]: 8 standard deviations from 1.
 
-    Worked, T = 2: ours (-1.0, -2.0), the base (-1.4, -1.6): Δ = (0.4, -0.4), rms 0.4 >= 4 · 0.05.
+    Worked, T = 2: ours (-1.0, -2.0), the base (-1.4, -1.6): Δ = (0.4, -0.4), rms 0.4 >= 6 · 0.05.
     Served (-1.02, -1.97): s = (0.38·0.4 + (-0.37)·(-0.4)) / 0.32 = 0.94, accepted; served
     (-1.36, -1.64), a stale load: s = (0.04·0.4 + (-0.04)·(-0.4)) / 0.32 = 0.10, refused.
     """

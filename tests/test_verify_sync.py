@@ -215,7 +215,7 @@ def test_the_refusal_replays_its_worked_example():
     stale = Probe("u", torch.tensor([-1.36, -1.64]), ours, {"the base": base})
     assert refusal(good, noise=0.05) is None
     assert "shows 0.10 of the change from the base" in refusal(stale, noise=0.05)
-    assert refusal(stale, noise=0.2) is None                 # rms 0.4 < 4 · 0.2: indistinct
+    assert refusal(stale, noise=0.1) is None                 # rms 0.4 < 6 · 0.1: indistinct
 
 
 def run(servers, out, steps, model, peft_config=None, **fields):
@@ -249,7 +249,7 @@ def peaky_dir(tmp_path_factory) -> str:
     return path
 
 
-BF16_LORA = dict(bf16=True, learning_rate=2e-2, max_staleness=1)
+BF16_LORA = dict(bf16=True, learning_rate=2e-3, max_staleness=1)
 PEFT = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
