@@ -21,7 +21,7 @@ One `VLLMClient` talks to one server; `server_urls` splits `vllm_server_base_url
                      POST /start_weight_update             start_weight_update
                      POST /update_weights                  update_weights              (collective)
                      POST /finish_weight_update            finish_weight_update
-                     GET  /weight_info                     weight_info
+                     GET  /weight_info, POST /weight_checker  weight_info, weight_checker
                      POST /update_weight_version           update_weight_version
     workers          POST /collective_rpc                  collective_rpc  (a worker extension's)
     LoRA             POST /v1/load_lora_adapter            load_lora_adapter    (plain-text reply)
@@ -87,6 +87,7 @@ ENABLED_BY = {
     "/finish_weight_update": (_DEV_MODE, _TRANSFER),
     "/weight_info": (_DEV_MODE, None),
     "/reset_prefix_cache": (_DEV_MODE, None),
+    "/weight_checker": (_DEV_MODE, None),
     "/update_weight_version": (_DEV_MODE, None),
     "/collective_rpc": (_DEV_MODE, None),
     "/v1/load_lora_adapter": (_LORA, None),
@@ -494,6 +495,12 @@ class VLLMClient:
         """Relabel the weights the server holds (a sync that failed verification: "unverified-N",
         so the rollout process stops routing to it)."""
         self._request("POST", "/update_weight_version", "weights", json={"new_version": version})
+
+    def weight_checker(self, action: str, baseline: dict | None = None) -> dict:
+        """action: checksum | reset | compare (compare needs `baseline`, a checksum reply's
+        `checksums`)."""
+        body = {"action": action} if baseline is None else {"action": action, "baseline": baseline}
+        return self._json("POST", "/weight_checker", json=body)
 
     def collective_rpc(self, method: str, *args: str) -> list:
         """POST /collective_rpc (vLLM's dev mode): `method` on every worker, e.g. one a

@@ -1,28 +1,20 @@
 """weight_sync.py against local_vllm: vLLM's bucket layout, a full sync that lands exactly (the
-session's shared run, train_fixtures.train_run), and failures that end in a clear error with the
-server resumed, never a hang. (Syncs to several replicas: test_lora_sync.py.) And the proof that
-the served policy is the trained one (verify_sync.py): every sync verified by digests, every
-adapter load by a probe, the served model probed at start; the fault switch
-(ASYNC_GRPO_FAULT_NOISE) corrupts one tensor, which verification and the parity figure catch."""
+session's shared run, train_fixtures.train_run), no KV of old weights kept after it, and failures
+that end in a clear error with the server resumed, never a hang. (Syncs to several replicas:
+test_lora_sync.py; their verification and the probe: test_verify_sync.py.)"""
 import hashlib
 import os
 import signal
+import threading
 import time
 
 import pytest
 import requests
 import torch
-from peft import LoraConfig
 
 import toy
-import train
-import verify_sync
-from local_vllm.engine import FAULT, fault_noise
-from train import AsyncGRPOConfig
-from train_helpers import SERVER_ARGS, SMALL, lines
-from verify_sync import chosen, digest, digest_route
 from vllm_client import VLLMClient, VLLMError
-from weight_sync import WeightSync, buckets
+from weight_sync import WeightSync, begin_update, buckets
 
 pytest_plugins = ["train_fixtures"]
 
@@ -184,209 +176,48 @@ def test_a_server_that_dies_mid_transfer_is_taken_out_and_the_sync_lands_on_the_
     assert requests.get(a.url + "/weight_info").json() == {"weight_version": "2"}
 
 
-# ── verification (verify_sync.py) ───────────────────────────────────────────────────────────
+def test_a_sync_leaves_no_kv_of_the_old_weights_running(start_server, weights):
+    """A request generating while the weights change: the sync resets the prefix cache with
+    reset_running_requests (vLLM 0.33 ignores /pause's clear_cache in keep mode), so the running
+    request is preempted and recomputes its KV under the new weights (the server counts it)."""
+    server = start_server(*ARGS, "--max-model-len", "512")
 
-CORRUPT = "model.layers.1.mlp.down_proj.weight"      # the fault switch's tensor in these tests
-LORA = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "3")
+    def metric(name: str) -> float:
+        text = requests.get(server.url + "/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
-
-def test_every_tensor_is_verified_within_verify_every_syncs():
-    names = [f"t{i}" for i in range(19)]
-    always = {"base_model.model.t0", "t18"}                 # a prefix names the same tensor
-    for every in (1, 4, 8):
-        seen = [chosen(names, v, every, always) for v in range(10, 10 + every)]
-        assert set().union(*seen) == set(names)
-        assert all({"t0", "t18"} <= set(s) for s in seen)
-        assert max(map(len, seen)) <= len(names) // every + 3
-    assert chosen(names, 5, 8, always, first=True) == names         # a run's first sync: all
-    assert chosen(names, 5, 0, always) == []                         # off
-
-
-@pytest.fixture
-def corrupted(start_server, monkeypatch):
-    """corrupted(name=CORRUPT): a server whose fault switch adds noise to that tensor after every
-    update."""
-    def start(name: str = CORRUPT):
-        monkeypatch.setenv(FAULT, name)
-        server = start_server(*SERVER_ARGS)
-        monkeypatch.delenv(FAULT)
-        return server
-    return start
+    body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "n": 4}
+    reply = {}
+    generating = threading.Thread(target=lambda: reply.setdefault(
+        "r", requests.post(server.url + "/v1/completions", json=body, timeout=300)))
+    before = metric("vllm:num_preemptions_total")
+    generating.start()
+    while not metric("vllm:num_requests_running"):
+        time.sleep(0.05)
+    push(server, weights)
+    running = metric("vllm:num_requests_running") + metric("vllm:num_requests_waiting")
+    generating.join()
+    assert reply["r"].status_code == 200 and running            # it outlived the sync
+    assert metric("vllm:num_preemptions_total") >= before + 4    # every sequence recomputed
 
 
-def test_the_stand_in_hashes_only_the_names_asked(start_server, weights):
-    server = start_server(*SERVER_ARGS)
-    client = VLLMClient(server.url, timeout=30)
-    assert digest_route(client) == ("checker", "")
-    name = "model.norm.weight"
-    shown = client.weight_checker("checksum", names=[name, "model.no_such.weight"])["checksums"]
-    assert list(shown) == [name]                                   # unknown names: absent
-    assert len(client.weight_checker("checksum")["checksums"]) > 10       # without names: all
+def test_a_session_another_run_left_open_is_finished_first_also_on_a_409(start_server):
+    """A run killed between /start_weight_update and /update_weights leaves the session open:
+    vLLM 0.33 answers "already active" (a 500), a later revision 409 "already in progress"; both
+    are finished with a warning, then the update starts."""
+    server = start_server(*ARGS)
+    client = VLLMClient(server.url, timeout=10, max_retries=0)
+    WeightSync([client], 10.0).connect()
+    client.start_weight_update()                                # the dead run's open session
+    with pytest.warns(UserWarning, match="another run began and never finished"):
+        begin_update(client)
 
-
-def test_a_corrupted_replica_is_named_with_its_tensor_and_digests_and_taken_out(
-        start_server, corrupted, weights):
-    """Two servers, b's fault switch on: the first sync verifies every tensor (a's all match; b's
-    CORRUPT holds other bytes: the warning names b, the tensor and both digests, and b is taken
-    out, resumed); the next sync sends b the weights again and verifies them again."""
-    a, b = start_server(*SERVER_ARGS), corrupted()
-    sync = WeightSync([VLLMClient(s.url, timeout=30, max_retries=1) for s in (a, b)], 30.0)
-    sync.connect()
-    specs = [(n, t.shape) for n, t in weights]
-    sent = dict(weights)[CORRUPT]
-    with pytest.warns(UserWarning, match=f"{b.url} failed the sync's verification") as warned:
-        stats = sync.push(specs, lambda: (t for _, t in weights), version=1)
-    said = " ".join(str(w.message) for w in warned)
-    assert f"{CORRUPT}: sent sha256 {digest(sent)}, served {digest(fault_noise(sent))}" in said
-    assert stats.verified_tensors == len(weights) and stats.verify_s > 0      # a: every tensor
-    assert sync.members.live == [sync.members.clients[0]]
-    for s in (a, b):
-        assert requests.get(s.url + "/is_paused").json() == {"is_paused": False}
-    version = [n for n, _ in weights].index(CORRUPT) + verify_sync.VERIFY_EVERY   # in its slice
-    with pytest.warns(UserWarning, match=f"{b.url} failed the sync's verification"):
-        stats = sync.push(specs, lambda: (t for _, t in weights), version)
-    assert stats.verified_tensors < len(weights)                          # a slice of them
-    assert requests.get(a.url + "/weight_info").json() == {"weight_version": str(version)}
-
-
-def test_when_the_only_server_is_corrupted_the_sync_raises_naming_it(corrupted, weights):
-    server = corrupted()
-    sync = WeightSync([VLLMClient(server.url, timeout=30, max_retries=1)], 30.0)
-    sync.connect()
-    specs = [(n, t.shape) for n, t in weights]
-    with pytest.raises(RuntimeError, match=f"did not land as sent: {server.url}: .*{CORRUPT}: "
-                                           f"sent sha256 [0-9a-f]{{64}}, served [0-9a-f]{{64}}"):
-        sync.push(specs, lambda: (t for _, t in weights), version=1)
-    assert requests.get(server.url + "/is_paused").json() == {"is_paused": False}
-    off = WeightSync([VLLMClient(server.url, timeout=30)], 30.0, verify_every=0)
-    off.connect()
-    assert off.push(specs, lambda: (t for _, t in weights), version=2).verified_tensors == 0
-
-
-def test_a_server_that_cannot_show_its_weights_is_said_once_and_synced_unverified(start_server,
-                                                                                  weights):
-    """Real vLLM without our worker extension: /collective_rpc has no such method (a 500), and
-    its /weight_checker cannot be compared; here a client whose server has neither."""
-    server = start_server(*SERVER_ARGS)
-
-    class Unverifiable(VLLMClient):
-        def collective_rpc(self, method, *args):
-            raise VLLMError("Method 'weight_digests' is not implemented.", self.base_url, 500)
-
-    sync = WeightSync([Unverifiable(server.url, timeout=30)], 30.0)
-    with pytest.warns(UserWarning, match="cannot show the weights it holds.*not verified.*"
-                                         "--worker-extension-cls weight_digests.WeightDigests"):
-        sync.connect()
-    specs = [(n, t.shape) for n, t in weights]
-    for version in (1, 2):
-        stats = sync.push(specs, lambda: (t for _, t in weights), version)
-        assert stats.verified_tensors == 0
-    assert requests.get(server.url + "/weight_info").json() == {"weight_version": "2"}
-
-
-def fresh_toy(tmp_path) -> str:
-    """The random-init toy model (the warmed-up one's shapes, other weights), saved."""
-    path = str(tmp_path / "random-toy")
-    toy.build_model(len(toy.build_tokenizer()), seed=5).save_pretrained(path)
-    toy.build_tokenizer().save_pretrained(path)
-    return path
-
-
-def run(servers, out, steps, model, peft_config=None, **fields):
-    config = AsyncGRPOConfig(**SMALL | dict(output_dir=str(out), max_steps=steps, save_steps=steps,
-                                            vllm_server_base_url=",".join(s.url for s in servers))
-                             | fields)
-    return train.train(config, toy.make_dataset(64), [toy.sum_reward], model=model,
-                       peft_config=peft_config)
-
-
-def test_a_server_on_another_checkpoint_gets_the_trainers_weights_before_generating(
-        start_server, tmp_path):
-    """The trainer on the warmed-up toy, the server on a random-init toy of the same shapes (the
-    names and shapes check passes): the start probe says so, the trainer sends its weights
-    before the first rollout, and the first step's samples are the trainer's (max_staleness 0)."""
-    from transformers import AutoModelForCausalLM
-    from test_lora_sync import assert_serves
-    server = start_server(*SERVER_ARGS, model_dir=fresh_toy(tmp_path))
-    with pytest.warns(UserWarning, match=f"{server.url} .*another model than the trainer's on the "
-                                         "start probe.*sends its weights before generation"):
-        run([server], tmp_path / "out", 1, toy.ensure_saved(), max_staleness=0, learning_rate=0.0)
-    assert lines(str(tmp_path / "out"))[0]["sampling/mismatch_kl"] <= 1e-6
-    assert_serves(server, AutoModelForCausalLM.from_pretrained(toy.ensure_saved()).eval())
-
-
-def test_an_adapter_run_against_another_base_stops_before_the_first_rollout(start_server,
-                                                                            tmp_path):
-    server = start_server(*SERVER_ARGS, *LORA, model_dir=fresh_toy(tmp_path))
-    start = time.monotonic()
-    with pytest.raises(ValueError, match=f"{server.url} serves another base model than the "
-                                         r"trained one: .*by up to \d.*tolerance 0.0001.*cannot "
-                                         "fix the base"):
-        run([server], tmp_path / "out", 1, toy.ensure_saved(),
-            peft_config=LoraConfig(r=4, lora_alpha=8), max_staleness=1)
-    assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")        # no step was trained
-    assert time.monotonic() - start < 60
-
-
-def test_a_run_with_a_corrupted_replica_goes_on_with_the_other(start_server, corrupted, toy_dir,
-                                                               tmp_path):
-    """Two replicas, b's fault switch on: every sync's verification names CORRUPT on b and takes
-    b out (the run's first sync verifies every tensor; later ones when CORRUPT is in their
-    slice), and the run finishes on a, which holds the final weights."""
-    a, b = start_server(*SERVER_ARGS), corrupted()
-    with pytest.warns(UserWarning, match=f"{b.url} failed the sync's verification.*{CORRUPT}"):
-        last = run([a, b], tmp_path, 3, toy_dir, max_staleness=1)
-    assert last["step"] == 3 and last["sync/verified_tensors"] >= 2      # embedding, head always
-    assert requests.get(a.url + "/weight_info").json() == {"weight_version": "3"}
-
-
-def test_without_verification_the_parity_figure_catches_a_corrupted_server(corrupted, toy_dir,
-                                                                          tmp_path, monkeypatch):
-    """The only server corrupted and verification off (weight_sync_verify_every=0): no start
-    probe (no CPU copy of the policy is built), no digest (with verification on, this server
-    would stop the run), the run goes on, and every step's sampling/mismatch_kl (k3 over the
-    tokens sampled by the trainer's current weights) is far above the fp32 floor (1e-6)."""
-    built = []
-    monkeypatch.setattr(verify_sync.Reference, "build", lambda *a: built.append(a))
-    server = corrupted("model.norm.weight")
-    last = run([server], tmp_path, 2, toy_dir, max_staleness=0, weight_sync_verify_every=0)
-    kl = [r["sampling/mismatch_kl"] for r in lines(str(tmp_path))]
-    assert min(kl) > 1e-3, kl
-    assert last["sync/verified_tensors"] == 0 and not built
-
-
-def test_a_corrupted_adapter_load_is_loaded_again_then_the_replica_is_taken_out(
-        start_server, monkeypatch, toy_dir, tmp_path, capfd):
-    """Adapter sync to two replicas, b's fault switch on one of the adapter's tensors: the probe
-    under each new adapter's name finds b's log-probs off the trainer's, b loads it once more
-    (in place), fails again and is taken out; the run finishes on a. Alone, b stops the run."""
-    corrupt = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
-    a = start_server(*SERVER_ARGS, *LORA)
-    monkeypatch.setenv(FAULT, corrupt)
-    b = start_server(*SERVER_ARGS, *LORA)
-    monkeypatch.delenv(FAULT)
-    loads = []
-    load = VLLMClient.load_lora_adapter
-
-    def counted(client, name, path, load_inplace=False):
-        loads.append((client.base_url, load_inplace))
-        return load(client, name, path, load_inplace)
-    monkeypatch.setattr(VLLMClient, "load_lora_adapter", counted)
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    with pytest.warns(UserWarning, match=f"{b.url} failed the probe of policy-[0-9a-f]{{6}}-v1"
-                                         f".*differ from the trainer's by up to"):
-        last = run([a, b], tmp_path / "two", 2, toy_dir, peft_config=peft_config,
-                   learning_rate=1e-2, max_staleness=1)
-    assert last["step"] == 2 and last["sync/verify_s"] > 0
-    assert (b.url, True) in loads and (a.url, True) not in loads         # b's second load only
-    err = capfd.readouterr().err                    # b unloaded it: out of routing too
-    assert f"the vLLM server at {b.url} failed the trainer's verification of what it" in err
-    with pytest.raises(RuntimeError, match=f"did not load as trained, loaded twice: {b.url}"):
-        run([b], tmp_path / "alone", 2, toy_dir, peft_config=peft_config, learning_rate=1e-2,
-            max_staleness=1)
-    built = []                           # verification off: no probe, no CPU copy of the policy
-    monkeypatch.setattr(verify_sync.Reference, "build", lambda *a: built.append(a))
-    loads.clear()
-    last = run([b], tmp_path / "off", 2, toy_dir, peft_config=peft_config, learning_rate=1e-2,
-               max_staleness=1, weight_sync_verify_every=0)
-    assert last["step"] == 2 and not built and (b.url, True) not in loads
+    class Answers409(VLLMClient):             # the revision's answer, on the same open session
+        def start_weight_update(self):
+            if not hasattr(self, "said"):
+                self.said = True
+                raise VLLMError("weight update already in progress", self.base_url, 409)
+            super().start_weight_update()
+    with pytest.warns(UserWarning, match="another run began and never finished"):
+        begin_update(Answers409(server.url, timeout=10, max_retries=0))
+    client.finish_weight_update()

@@ -194,7 +194,7 @@ def lora_byte_ratio(name: str, r: int) -> tuple[int, int]:
     from peft import LoraConfig
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from lora_sync import adapter_bytes
+    from peft import get_peft_model
     shapes = {"qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                                  tie_word_embeddings=False),
@@ -204,7 +204,10 @@ def lora_byte_ratio(name: str, r: int) -> tuple[int, int]:
                                         tie_word_embeddings=True)}
     with torch.device("meta"):
         model = Qwen2ForCausalLM(Qwen2Config(**shapes[name]))
-    return adapter_bytes(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
+    full = sum(p.numel() for p in model.parameters()) * torch.bfloat16.itemsize
+    adapted = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
+    lora = sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n)
+    return full, lora * torch.bfloat16.itemsize
 
 
 def sync(argv):
@@ -257,7 +260,7 @@ def sync(argv):
         client = VLLMClient(server.url, timeout=120)
         syncers = {"full": lora_sync.MergedSync(policy, [client], config),
                    "adapter": lora_sync.AdapterSync(policy, [client], config, config.output_dir)}
-        syncers["full"].weights.verify_every = every
+        syncers["full"].every = every
         seconds, sent, share, first_share = {}, {}, {}, {}
         for kind, syncer in syncers.items():
             syncer.connect()
