@@ -74,15 +74,18 @@ def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
     assert (state.num_tokens, state.dropped_stale_total) == (100 + packed[0][0].unique_tokens, 3)
 
 
-def test_two_ranks_give_the_weights_of_one_process(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_two_ranks_give_the_weights_of_one_process(tmp_path, precision):
     """One optimizer step on 2 gloo ranks (FSDP2 shards, each rank its row of every micro-batch)
     equals one process training every row: the loss is one token mean over the step, summed over
-    ranks."""
+    ranks. In bf16 too: each row's bf16 forward and backward is the same on either, the
+    gradients are reduced in fp32."""
     script = os.path.join(ROOT, "tests", "two_rank_step.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for cmd in ([script, str(tmp_path / "one.pt")],
+    for cmd in ([script, str(tmp_path / "one.pt"), precision],
                 ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                 "127.0.0.1", "--master_port", str(free_port()), script, str(tmp_path / "two.pt")]):
+                 "127.0.0.1", "--master_port", str(free_port()), script, str(tmp_path / "two.pt"),
+                 precision]):
         done = subprocess.run([sys.executable, *cmd], env=env, timeout=300, capture_output=True,
                               text=True)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
