@@ -24,8 +24,8 @@ position_ids[i] - position_ids[j] < window (depth = position). Attention logit s
                                     # sdpa on CPU; refuses what a backend cannot compute exactly
     out = forward_row(model, row)   # batch size 1 (one row per DP rank), masks from row_kwargs
 
-Mixed precision: FSDP2 casts each layer's kwargs, rebuilding dicts and dataclasses from their items,
-so the lazily built masks ride in a _PerWindow, passed as is; flash's and tree_gdn's are int tensors.
+Mixed precision: FSDP2 casts each layer's kwargs, rebuilding dicts and dataclasses from their
+items: the lazily built masks ride in a _PerWindow, passed as is; flash's and tree_gdn's are ints.
 
 Departures from the spec, one line each:
 - sdpa (flex has no CPU backward in torch 2.13) and flex (88% of the FLOP bound on an H200) too.

@@ -37,6 +37,8 @@ def test_a_bf16_sharded_forward_equals_the_fp32_one(backend, family, device, mon
     forward only (no CPU backward in torch 2.13)."""
     monkeypatch.setattr(tree_attention, "flash_kernel",
                         lambda: tree_attention.FlashKernel.of("stand-in", reference_varlen))
+    if backend == "flex":   # torch 2.13's CPU flex kernel fails to build in bf16 once earlier
+        torch.compiler.reset()      # rows have made N dynamic: compile afresh, static
     build = (lambda: windowed("qwen3", 3)) if family == "qwen3" else (lambda: hybrid(family, 3))
     mixed, reference = build(), build()
     tree_attention.install(mixed, backend)

@@ -74,15 +74,18 @@ def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
     assert (state.num_tokens, state.dropped_stale_total) == (100 + packed[0][0].unique_tokens, 3)
 
 
-def test_two_ranks_give_the_weights_of_one_process(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_two_ranks_give_the_weights_of_one_process(tmp_path, precision):
     """One optimizer step on 2 gloo ranks (FSDP2 shards, each rank its row of every micro-batch)
     equals one process training every row: the loss is one token mean over the step, summed over
-    ranks."""
+    ranks. In bf16 too: each row's bf16 forward and backward is the same on either, the
+    gradients are reduced in fp32."""
     script = os.path.join(ROOT, "tests", "two_rank_step.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for cmd in ([script, str(tmp_path / "one.pt")],
+    for cmd in ([script, str(tmp_path / "one.pt"), precision],
                 ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                 "127.0.0.1", "--master_port", str(free_port()), script, str(tmp_path / "two.pt")]):
+                 "127.0.0.1", "--master_port", str(free_port()), script, str(tmp_path / "two.pt"),
+                 precision]):
         done = subprocess.run([sys.executable, *cmd], env=env, timeout=300, capture_output=True,
                               text=True)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -136,7 +139,8 @@ def test_quickstart_and_curriculum_examples_train(start_server, toy_dir, tmp_pat
 def test_a_mixed_precision_run_trains(start_server, toy_dir, tmp_path, precision, monkeypatch):
     """Issue 32: bf16 stopped at step 1 (FSDP2's input cast emptied the tree masks). bf16, and
     fp16 with loss scaling (config.py refuses fp16 without CUDA: set after the check), train
-    through FSDP2's MixedPrecisionPolicy: finite losses, and the saved matrices moved."""
+    through FSDP2's MixedPrecisionPolicy, with gradient checkpointing (its recompute is cast
+    again): finite losses, and the saved matrices moved."""
     from safetensors.torch import load_file
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     scales, update = [], ShardedGradScaler.update
@@ -147,7 +151,8 @@ def test_a_mixed_precision_run_trains(start_server, toy_dir, tmp_path, precision
     monkeypatch.setattr(ShardedGradScaler, "update", spy)
     server = start_server(*SERVER_ARGS)
     config = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=server.url,
-                             max_steps=2, bf16=precision == "bf16", **SMALL)
+                             max_steps=2, bf16=precision == "bf16",
+                             **SMALL | {"gradient_checkpointing": True})
     config.fp16 = precision == "fp16"
     train.train(config, toy.make_dataset(32), [toy.sum_reward], model=toy_dir)
     records = lines(str(tmp_path))

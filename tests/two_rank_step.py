@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/two_rank_step.py OUT.pt   # rank r: row r of each micro-batch
     python tests/two_rank_step.py OUT.pt                        # one process: every row
+    ... two_rank_step.py OUT.pt bf16                            # either, in bf16 (FSDP2's policy)
 
 Both plan the same samples into the same 2-row micro-batches; rank 0 saves the full weights after
 the step to OUT.pt, so the test can compare them (test_train.py).
@@ -42,10 +43,10 @@ def samples(n: int, seed: int = 0) -> list[RolloutSample]:
     return out
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, precision: str = "fp32") -> None:
     # adam_epsilon 1: Adam's update is smooth in g, no sign(g) of a tiny g
     config = train.AsyncGRPOConfig(learning_rate=1.0, adam_epsilon=1.0, max_grad_norm=0.5,
-                                   gradient_checkpointing=False)
+                                   gradient_checkpointing=False, bf16=precision == "bf16")
     rank, world, device = train.setup_distributed(config)
     torch.manual_seed(0)
     model = toy.build_model(len(toy.build_tokenizer()))
@@ -65,4 +66,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

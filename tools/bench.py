@@ -9,8 +9,9 @@ Spec claims measured (the spec states them; these cases measure our code against
 
     python -m tools.bench CASE [args]      # CASE --help lists its options
 
-Cases here: planner, packing, logprobs; the trainer's runs (learn, overlap, sync, servers) in
-bench_train.py; the rollout process against an instant server (rollout) in bench_rollout.py.
+Cases here: planner, packing, logprobs; the trainer's runs (learn, overlap, sync, servers) and
+its step (step) in bench_train.py; the rollout process against an instant server (rollout) in
+bench_rollout.py.
 
     case      code measured          the summary line it prints (README and gpu_check.py grep it)
     planner   trie_pack.py           planner unique_tokens_per_s=... packing_ratio=...
@@ -23,6 +24,7 @@ bench_train.py; the rollout process against an instant server (rollout) in bench
     sync      lora_sync.py           sync full_s=... adapter_s=... bytes_ratio=... (+2 shape lines)
     servers   the whole pipeline     servers local_s=... local_gen_tok_s=... vllm_s=... (needs
                                      VLLM_PYTHON)
+    step      train.py (train_step)  step backend=... step_s=... tokens_per_s=... finite=...
 
 Departures, one line each:
 - Speed goals live here, never in timed tests: these machines are noisy, ratios from one run aren't.
@@ -31,9 +33,17 @@ Departures, one line each:
 - learn, overlap: the offline toy task on CPU, not a real model and dataset: it runs in minutes.
 - rollout: an instant loopback server, not vLLM: the figure is the rollout process's own cost.
 - sync: a ~25M model on CPU (gloo) to local_vllm; the spec setups' bytes come from shapes alone.
+- step: random weights and rows, no server; without CUDA a tiny model, one step: the path only.
 """
 import re
 import sys
+
+# Qwen3Config fields of the models the benchmarks build with random weights (no hub): Qwen3-0.6B's
+# shape on CUDA, a tiny one on a CPU (packing, step)
+QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300)
 
 # ── planner, packing (trie_pack.py, tree_attention.py) ───────────────────────────────────────────
 
@@ -176,15 +186,13 @@ def packing(argv):
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if cuda:
-        shape = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                     num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+        shape = QWEN3_0_6B
         device = "cuda"
         dtype = torch.bfloat16
     else:
         print("no CUDA: a tiny model on the sdpa backend, fp32; checks correctness only, "
               "the timings mean nothing")
-        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300)
+        shape = TINY_QWEN3
         device = "cpu"
         dtype = torch.float32
         args.groups = 2                              # the tiny layout replaces the command line's
@@ -428,7 +436,7 @@ def _measure_logprobs(args):
 
 def _case(name: str):
     """The function of case `name`, from the module that holds it."""
-    if name in ("learn", "overlap", "sync", "servers"):
+    if name in ("learn", "overlap", "sync", "servers", "step"):
         from tools import bench_train as module
     elif name == "rollout":
         from tools import bench_rollout as module
@@ -437,7 +445,8 @@ def _case(name: str):
     return getattr(module, name)
 
 
-CASES = ("planner", "packing", "logprobs", "learn", "overlap", "rollout", "sync", "servers")
+CASES = ("planner", "packing", "logprobs", "learn", "overlap", "rollout", "sync", "servers",
+         "step")
 
 
 

@@ -366,3 +366,77 @@ def servers(argv):
         line.append(f"{name}_s={seconds:.1f} {name}_gen_tok_s={np.median(rates or [np.nan]):.0f} "
                     f"{name}_sync_s={np.median(syncs or [np.nan]):.3f}")
     print("servers " + " ".join(line))
+
+
+def step(argv):
+    """train.py's optimizer step in bf16, as train() runs it (load_model, shard, build_optimizer,
+    train_step), on one packed row of random samples of a random-weight Qwen3-0.6B shape: 4
+    prompts of 1024 tokens x 8 rollouts of 256, through FSDP2's MixedPrecisionPolicy, tree
+    attention and the loss. Prints seconds a step (the first, with its compiles, apart), unique
+    tokens a second, and whether every loss was finite. Without CUDA a tiny model, 2 prompts of 48
+    x 4 rollouts of 16, one step: the path only."""
+    import argparse
+    import math
+    import statistics
+    import time
+
+    import numpy as np
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import toy
+    import train
+    import tree_attention
+    from rollout.samples import RolloutSample
+    from tools.bench import QWEN3_0_6B, TINY_QWEN3
+    from trie_pack import build_row
+
+    parser = argparse.ArgumentParser(prog="python -m tools.bench step")
+    parser.add_argument("--backend", choices=("sdpa", "flex", "flash"), default=None,
+                        help="tree_attention_backend (default: the device's, choose_backend)")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps, the first untimed")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    shape, groups, rollouts, prompt, completion = ((QWEN3_0_6B, 4, 8, 1024, 256) if cuda else
+                                                   (TINY_QWEN3, 2, 4, 48, 16))
+    config = train.AsyncGRPOConfig(bf16=True, score_centering=False, learning_rate=1e-6)
+    device = train.setup_distributed(config)[2]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=True,
+                                             max_position_embeddings=4096))
+    backend = tree_attention.choose_backend(model, device, args.backend)[0]
+    config.tree_attention_backend = backend
+    tokenizer = toy.build_tokenizer()       # any tokenizer: the rows are random ids
+    # as train() loads a model: the backend installed, gradient checkpointing on (the default)
+    model = train.load_model(model, config, processing_class=tokenizer, device=device)[0]
+    policy = train.shard(train.Policy(model), config, device)
+    optimizer, scheduler = train.build_optimizer(policy, config)
+    rng = np.random.default_rng(0)
+    vocab = shape["vocab_size"]
+    samples = []
+    for g in range(groups):
+        head = rng.integers(0, vocab, prompt)
+        for _ in range(rollouts):
+            ids = np.concatenate([head, rng.integers(0, vocab, completion)])       # [P + C]
+            mask = np.r_[np.zeros(prompt, np.int8), np.ones(completion, np.int8)]
+            # a random model is near uniform: sampler log-probs there keep the ratios near 1
+            sampler = (mask * -math.log(vocab)).astype(np.float32)
+            samples.append(RolloutSample(ids, mask, sampler, float(rng.normal()), g, 0))
+    row = build_row(samples).pack()
+    seconds, losses = [], []
+    for _ in range(args.steps if cuda else 1):
+        start = time.perf_counter()
+        out = train.train_step(policy, optimizer, scheduler, [row], row.trained_tokens, config,
+                               1, 0.0)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        losses.append(out["loss"])
+    torch.distributed.destroy_process_group()
+    step_s = statistics.median(seconds[1:] or seconds)
+    print(f"step backend={backend} dtype=bf16 device={device.type} layers="
+          f"{shape['num_hidden_layers']} unique_tokens={row.unique_tokens} "
+          f"first_step_s={seconds[0]:.2f} step_s={step_s:.3f} "
+          f"tokens_per_s={row.unique_tokens / step_s:.0f} loss={losses[-1]:.4g} "
+          f"finite={all(map(math.isfinite, losses))}")
