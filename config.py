@@ -62,7 +62,7 @@ class AsyncGRPOConfig:
     label_smoothing_factor: float = 0.0     # label smoothing (refused: no labels)
     # ── precision and memory ──
     bf16: bool | None = None                # bf16 compute; None: on CUDA unless fp16 (spec: True)
-    fp16: bool = False                      # fp16 compute with loss scaling (CUDA only)
+    fp16: bool = False                      # fp16 compute with loss scaling
     bf16_full_eval: bool = False            # bf16 evaluation (refused: no evaluation)
     fp16_full_eval: bool = False            # fp16 evaluation (refused: no evaluation)
     tf32: bool | None = None                # TF32 matmuls on Ampere+ CUDA; None: torch's setting
@@ -269,11 +269,10 @@ class AsyncGRPOConfig:
              "a fraction (< 1) of max_steps needs max_steps > 0")
         need(self.optim in OPTIMIZERS, "optim", f"must be one of {OPTIMIZERS}")
         need(not (self.fp16 and self.bf16), "fp16", "fp16 and bf16 are both set: pick one")
-        if self.fp16 or self.tf32:
+        if self.tf32:
             import torch
-            name = "fp16" if self.fp16 else "tf32"
-            need(torch.cuda.is_available(), name, "needs a CUDA device, and none is visible: on a "
-                 "CPU leave it unset (fp32), or set bf16=True")
+            need(torch.cuda.is_available(), "tf32", "needs a CUDA device, and none is visible: on "
+                 "a CPU leave it unset")
         need(self.torch_empty_cache_steps is None or self.torch_empty_cache_steps >= 1,
              "torch_empty_cache_steps", "must be >= 1 (or None: never)")
         need(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",

@@ -60,18 +60,6 @@ def max_lora_rank(r: int) -> int:
     return next(rank for rank in LORA_RANKS if rank >= r)
 
 
-def adapter_dp_refusal(url: str, info: dict) -> str | None:
-    """Why adapter-only sync cannot run against this server's data parallelism (None: it can):
-    a runtime adapter load reaches one data-parallel engine, and the others would keep sampling
-    from an older policy."""
-    dp = (info.get("parallel_config") or {}).get("data_parallel_size") or 1
-    if dp <= 1:
-        return None
-    return (f"{url} runs --data-parallel-size {dp}, and a runtime adapter load does not reach "
-            "every data-parallel engine; restart it with --data-parallel-size 1 and list each "
-            "replica's URL in vllm_server_base_url instead")
-
-
 VLLM_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")   # init_lora_weights it loads
 
 
@@ -123,8 +111,11 @@ def adapter_refusal(infos: list[dict], urls: list[str], peft_config,
     flags = (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora "
              f"--max-lora-rank {max_lora_rank(rank)} --max-loras {slots}")
     for url, info in zip(urls, infos):
-        if why := adapter_dp_refusal(url, info):
-            return why
+        dp = (info.get("parallel_config") or {}).get("data_parallel_size") or 1
+        if dp > 1:              # a runtime load reaches one engine; the others would lag behind
+            return (f"{url} runs --data-parallel-size {dp}, and a runtime adapter load does not "
+                    "reach every data-parallel engine; restart it with --data-parallel-size 1 "
+                    "and list each replica's URL in vllm_server_base_url instead")
         lora = info.get("lora_config")
         if not lora:
             return f"{url} serves no LoRA adapters; restart it with {flags}"
@@ -140,20 +131,18 @@ def adapter_refusal(infos: list[dict], urls: list[str], peft_config,
 
 def choose(policy, clients, config, peft_config, output_dir: str):
     """AdapterSync when every server allows it, else MergedSync; rank 0 decides and says why."""
-    why = [None]
+    why = None
     if dist.get_rank() == 0:
         infos = [c.server_info() for c in clients]
-        urls = [c.base_url for c in clients]
-        why = [adapter_refusal(infos, urls, peft_config, config.max_staleness)]
-        if why[0] is None:
+        why = adapter_refusal(infos, [c.base_url for c in clients], peft_config,
+                              config.max_staleness)
+        if why is None:
             print(f"LoRA sync: adapter only ({PREFIX}-<run>-v<N> under {output_dir}/.vllm_lora/, "
                   f"{len(clients)} server(s))", flush=True)
         else:
             warnings.warn(f"LoRA sync: merged weights (the full model every sync), "
-                          f"because {why[0]}", stacklevel=2)
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(why, src=0)
-    if why[0] is None:
+                          f"because {why}", stacklevel=2)
+    if shared(why) is None:
         return AdapterSync(policy, clients, config, output_dir)
     return MergedSync(policy, clients, config)
 
@@ -173,35 +162,20 @@ def adapter_state(policy) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def swapped(params: list[torch.Tensor], values: list[torch.Tensor]):
-    """`params` hold `values` inside the block, their own after it (every rank: its shards)."""
+def swapped(params: list[torch.Tensor], values: list[torch.Tensor] | None = None):
+    """`params` hold `values` (None: zeros) inside the block, their own after it (every rank: its
+    shards). An adapter of zeros is the base model exactly: base + 0 (peft's disable_adapter also
+    marks the adapter frozen, which FSDP2, initialised in the first forward, would keep)."""
     own = [p.detach().clone() for p in params]
     with torch.no_grad():
-        for p, v in zip(params, values):
-            p.copy_(v)
+        for p, v in zip(params, values or [0.0] * len(params)):
+            p.copy_(v) if torch.is_tensor(v) else p.zero_()
     try:
         yield
     finally:
         with torch.no_grad():
             for p, v in zip(params, own):
                 p.copy_(v)
-
-
-@contextlib.contextmanager
-def adapter_off(model):
-    """The base model's forward inside the block: every LoRA layer's scale is 0 (plain LoRA, as
-    adapter sync serves it: base + 0 · B·A is the base exactly). Not peft's disable_adapter, which
-    also marks the adapter frozen: FSDP2, initialised in the first forward, would keep it so."""
-    from peft.tuners.lora import LoraLayer
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    scales = [dict(m.scaling) for m in layers]
-    for m in layers:
-        m.scaling.update(dict.fromkeys(m.scaling, 0.0))
-    try:
-        yield
-    finally:
-        for m, scale in zip(layers, scales):
-            m.scaling.update(scale)
 
 
 class AdapterSync:
@@ -216,6 +190,7 @@ class AdapterSync:
         self.config = config
         self.root = os.path.join(os.path.abspath(output_dir), ".vllm_lora")
         self.prefix = f"{PREFIX}-{secrets.token_hex(3)}"    # this run's names: policy-<run>-v<N>
+        self.worker_kwargs = {"lora_name": self.prefix}     # rollouts ask for policy-<run>-v<N>
         self.dtype = config.export_dtype(next(policy.parameters()))   # the checkpoint's dtype
         self.loaded: list[int] = []                    # versions loaded on every server, oldest 1st
         every = config.weight_sync_verify_every
@@ -239,9 +214,6 @@ class AdapterSync:
             self.base = MergedSync(self.policy, self.members.clients, self.config, adapter=False)
             self.base.connect()
 
-    def worker_kwargs(self) -> dict:
-        """RolloutWorker arguments: rollouts request model="policy-<run>-v<their version>"."""
-        return {"lora_name": self.prefix}
 
     def start(self, version: int) -> None:
         """Every rank, before generation starts: the servers' base must be the trainer's. With
@@ -253,7 +225,7 @@ class AdapterSync:
             self.base.push(version, probe_after=False)
         if self.verify:
             probes = probe(self.policy, self.members, base_card,
-                           under=lambda: adapter_off(self.policy.model))
+                           under=lambda: swapped(self.adapter))
             self.parity = parity(probes, self.members.clients)
             self.noise = max([NOISE_FLOOR] + [p.noise for p in probes])
             if self.base is None:
@@ -263,18 +235,15 @@ class AdapterSync:
 
     def _check_bases(self, probes) -> None:
         """Rank 0: ValueError naming the first server whose base's probe KL exceeds BASE_KL."""
-        for p in probes:
-            dtype = served_dtype(next(c for c in self.members.clients
-                                      if c.base_url == p.url).server_info())
-            bound = BASE_KL.get(dtype, max(BASE_KL.values()))
-            if p.kl > bound:
-                source = getattr(self.policy.model.config, "_name_or_path", "")
+        for c, p in zip(self.members.clients, probes):          # at start every server is live
+            dtype = served_dtype(c.server_info())
+            if p.kl > (bound := BASE_KL.get(dtype, max(BASE_KL.values()))):
                 raise ValueError(f"LoRA sync: {p.url} serves another base model than the trained "
                                  f"one: on the start probe its log-probs are {p.kl:.3g} (k3 KL) "
-                                 f"from the trainer's base model's (bound {bound:g} for "
-                                 f"{dtype}), and an adapter cannot fix the base, nor can this "
-                                 f"run send it (no --weight-transfer-config): serve the "
-                                 f"checkpoint the trainer loads ({source})")
+                                 f"from the trainer's base model's (bound {bound:g} for {dtype}), "
+                                 f"and an adapter cannot fix the base, nor can this run send it "
+                                 f"(no --weight-transfer-config): serve the checkpoint the "
+                                 f"trainer loads ({self.policy.model.config._name_or_path})")
 
     def push(self, version: int) -> dict[str, float]:
         """Every rank: gather the adapter; rank 0 writes it and loads it on every live replica
@@ -291,7 +260,7 @@ class AdapterSync:
             stats.verify_s = time.perf_counter() - t
         self.previous = [p.detach().clone() for p in self.adapter]
         on_rank0(self._retire)
-        stats.total_s = time.perf_counter() - start
+        stats.s = time.perf_counter() - start
         return stats.metrics()
 
     def _publish(self, version: int, state: dict[str, torch.Tensor], stats: SyncStats) -> str:
@@ -307,7 +276,7 @@ class AdapterSync:
         stats.bytes = os.path.getsize(os.path.join(final, "adapter_model.safetensors"))
         t = time.perf_counter()
         self.members.returning()               # back since the last sync: it gets this adapter
-        self._each(lambda c: c.load_lora_adapter(name, final), f"loading {name}")
+        self.members.call(lambda c: c.load_lora_adapter(name, final), f"loading {name}")
         self.loaded.append(version)
         stats.transfer_s = time.perf_counter() - t
         return final
@@ -317,7 +286,7 @@ class AdapterSync:
         a failed delivery (verify_sync.refusal). One that does not is sent the adapter once more
         (loaded in place) and probed again; then it is taken out (Members) and the adapter
         unloaded there, or, if it is the last one, the sync raises."""
-        others = {"the base": lambda: adapter_off(self.policy.model)}
+        others = {"the base": lambda: swapped(self.adapter)}
         if self.previous is not None:
             others["the previous adapter"] = lambda: swapped(self.adapter, self.previous)
         refused: dict[str, str] = {}
@@ -331,7 +300,7 @@ class AdapterSync:
             if not refused:
                 return
             if not attempt:
-                on_rank0(lambda: self._each(
+                on_rank0(lambda: self.members.call(
                     lambda c: c.base_url in refused and c.load_lora_adapter(name, path, True),
                     f"loading {name} again"))
         on_rank0(lambda: self._take_out(name, refused))
@@ -356,7 +325,7 @@ class AdapterSync:
 
     def _unload(self, version: int) -> None:
         old = f"{self.prefix}-v{version}"
-        self._each(lambda c: unload(c, old), f"unloading {old}")
+        self.members.call(lambda c: unload(c, old), f"unloading {old}")
         shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
 
     def close(self) -> None:
@@ -370,14 +339,6 @@ class AdapterSync:
             except RuntimeError as e:
                 warnings.warn(str(e), stacklevel=2)
         self.loaded = []
-
-    def _each(self, call, what: str) -> None:
-        """Every live replica, in parallel; one that stopped answering is taken out (Members), one
-        that answers and fails stops the run, named (no silent divergence)."""
-        try:
-            self.members.call(call)
-        except RuntimeError as e:
-            raise RuntimeError(f"{what}: {e}") from e
 
 
 def unload(client, name: str) -> None:

@@ -127,7 +127,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                                    eos_token_ids=stop_token_ids(model, tokenizer),
                                    num_processes=world, dataset_start_index=state.prompt_index,
                                    trained=state.trained, model_version=state.model_version,
-                                   **sync.worker_kwargs())
+                                   **sync.worker_kwargs)
             feed = Feed(worker, planner, config.gradient_accumulation_steps, state)
             log = metrics.MetricsLog(config, output_dir, state, policy.model, device,
                                      rollout_metrics=worker.drain_metrics,
@@ -669,10 +669,13 @@ class Hooks:
 
 def local_server_args(config, peft_config=None) -> list[str]:
     """local_vllm flags for a run of `config`: gloo weight transfer, processed log-probs, enough
-    top log-probs, candidate sets when top-k/top-p are on, LoRA slots for adapter sync."""
+    top log-probs, candidate sets when top-k/top-p are on, the trainer's compute dtype, LoRA
+    slots for adapter sync."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args = ["--weight-transfer-config", '{"backend":"gloo"}',
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-            "--return-sampling-mask", "--enable-scale-out"]
+            "--return-sampling-mask", "--enable-scale-out",
+            "--dtype", str(config.compute_dtype(device)).removeprefix("torch.")]
     if peft_config is not None:
         rank = lora_sync.max_lora_rank(lora_sync.adapter_rank(peft_config))
         args += ["--enable-lora", "--max-lora-rank", str(rank),

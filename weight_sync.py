@@ -66,8 +66,8 @@ FAILED = "weight sync failed"     # how every rank's error begins when a phase o
 
 @dataclass
 class SyncStats:
-    """perf/weight_sync_* of one sync (seconds; bytes sent by rank 0)."""
-    total_s: float = 0.0          # perf/weight_sync_s: the whole sync
+    """perf/weight_sync_* (seconds; bytes sent by rank 0) and sync/* (ours) of one sync."""
+    s: float = 0.0                # perf/weight_sync_s: the whole sync
     pause_s: float = 0.0          # pausing every server
     barrier_s: float = 0.0        # waiting for every rank
     start_s: float = 0.0          # opening the update: /start_weight_update, posting the receive
@@ -75,20 +75,12 @@ class SyncStats:
     finish_s: float = 0.0         # /finish_weight_update: the servers' reload ends
     resume_s: float = 0.0         # /resume, every server
     bytes: int = 0                # what rank 0 sent: the tensors' bytes, or the adapter file's
-    verify_s: float = 0.0         # proving it landed: fingerprints and the probe
-    verified_tensors: int = 0     # tensors each verifiable server showed as sent (full sync)
+    verify_s: float = 0.0         # sync/verify_s: proving it landed, fingerprints and the probe
+    verified_tensors: int = 0     # sync/verified_tensors: each verifiable server showed as sent
 
     def metrics(self) -> dict[str, float]:
-        return {"perf/weight_sync_s": self.total_s,
-                "perf/weight_sync_pause_s": self.pause_s,
-                "perf/weight_sync_barrier_s": self.barrier_s,
-                "perf/weight_sync_start_s": self.start_s,
-                "perf/weight_sync_transfer_s": self.transfer_s,
-                "perf/weight_sync_finish_s": self.finish_s,
-                "perf/weight_sync_resume_s": self.resume_s,
-                "perf/weight_sync_bytes": float(self.bytes),
-                "sync/verify_s": self.verify_s,
-                "sync/verified_tensors": float(self.verified_tensors)}
+        return {("sync/" if k.startswith("verif") else "perf/weight_sync_") + k: float(v)
+                for k, v in vars(self).items()}
 
 
 # ── what a sync sends ───────────────────────────────────────────────────────────────────────
@@ -135,6 +127,7 @@ class FullSync:
         self.showing: set[str] = set()       # rank 0: the URLs that show their fingerprints
         self.unreadable: set[str] = set()    # rank 0: URLs whose unreadable tensors were said
         self.parity: dict[str, float] = {}   # sync/probe_kl of the last sync, logged every step
+        self.worker_kwargs: dict = {}        # RolloutWorker's: rollouts ask for the base card
 
     def specs(self) -> list[tuple[str, torch.Size]]:
         """(name, shape) of what every sync sends, in order: the server's names."""
@@ -154,10 +147,6 @@ class FullSync:
                               f" so syncs to it are not verified; {ENABLE}", stacklevel=3)
             else:
                 self.showing.add(c.base_url)
-
-    def worker_kwargs(self) -> dict:
-        """RolloutWorker arguments this sync needs: none (rollouts request the base model card)."""
-        return {}
 
     def start(self, version: int) -> None:
         """Every rank, before generation starts: a long-lived server holds whatever the last run
@@ -531,7 +520,7 @@ class WeightSync:
                 raise RuntimeError(f"weight sync to version {version} landed, but "
                                    f"{'; '.join(still)}")
         stats.resume_s = time.perf_counter() - t
-        stats.total_s = time.perf_counter() - start
+        stats.s = time.perf_counter() - start
         return stats
 
     def _pause(self) -> None:
@@ -669,11 +658,15 @@ class Members:
         for c, why in failed:
             self.take_out(c, why, failure)
 
-    def call(self, call: Callable[[VLLMClient], object]) -> None:
+    def call(self, call: Callable[[VLLMClient], object], what: str | None = None) -> None:
         """call(c) on every live server in parallel. A server that failed and fails /health is
-        taken out; the first failure of one that answers is raised; none left: RuntimeError."""
+        taken out; the first failure of one that answers is raised (as RuntimeError("<what>: ...")
+        with `what`); none left: RuntimeError."""
         live = self.live
-        failures = each_server(live, call, self.timeout, self.what)
+        with ThreadPoolExecutor(max(1, len(live))) as pool:
+            futures = [pool.submit(call, c) for c in live]
+            failures = [_attempt(lambda: _result(f, self.timeout, f"{self.what} with {c.base_url}"))
+                        for c, f in zip(live, futures)]
         real = []
         for c, e in zip(live, failures):
             if e is not None and c.healthy():
@@ -684,6 +677,8 @@ class Members:
             whys = "; ".join(f"{url}: {why}" for url, why in self.out.items())
             raise RuntimeError(f"{self.what}: no vLLM server is left ({whys}); restart them, "
                                "and resume from the last checkpoint")
+        if real and what:
+            raise RuntimeError(f"{what}: {real[0]}") from real[0]
         if real:
             raise real[0]
 
@@ -704,18 +699,6 @@ def begin_update(client: VLLMClient, resend: bool = False) -> None:
                           f"finished: finishing it before this run's")
         client.finish_weight_update()
         client.start_weight_update()
-
-
-def each_server(clients: list[VLLMClient], call: Callable[[VLLMClient], object], timeout: float,
-                what: str) -> list[BaseException | None]:
-    """call(c) for every server at once, each awaited `timeout` s at most: per server None, or its
-    failure as an error naming it ("<what> with <url> failed: ...")."""
-    if not clients:
-        return []
-    with ThreadPoolExecutor(len(clients)) as pool:
-        futures = [pool.submit(call, c) for c in clients]
-        return [_attempt(lambda: _result(f, timeout, f"{what} with {c.base_url}"))
-                for c, f in zip(clients, futures)]
 
 
 def _result(future, timeout: float, what: str):

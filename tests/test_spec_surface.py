@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+from peft import LoraConfig
 
 import config
 import lora_sync
@@ -145,8 +146,8 @@ def test_refusals_say_why_and_the_fix():
         AsyncGRPOConfig(push_to_hub=True)
     with pytest.raises(ValueError, match="no evaluation loop"):
         AsyncGRPOConfig(eval_strategy="steps")
-    with pytest.raises(ValueError, match="AsyncGRPOConfig.fp16: needs a CUDA device"):
-        AsyncGRPOConfig(fp16=True)
+    with pytest.raises(ValueError, match="AsyncGRPOConfig.fp16: fp16 and bf16 are both set"):
+        AsyncGRPOConfig(fp16=True, bf16=True)
     with pytest.raises(ValueError, match="report_to"):
         AsyncGRPOConfig(report_to="mlflow")
     assert AsyncGRPOConfig(report_to="wandb,tensorboard").dashboards() == ["wandb", "tensorboard"]
@@ -352,8 +353,12 @@ def test_dtype_mismatch_warns_and_data_parallel_refuses_adapter_sync():
     assert verify_sync.dtype_warning("http://a", info, torch.bfloat16) is None
     assert "vllm serve --dtype float32" in verify_sync.dtype_warning("http://a", info,
                                                                          torch.float32)
-    assert "--data-parallel-size 2" in lora_sync.adapter_dp_refusal("http://a", info)
-    assert lora_sync.adapter_dp_refusal("http://a", {"parallel_config": {}}) is None
+    lora = {"lora_config": {"max_lora_rank": 8, "max_loras": 3}}
+    peft = LoraConfig(r=4)
+    assert "--data-parallel-size 2" in lora_sync.adapter_refusal([info | lora], ["http://a"],
+                                                                 peft, 1)
+    assert lora_sync.adapter_refusal([{"parallel_config": {}} | lora], ["http://a"], peft,
+                                     1) is None
 
 
 class SmallVocabServer:

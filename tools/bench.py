@@ -9,7 +9,7 @@ Spec claims measured (the spec states them; these cases measure our code against
 
     python -m tools.bench CASE [args]      # CASE --help lists its options
 
-Cases here: planner, packing, logprobs; the trainer's runs (learn, overlap, sync, servers) and
+Cases here: planner, packing, logprobs, fingerprint; the trainer's runs (learn, overlap, sync, servers) and
 its step (step) in bench_train.py; the rollout process against an instant server (rollout) in
 bench_rollout.py.
 
@@ -17,6 +17,7 @@ bench_rollout.py.
     planner   trie_pack.py           planner unique_tokens_per_s=... packing_ratio=...
     packing   tree_attention.py      packing speedup=... flop_bound=... efficiency=...
     logprobs  loss.py                logprobs peak_ratio=... max_diff=... max_abs_diff=...
+    fingerprint verify_sync.py       fingerprint gb_per_s=... copy_gb_per_s=... agree=...
     learn     train.py, toy.py       learn reward_start=... reward_end=... steps=... minutes=...
     overlap   train.py, rollout/     overlap async_s=... sync_s=... ideal_s=... speedup=...
     rollout   rollout/               rollout rollouts_per_s=... samples_per_s=...
@@ -434,6 +435,51 @@ def _measure_logprobs(args):
                 "grad_hidden": grad_hidden.cpu(), "grad_weight": grad_weight.cpu()}, args.out)
 
 
+# ── fingerprint (verify_sync.py: what a full sync's verification costs) ─────────────────────────
+
+def fingerprint(argv):
+    """verify_sync's fingerprint (vllm_plugin/weight_digests.fingerprint) where the tensors live:
+    its GB/s beside a copy of the same bytes on the same device (memory-bound: a copy reads and
+    writes each byte, the fingerprint reads it once), and whether the CPU's fingerprints of the
+    same tensors equal the device's (they must: integer sums, bit-exact on both).
+
+    Tensors: a Qwen3-4B layer's matrices and its embedding in bf16, a norm, an odd fp32 one."""
+    import argparse
+    import time
+
+    import torch
+
+    from vllm_plugin.weight_digests import fingerprint as fp
+    parser = argparse.ArgumentParser(prog="python -m tools.bench fingerprint")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    scale = 1 if cuda else 16                 # a CPU: the same shapes, 16x fewer rows
+    g = torch.Generator().manual_seed(0)
+    shapes = [((151936 // scale, 2560), torch.bfloat16), ((9728 // scale, 2560), torch.bfloat16),
+              ((2560,), torch.bfloat16), ((3, 1001), torch.float32)]
+    tensors = [torch.randn(shape, generator=g).to(dtype).to(device) for shape, dtype in shapes]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    def seconds(fn) -> float:
+        fn()                                                       # warm-up (cuBLASLt plans)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.repeats):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / args.repeats
+
+    fp_s = seconds(lambda: [fp(t) for t in tensors])
+    copy_s = seconds(lambda: [t.clone() for t in tensors])
+    agree = all(fp(t) == fp(t.cpu()) for t in tensors)
+    print(f"fingerprint device={device.type} bytes={nbytes} gb_per_s={nbytes / fp_s / 1e9:.1f} "
+          f"copy_gb_per_s={nbytes / copy_s / 1e9:.1f} ratio={copy_s / fp_s:.2f} agree={agree}")
+
+
 def _case(name: str):
     """The function of case `name`, from the module that holds it."""
     if name in ("learn", "overlap", "sync", "servers", "step"):
@@ -445,8 +491,8 @@ def _case(name: str):
     return getattr(module, name)
 
 
-CASES = ("planner", "packing", "logprobs", "learn", "overlap", "rollout", "sync", "servers",
-         "step")
+CASES = ("planner", "packing", "logprobs", "fingerprint", "learn", "overlap", "rollout", "sync",
+         "servers", "step")
 
 
 

@@ -1,6 +1,6 @@
 """ツリーパッキング (Tree packing: the speed-ups, Gated DeltaNet hybrids), AMD GPU (the attention
 kernels), mixed precision (bf16): everything a lent GPU should confirm, in one run and one
-table, in under 11 minutes on one H200.
+table, in under 10 minutes on one H200 (LIMITS).
 
     python -m tools.gpu_check            # on a CUDA machine; exit status 1 if a check fails
     python -m tools.gpu_check --cpu-smoke   # the CPU-safe parts, for CI (tests/test_gpu_check.py)
@@ -18,10 +18,12 @@ table, in under 11 minutes on one H200.
     bf16 flex   bench.py step: 4 bf16 optimizer steps of train.py (FSDP2  every loss finite;
     bf16 flash  mixed precision, tree attention, loss) of a Qwen3-0.6B      step s, tokens/s
                 shape, 4 prompts x 8 rollouts; flash where a kernel loads
+    fingerprint bench.py fingerprint: verification's fingerprints of a    the CPU's equal the
+                4B model's layer on the GPU, GB/s beside a copy's         GPU's; GB/s (info)
     train       train_command(): python train.py TRAIN_ARGS, the toy task  exit status
                 against serve_local on the same GPU
 
-Every check runs in its own process with its own time limit (LIMITS, 660 s together), so one that
+Every check runs in its own process with its own time limit (LIMITS, 590 s together), so one that
 hangs or runs out of memory costs only its row. A row is PASS, FAIL (it broke), MISS (it ran and
 missed a target), INFO or SKIP.
 
@@ -40,8 +42,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = {"efficiency": 0.95, "no_sharing": 0.97}
-LIMITS = {"gpu tests": 170, "packing 1k": 90, "packing 8k": 130, "bf16 flex": 120,
-          "bf16 flash": 60, "bf16 sdpa": 120, "train": 90}   # s, 660 in all on CUDA
+LIMITS = {"gpu tests": 150, "packing 1k": 80, "packing 8k": 110, "bf16 flex": 90,
+          "bf16 flash": 50, "bf16 sdpa": 120, "fingerprint": 30,
+          "train": 80}                      # s; 590 in all on CUDA, under one device call's 600
 LAYOUTS = {"packing 1k": [],
            "packing 8k": ["--groups", "1", "--prompt", "8192", "--completion", "128",
                           "--checkpointing", "--iters", "3", "--warmup", "2"]}
@@ -145,6 +148,19 @@ def step_row(backend: str) -> tuple[str, str]:
     return ("PASS", detail) if got["finite"] == "True" else ("FAIL", detail + "; a loss not finite")
 
 
+def fingerprint_row(limit: float) -> tuple[str, str]:
+    """bench.py fingerprint: verification's fingerprints on the device, their GB/s beside a copy's,
+    and the CPU's equal to the device's (FAIL if not)."""
+    code, out, dt = run([sys.executable, "-m", "tools.bench", "fingerprint"], limit)
+    line = next((x for x in reversed(out.splitlines()) if x.startswith("fingerprint ")), None)
+    if code != 0 or line is None:
+        return "FAIL", f"timed out after {limit:.0f} s" if code is None else last_error(out)
+    got = dict(re.findall(r"(\w+)=(\S+)", line))
+    detail = (f"{got['gb_per_s']} GB/s on {got['device']} ({got['copy_gb_per_s']} GB/s a copy); "
+              f"CPU and device agree: {got['agree']}; {dt:.0f} s")
+    return ("PASS" if got["agree"] == "True" else "FAIL"), detail
+
+
 def train_row(limit: float) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as out_dir:
         code, out, dt = run(train_command(out_dir), limit)
@@ -169,6 +185,7 @@ def main(argv=None) -> int:
         rows.append((name, *packing_row(layout, LIMITS[name], judged=not args.cpu_smoke)))
     for backend in ("sdpa",) if args.cpu_smoke else ("flex", "flash"):
         rows.append((f"bf16 {backend}", *step_row(backend)))
+    rows.append(("fingerprint", *fingerprint_row(LIMITS["fingerprint"])))
     if args.cpu_smoke:
         rows.append(("train", "SKIP", "needs CUDA (--cpu-smoke)"))
     else:
