@@ -358,9 +358,11 @@ print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
 
 @pytest.mark.slow
 def test_verification_adds_no_copy_of_the_policy_to_the_hosts_memory(start_server, tmp_path):
-    """A ~50M-parameter model (200 MB in fp32), full sync with and without verification: the
+    """A ~40M-parameter model (150 MB in fp32), full sync with and without verification: the
     trainer's peak RSS differs by less than a quarter of the model's fp32 bytes (a host copy of
-    the policy, as verification once kept, would add all of it)."""
+    the policy, as verification once kept, would add all of it). glibc returns every buffer of
+    64 KiB or more when it is freed (MALLOC_MMAP_THRESHOLD_), so RSS counts live memory only:
+    otherwise its arenas keep what the probe's forward freed."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     path = str(tmp_path / "model")
     tokenizer = toy.build_tokenizer()
@@ -369,7 +371,7 @@ def test_verification_adds_no_copy_of_the_policy_to_the_hosts_memory(start_serve
                       head_dim=64, max_position_embeddings=256, tie_word_embeddings=True)
     model = Qwen3ForCausalLM(cfg)
     fp32_bytes = sum(p.numel() for p in model.parameters()) * 4
-    assert 150e6 < fp32_bytes < 250e6
+    assert 120e6 < fp32_bytes < 250e6
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     server = start_server(*SERVER_ARGS, model_dir=path)
@@ -378,7 +380,8 @@ def test_verification_adds_no_copy_of_the_policy_to_the_hosts_memory(start_serve
         script = MEMORY_RUN.format(root=ROOT, out=str(tmp_path / f"out{every}"), url=server.url,
                                    every=every, small=SMALL, model=path)
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                              timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                              timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                    MALLOC_MMAP_THRESHOLD_="65536"))
         assert done.returncode == 0, done.stderr[-3000:]
         peak[every] = int(done.stdout.split()[-1]) * 1024                  # KiB → bytes
     print(f"peak RSS: verification on {peak[16] / 2**20:.0f} MiB, off {peak[0] / 2**20:.0f} MiB, "
