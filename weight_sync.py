@@ -74,8 +74,10 @@ class SyncStats:
     transfer_s: float = 0.0       # gathering and sending the tensors (or the adapter's load)
     finish_s: float = 0.0         # /finish_weight_update: the servers' reload ends
     resume_s: float = 0.0         # /resume, every server
+    probe_s: float = 0.0          # the probe after a full sync (the parity figure)
     bytes: int = 0                # what rank 0 sent: the tensors' bytes, or the adapter file's
-    verify_s: float = 0.0         # sync/verify_s: proving it landed, fingerprints and the probe
+    verify_s: float = 0.0         # sync/verify_s: proving it landed (fingerprints; an adapter's
+                                  # probe)
     verified_tensors: int = 0     # sync/verified_tensors: each verifiable server showed as sent
 
     def metrics(self) -> dict[str, float]:
@@ -168,7 +170,9 @@ class FullSync:
         start = time.perf_counter()
         if probe_after and self.every:
             self.parity = parity(probe(self.policy, w.members, base_card), w.members.clients)
-        stats.verify_s += check.seconds + time.perf_counter() - start
+        stats.probe_s = time.perf_counter() - start
+        stats.s += stats.probe_s
+        stats.verify_s += check.seconds
         return stats.metrics()
 
     def _verify(self, check: Fingerprints, version: int) -> int:

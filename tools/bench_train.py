@@ -214,10 +214,10 @@ def sync(argv):
     """Full (merged) and adapter-only sync of one random Qwen3-shaped model (~25M parameters, fp32,
     CPU, gloo) to one local_vllm server, 1 + 2·VERIFY_EVERY syncs each; then the byte ratio of the
     spec's two setups (Qwen2.5-7B r=32, Qwen2.5-Math-1.5B r=1) from their shapes. Seconds and the
-    verification's share of them (sync/verify_s over perf/weight_sync_s: the digests of full
-    sync, verify_sync.chosen, at most 5% the goal; the probe of adapter sync) are over the syncs
-    after the first, which verifies every tensor (its share: first_verify_share). --verify-every
-    sets verify_sync.VERIFY_EVERY for the run (the tuning)."""
+    verification's share of them (sync/verify_s over perf/weight_sync_s: the fingerprints of full
+    sync, verify_sync.chosen, at most 5% the goal; the probe after it, probe_share; the probe of
+    adapter sync) are over the syncs after the first, which verifies every tensor (its share:
+    first_verify_share). --verify-every sets the rotation for the run (the tuning)."""
     import argparse
     import os
     import tempfile
@@ -261,13 +261,14 @@ def sync(argv):
         syncers = {"full": lora_sync.MergedSync(policy, [client], config),
                    "adapter": lora_sync.AdapterSync(policy, [client], config, config.output_dir)}
         syncers["full"].every = every
-        seconds, sent, share, first_share = {}, {}, {}, {}
+        seconds, sent, share, first_share, probe_share = {}, {}, {}, {}, {}
         for kind, syncer in syncers.items():
             syncer.connect()
             first, *runs = [syncer.push(version) for version in range(1, 2 + 2 * every)]
             total = sum(m["perf/weight_sync_s"] for m in runs)
             seconds[kind] = total / len(runs)
             share[kind] = sum(m["sync/verify_s"] for m in runs) / total
+            probe_share[kind] = sum(m["perf/weight_sync_probe_s"] for m in runs) / total
             first_share[kind] = first["sync/verify_s"] / first["perf/weight_sync_s"]
             sent[kind] = runs[-1]["perf/weight_sync_bytes"]
         torch.distributed.destroy_process_group()
@@ -277,7 +278,7 @@ def sync(argv):
           f"full_bytes={sent['full']:.0f} adapter_bytes={sent['adapter']:.0f} "
           f"bytes_ratio={sent['adapter'] / sent['full']:.4f} verify_every={every} "
           f"verify_share={share['full']:.3f} first_verify_share={first_share['full']:.3f} "
-          f"adapter_verify_share={share['adapter']:.3f}")
+          f"probe_share={probe_share['full']:.3f} adapter_verify_share={share['adapter']:.3f}")
     for name, r in (("qwen2.5-7b", 32), ("qwen2.5-math-1.5b", 1)):
         full, adapter = lora_byte_ratio(name, r)
         print(f"sync shapes={name} r={r} full_bytes={full / 1e9:.2f}GB "
@@ -287,7 +288,8 @@ def sync(argv):
 PHASES = {"pause": "perf/weight_sync_pause_s", "barrier": "perf/weight_sync_barrier_s",
           "start": "perf/weight_sync_start_s", "transfer": "perf/weight_sync_transfer_s",
           "finish": "perf/weight_sync_finish_s", "verify": "sync/verify_s",
-          "resume": "perf/weight_sync_resume_s", "total": "perf/weight_sync_s"}
+          "resume": "perf/weight_sync_resume_s", "probe": "perf/weight_sync_probe_s",
+          "total": "perf/weight_sync_s"}
 
 
 def _sync_phases(syncs: int, vllm_python: str | None) -> None:
