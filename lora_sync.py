@@ -48,8 +48,8 @@ import torch.distributed as dist
 
 from verify_sync import BASE_KL, NOISE_FLOOR, base_card, refusal, served_dtype
 from vllm_client import VLLMError
-from weight_sync import (FullSync, Members, SyncStats, full_tensor, language_parameters, on_rank0,
-                         parity, probe, shared)
+from weight_sync import (FAILED, FullSync, Members, SyncStats, ask, full_tensor,
+                         language_parameters, on_rank0, parity, probe, shared)
 
 PREFIX = "policy"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values
@@ -224,14 +224,17 @@ class AdapterSync:
         if self.base is not None:
             self.base.push(version, probe_after=False)
         if self.verify:
-            probes = probe(self.policy, self.members, base_card,
-                           under=lambda: swapped(self.adapter))
+            asked = on_rank0(lambda: ask(self.policy, self.members, base_card), FAILED)
+            probes = probe(self.policy, asked, under=lambda: swapped(self.adapter))
             self.parity = parity(probes, self.members.clients)
             self.noise = max([NOISE_FLOOR] + [p.noise for p in probes])
             if self.base is None:
                 on_rank0(lambda: self._check_bases(probes))
         if version > 0:
             self.push(version)
+
+    def settle(self) -> None:
+        """Nothing waits: each adapter load is proven before its version is published."""
 
     def _check_bases(self, probes) -> None:
         """Rank 0: ValueError naming the first server whose base's probe KL exceeds BASE_KL."""
@@ -291,8 +294,9 @@ class AdapterSync:
             others["the previous adapter"] = lambda: swapped(self.adapter, self.previous)
         refused: dict[str, str] = {}
         for attempt in range(2):
-            probes = probe(self.policy, self.members, lambda c: name, others=others,
-                           only=set(refused) if attempt else None)
+            asked = on_rank0(lambda: ask(self.policy, self.members, lambda c: name,
+                                         set(refused) if attempt else None), FAILED)
+            probes = probe(self.policy, asked, others=others)
             if not attempt:
                 self.parity = parity(probes, self.members.clients)
             refused = {p.url: why for p in probes if (why := refusal(p, self.noise))}

@@ -147,6 +147,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             if mine is None:                    # the prompts are done
                 break
             rows, num_tokens = mine
+            sync.settle()                       # the last sync's probe, before the weights change
             step_metrics = train_step(policy, optimizer, scheduler, rows, num_tokens, config,
                                       world, aux_coef, scaler, state.model_version)
             state.global_step += 1

@@ -21,7 +21,8 @@ Spec: "weight_sync_steps 回の学習ステップごとに、更新された重�
     POST /reset_prefix_cache ───────► no KV of the old weights is kept (vLLM 0.33: not by /pause)
     POST /resume  (every path; after a failure over fresh connections,   perf/weight_sync_resume_s
                    confirmed by /is_paused)
-    the probe (every rank: one no-grad forward) ► sync/probe_kl per server: the parity figure
+    (rank 0) the probe ─────────────► 8 tokens    then settle(), before the next optimizer step:
+                                                  the policy scores them: sync/probe_kl per server
 
 Only one bucket (buckets()) is held at a time, never the whole model. Learned from real vLLM 0.32
 (reference/vllm_cpu.md): a refused update leaves its model on the meta device and the next forward
@@ -74,7 +75,6 @@ class SyncStats:
     transfer_s: float = 0.0       # gathering and sending the tensors (or the adapter's load)
     finish_s: float = 0.0         # /finish_weight_update: the servers' reload ends
     resume_s: float = 0.0         # /resume, every server
-    probe_s: float = 0.0          # the probe after a full sync (the parity figure)
     bytes: int = 0                # what rank 0 sent: the tensors' bytes, or the adapter file's
     verify_s: float = 0.0         # sync/verify_s: proving it landed (fingerprints; an adapter's
                                   # probe)
@@ -130,6 +130,8 @@ class FullSync:
         self.unreadable: set[str] = set()    # rank 0: URLs whose unreadable tensors were said
         self.parity: dict[str, float] = {}   # sync/probe_kl of the last sync, logged every step
         self.worker_kwargs: dict = {}        # RolloutWorker's: rollouts ask for the base card
+        self.asked = False                   # every rank: a probe waits to be scored (settle)
+        self.asking = None                   # rank 0: its request, in flight
 
     def specs(self) -> list[tuple[str, torch.Size]]:
         """(name, shape) of what every sync sends, in order: the server's names."""
@@ -159,7 +161,8 @@ class FullSync:
         """Nothing to release: the servers keep the last weights sent."""
 
     def push(self, version: int, probe_after: bool = True) -> dict[str, float]:
-        """Every rank: send, verify (rank 0, between finish and resume: _verify), then probe."""
+        """Every rank: send, verify (rank 0, between finish and resume: _verify); the probe is
+        asked as the servers resume (settle scores it)."""
         specs = self.specs()
         names = chosen([n for n, _ in specs], version, self.every, self.always, self.pushes == 0)
         check = Fingerprints(set(names) if self.showing else set())     # empty off rank 0
@@ -167,13 +170,20 @@ class FullSync:
         stats = w.push(specs, lambda: check.record(specs, self.tensors(), w.device, w.dtype),
                        version, lambda: self._verify(check, version))
         self.pushes += 1
-        start = time.perf_counter()
-        if probe_after and self.every:
-            self.parity = parity(probe(self.policy, w.members, base_card), w.members.clients)
-        stats.probe_s = time.perf_counter() - start
-        stats.s += stats.probe_s
+        if probe_after and self.every and w.rank == 0:   # asked now, scored in settle()
+            self.asking = ThreadPoolExecutor(1).submit(ask, self.policy, w.members, base_card)
+        self.asked = probe_after and self.every > 0
         stats.verify_s += check.seconds
         return stats.metrics()
+
+    def settle(self) -> None:
+        """Every rank, before the weights change again (train.py: before each step): the last
+        sync's probe, asked when the servers resumed, scored by the policy (the parity figure),
+        so its generation never holds up a step."""
+        if self.asked:
+            self.asked = False
+            found = on_rank0(lambda: self.asking.result(self.weights.timeout), FAILED)
+            self.parity = parity(probe(self.policy, found), self.weights.members.clients)
 
     def _verify(self, check: Fingerprints, version: int) -> int:
         """Rank 0, after /finish_weight_update and before /resume: every live server that can
@@ -217,23 +227,26 @@ class FullSync:
 # ── the probe: what each server's log-probs say (verify_sync measures, this gathers) ──────────
 
 
-def probe(policy, members: "Members", model_of: Callable[[VLLMClient], str], under=None,
-          others: dict | None = None, only: set[str] | None = None) -> list[Probe]:
-    """Every rank. Rank 0 asks each live server of `members` (in `only`, if given) for the probe's
-    tokens under model_of(server), in parallel; every rank scores them with the policy, under the
-    context `under()` if given (e.g. the adapter switched off), and under each of `others`
-    (what → a context: a failed delivery). The findings, on every rank, in the servers' order."""
+def ask(policy, members: "Members", model_of: Callable[[VLLMClient], str],
+        only: set[str] | None = None) -> list[tuple[str, list[int], list[float]]]:
+    """Rank 0: (url, tokens, their log-probs) of the probe each live server of `members` (in
+    `only`, if given) samples under model_of(server), asked in parallel, in the servers' order."""
     prompt = probe_prompt(policy.model.get_input_embeddings().num_embeddings)
     found = {}
 
-    def ask(c: VLLMClient) -> None:
+    def one(c: VLLMClient) -> None:
         if only is None or c.base_url in only:
             found[c.base_url] = served_logprobs(c, model_of(c), prompt)
+    members.call(one)
+    return [(c.base_url, *found[c.base_url]) for c in members.clients if c.base_url in found]
 
-    def ask_all() -> list[tuple[str, list[int], list[float]]]:
-        members.call(ask)
-        return [(c.base_url, *found[c.base_url]) for c in members.clients if c.base_url in found]
-    asked = shared(on_rank0(ask_all, FAILED))
+
+def probe(policy, asked, under=None, others: dict | None = None) -> list[Probe]:
+    """Every rank: rank 0's `asked` (ask's; None elsewhere) scored by the policy, under the
+    context `under()` if given (e.g. the adapter as zeros: the base), and under each of `others`
+    (what → a context: a failed delivery). The findings, on every rank."""
+    prompt = probe_prompt(policy.model.get_input_embeddings().num_embeddings)
+    asked = shared(asked)
     sequences = [(prompt, tokens) for _, tokens, _ in asked]
     if not sequences:
         return []

@@ -164,6 +164,7 @@ def test_a_corrupted_replica_is_named_with_its_tensor_and_fingerprints_and_taken
         assert requests.get(s.url + "/is_paused").json() == {"is_paused": False}
     assert requests.get(b.url + "/weight_info").json() == {"weight_version": "unverified-1"}
     stats = sync.push(2)              # b answers /health: back in, CORRUPT not in this slice
+    sync.settle()                     # the probe asked as they resumed, scored
     assert 2 <= stats["sync/verified_tensors"] < len(sync.specs())      # a slice, ends included
     assert sync.parity["sync/probe_kl/0"] < 1e-6                         # fp32: the same model
     assert sync.parity["sync/probe_kl/1"] == sync.parity["sync/probe_kl"] > 1e-5   # the figure
@@ -200,6 +201,7 @@ def test_a_server_that_cannot_show_its_weights_is_said_once_and_synced_unverifie
         sync.connect()
     for version in (1, 2):
         assert sync.push(version)["sync/verified_tensors"] == 0
+        sync.settle()
         assert sync.parity["sync/probe_kl"] < 1e-6          # the probe still measures parity
     assert requests.get(server.url + "/weight_info").json() == {"weight_version": "2"}
 

@@ -3,6 +3,7 @@ table and the departures are tools/bench.py's): the toy demo's learning, async a
 alternating generation, full against adapter sync, the stand-in against real vLLM.
 """
 import sys
+import time
 
 
 # ── the trainer (train.py, weight_sync.py, lora_sync.py) ─────────────────────────────────────────
@@ -264,11 +265,11 @@ def sync(argv):
         seconds, sent, share, first_share, probe_share = {}, {}, {}, {}, {}
         for kind, syncer in syncers.items():
             syncer.connect()
-            first, *runs = [syncer.push(version) for version in range(1, 2 + 2 * every)]
+            first, *runs = [settled(syncer, version) for version in range(1, 2 + 2 * every)]
             total = sum(m["perf/weight_sync_s"] for m in runs)
             seconds[kind] = total / len(runs)
             share[kind] = sum(m["sync/verify_s"] for m in runs) / total
-            probe_share[kind] = sum(m["perf/weight_sync_probe_s"] for m in runs) / total
+            probe_share[kind] = sum(m["probe_s"] for m in runs) / total
             first_share[kind] = first["sync/verify_s"] / first["perf/weight_sync_s"]
             sent[kind] = runs[-1]["perf/weight_sync_bytes"]
         torch.distributed.destroy_process_group()
@@ -285,11 +286,19 @@ def sync(argv):
               f"adapter_bytes={adapter / 1e6:.1f}MB bytes_ratio={adapter / full:.4f}")
 
 
+def settled(syncer, version: int) -> dict:
+    """One sync, then its probe scored at once (settle: the worst case, where no step runs while
+    the server generates it): the sync's metrics with probe_s, the seconds settle took."""
+    metrics = syncer.push(version)
+    start = time.perf_counter()
+    syncer.settle()
+    return metrics | {"probe_s": time.perf_counter() - start}
+
+
 PHASES = {"pause": "perf/weight_sync_pause_s", "barrier": "perf/weight_sync_barrier_s",
           "start": "perf/weight_sync_start_s", "transfer": "perf/weight_sync_transfer_s",
           "finish": "perf/weight_sync_finish_s", "verify": "sync/verify_s",
-          "resume": "perf/weight_sync_resume_s", "probe": "perf/weight_sync_probe_s",
-          "total": "perf/weight_sync_s"}
+          "resume": "perf/weight_sync_resume_s", "probe": "probe_s", "total": "perf/weight_sync_s"}
 
 
 def _sync_phases(syncs: int, vllm_python: str | None) -> None:
@@ -322,7 +331,7 @@ def _sync_phases(syncs: int, vllm_python: str | None) -> None:
         try:
             sync = FullSync(policy, [VLLMClient(server.url, timeout=120)], config)
             sync.connect()
-            runs = [sync.push(version) for version in range(1, syncs + 1)][1:]
+            runs = [settled(sync, version) for version in range(1, syncs + 1)][1:]
             sync.close()
         finally:
             server.stop()
