@@ -30,6 +30,7 @@ Departures from the spec, one line each:
 - Several replicas are served without a proxy: each load and unload goes to each (TRL refuses that).
 """
 import dataclasses
+import fcntl
 import os
 import secrets
 import shutil
@@ -191,7 +192,7 @@ class AdapterSync:
     def connect(self) -> None:
         """Rank 0: the adapters' directory, and each server's dtype (the probe's tolerance)."""
         if dist.get_rank() == 0:
-            os.makedirs(self.root, exist_ok=True)
+            self.lock = own_adapters(self.root, self.prefix)   # and a killed run's removed
             self.dtypes = {c.base_url: served_dtype(c.server_info()) for c in self.clients}
 
     def worker_kwargs(self) -> dict:
@@ -443,3 +444,26 @@ def adapter_bytes(model, peft_config, dtype=torch.bfloat16) -> tuple[int, int]:
     adapted = get_peft_model(model, peft_config)
     lora = sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n) * dtype.itemsize
     return full, lora
+
+
+def own_adapters(root: str, prefix: str):
+    """Rank 0 at start: hold <root>/<prefix>.lock for as long as this run lives (an flock, which
+    the kernel releases when the process dies, however it dies), and remove what every run whose
+    lock no one holds left in root (its adapters, a killed run's). Returns the open lock file."""
+    os.makedirs(root, exist_ok=True)
+    held = open(os.path.join(root, f"{prefix}.lock"), "w")
+    fcntl.flock(held, fcntl.LOCK_EX)
+    live = set()
+    for name in os.listdir(root):
+        if name.endswith(".lock"):
+            with open(os.path.join(root, name)) as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    live.add(name.removesuffix(".lock"))
+    for name in os.listdir(root):        # policy-<run>.lock, policy-<run>-vN, .policy-<run>-vN.tmp
+        run = name.lstrip(".").removesuffix(".tmp").removesuffix(".lock").rsplit("-v", 1)[0]
+        if run not in live:
+            path = os.path.join(root, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return held

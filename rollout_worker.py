@@ -18,7 +18,8 @@ it, feed it the policy version, take its samples and watch its health.
       .resume_state(held)     rollout_state.json: that index, less the held samples, and the
                  samples of later prompts trained already; resumed with it (trained=), get()
                  drops what the checkpoint trained, so every sample is trained exactly once
-      .drain_metrics(), .qsize(), .stop()   stop: event → join → terminate → kill
+      .drain_metrics(), .qsize(), .stop()   stop: event → join (STOP_GRACE_S) → terminate → kill
+    The child runs child_main under watched_child_main: it exits when the trainer dies.
 
 Departures from the spec:
 - The six inter-process primitives travel as one `channels.Channels` record, not six.
@@ -33,6 +34,7 @@ import os
 import pickle
 import queue
 import sys
+import threading
 import time
 import types
 from typing import Callable
@@ -43,6 +45,9 @@ from rollout.prompts import ResumeIndex, first_prompt_index
 from rollout.samples import RolloutSample
 from rollout.tool_calls import check_tools
 from rollout.staleness import Window, prior_rate
+
+STOP_GRACE_S = 1.5   # stop(): a clean exit takes ~0.5-2 s here; samples still queued are lost
+
 
 class RolloutProcessError(Exception):
     """The rollout process's traceback text, chained under the RuntimeError the trainer sees."""
@@ -141,8 +146,8 @@ class RolloutWorker:
             consumed=ctx.Value("q", self.consumed, lock=False),
             heartbeat=ctx.Value("d", time.time(), lock=False),
             stop=ctx.Event(), ready=ctx.Event(), failed=ctx.Event())
-        process = ctx.Process(target=child_main, name="rollout", daemon=True,
-                              args=(self.loop_cls, self.kwargs, self.channels))
+        process = ctx.Process(target=watched_child_main, name="rollout", daemon=True,
+                              args=(self.loop_cls, self.kwargs, self.channels, os.getpid()))
         spawn(process, pickled)
         self.process = process          # started (a failed start leaves stop() nothing to join)
         deadline = time.monotonic() + ready_timeout
@@ -263,18 +268,36 @@ class RolloutWorker:
                                f"(exit code {self.process.exitcode})")
 
     def stop(self) -> None:
-        """Ask the process to stop, then join → terminate → kill: nothing is left behind."""
+        """Ask the process to stop (the progress queue drained meanwhile: a child exits only once
+        its queues are flushed); one still running after STOP_GRACE_S is terminated, then killed.
+        It returns within ~2 s however long the run was, and nothing is left behind."""
         if self.process is None:
             return
         self.channels.stop.set()
-        self.process.join(15)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while self.process.is_alive() and time.monotonic() < deadline:
+            self.resume_index()
+            self.process.join(0.05)
         if self.process.is_alive():
             self.process.terminate()
-            self.process.join(5)
+            self.process.join(0.5)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
         self.process = None
+
+
+def watched_child_main(loop_cls: type, kwargs: dict, channels: Channels, parent: int) -> None:
+    """The spawned process: rollout.loop.child_main, and beside it a thread that waits on the stop
+    event and ends the process at once (os._exit: a queue no one reads would hold a clean exit)
+    when its parent, the trainer, is gone, as after an OOM kill: no orphan polls the servers."""
+    def watch() -> None:
+        while not channels.stop.wait(0.5):
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    child_main(loop_cls, kwargs, channels)
 
 
 def check_main_guard() -> None:

@@ -45,7 +45,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 
 import torch
@@ -65,7 +65,7 @@ import rollout_worker
 from rollout_worker import RolloutWorker
 from trie_pack import Planner
 from vllm_client import VLLMClient, server_urls
-from weight_sync import FullSync, check_servers, free_port, full_tensor, language_parameters
+from weight_sync import FullSync, check_servers, full_tensor, language_parameters
 
 # ── the loop ─────────────────────────────────────────────────────────────────────────────────
 
@@ -77,12 +77,19 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     max_steps; every rank calls it (torchrun). `hooks`: the callbacks and the TrainerState they
     see (Hooks). Returns the last logged metrics (rank 0; {} on the other ranks)."""
     rollout_worker.check_main_guard()
+    output_dir = config.output_dir or "trainer_output"
+    resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
+    state = checkpoint.TrainState(settings=checkpoint.settings(config, dataset))
+    first = int(os.environ.get("RANK", "0")) == 0
+    if resume:                                  # before any work: what it resumes is checked
+        checkpoint.check_resume(resume, state.settings, say=first)
+    elif first:                                 # one run per output_dir
+        checkpoint.claim(output_dir, config.overwrite_output_dir)
     rank, world, device = setup_distributed(config)
     set_log_level(config, rank)
     hooks = hooks or Hooks([], config)
     from transformers import set_seed
     set_seed(config.seed)        # random, numpy, torch on every rank: the weights agree to shard
-    output_dir = config.output_dir or "trainer_output"
     model, tokenizer = load_model(model, config, processing_class, peft_config, device)
     aux_coef = router_aux_loss_coef(model.config, config.router_aux_loss_coef)
     policy = shard(Policy(model), config, device)
@@ -91,10 +98,9 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     if config.fp16:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         scaler = ShardedGradScaler()
-    state = checkpoint.TrainState()
-    resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
     if resume:
-        state = checkpoint.load(resume, policy, optimizer, scheduler)
+        state = replace(checkpoint.load(resume, policy, optimizer, scheduler),
+                        settings=state.settings)        # the next checkpoint records this run's
     hooks.state.global_step = state.global_step
     clients = [VLLMClient(url, timeout=config.vllm_server_timeout) for url in server_urls(config)]
     sync = make_sync(policy, clients, config, peft_config, output_dir)
@@ -104,9 +110,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
 
     def save() -> None:
         if rank == 0:
-            held = [s.prompt_index for s in feed.planner.held()]    # in open rows: untrained
-            saved = feed.worker.resume_state(held)
-            state.prompt_index, state.trained = saved["prompt_index"], saved["trained"]
+            state.prompt_index, state.trained = feed.resume_state()
         checkpoint.save(output_dir, state, policy, optimizer, scheduler, tokenizer, config)
         if rank == 0:
             hooks.event("on_save")
@@ -160,6 +164,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                 if rank == 0:
                     feed.worker.set_model_version(state.model_version)
             if rank == 0:
+                state.prompt_index, state.trained = feed.resume_state()    # bounded: see there
                 step_metrics["perf/step_s"] = time.perf_counter() - started
                 log.step(state, step_metrics, step)
                 hooks.event("on_step_end")
@@ -207,8 +212,8 @@ def setup_distributed(config) -> tuple[int, int, torch.device]:
                                    f"group at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} "
                                    f"did not form within {wait_s:g}s (ddp_timeout): {e}; start "
                                    "every rank against the same master") from e
-        else:                                   # alone: nothing written to os.environ
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+        else:                                   # alone: nothing written to os.environ, and
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0,   # no store to listen
                                     world_size=1, timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
@@ -366,6 +371,14 @@ class Feed:
     microbatches: int                                  # gradient_accumulation_steps
     state: checkpoint.TrainState                       # counts dropped_*_total and num_tokens
     finished: bool = False                             # the worker has no more samples
+
+    def resume_state(self) -> tuple[int, dict]:
+        """rollout_state.json's (prompt_index, trained) now; the samples in the planner's open
+        rows are not trained yet. Taken after every step, which keeps rank 0's per-prompt state
+        to the prompts in flight (the staleness window and the queue) however long the run, and
+        drains the rollout process's progress queue."""
+        saved = self.worker.resume_state([s.prompt_index for s in self.planner.held()])
+        return saved["prompt_index"], saved["trained"]
 
     def next_step(self, version: int, max_staleness: int) -> Step | None:
         """The next step: up to `microbatches` micro-batches of world_size PackedRows (fewer only
@@ -693,10 +706,14 @@ class ScriptArguments:
 
 
 def import_callable(spec: str):
-    """module:function → the function."""
+    """module:function → the function, from the current directory too (searched after this
+    repository's, so a file of the user's never shadows a module of the trainer; the spawned
+    rollout process inherits the path)."""
     module, _, name = spec.partition(":")
     if not name:
         raise ValueError(f"--reward {spec!r}: expected module:function")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(1, os.getcwd())
     return getattr(importlib.import_module(module), name)
 
 
