@@ -41,6 +41,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -286,13 +287,13 @@ def load(path: str, policy, optimizer, scheduler) -> TrainState:
                    optim_state_dict=state["optim"])
     for group, hyper in zip(optimizer.param_groups, built):
         group.update(hyper)
-    schedule = torch.load(os.path.join(path, "scheduler.pt"), weights_only=True)
+    schedule = load_tensors(os.path.join(path, "scheduler.pt"))
     scheduler.load_state_dict(schedule | {"base_lrs": scheduler.base_lrs,
                                           "last_epoch": schedule["last_epoch"] - 1})
     scheduler.step()                      # the saved step's learning rate, from this run's
     rng_file = os.path.join(path, f"rng_state_{dist.get_rank()}.pth")
     if os.path.exists(rng_file):          # a resume on more ranks than saved starts fresh RNGs
-        rng = torch.load(rng_file, weights_only=True)
+        rng = load_tensors(rng_file)
         random.setstate(rng["python"])
         kind, keys, pos, has_gauss, gauss = rng["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
@@ -305,3 +306,14 @@ def load(path: str, policy, optimizer, scheduler) -> TrainState:
         saved |= json.load(f)
     saved["trained"] = {int(p): n for p, n in saved.get("trained", {}).items()}
     return TrainState(**saved)
+
+
+def load_tensors(path: str):
+    """torch.load of tensors, numbers and containers only (weights_only): a file that holds
+    anything else, code that would run on load, is refused with its name, and nothing in it runs."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} holds more than tensors and numbers, so it was not loaded "
+                         "(nothing in it ran): this trainer did not write it, or it was altered; "
+                         "resume only checkpoints you trust") from e
