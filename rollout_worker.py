@@ -46,7 +46,7 @@ from rollout.samples import RolloutSample
 from rollout.tool_calls import check_tools
 from rollout.staleness import Window, prior_rate
 
-STOP_GRACE_S = 1.5   # stop(): a clean exit takes ~0.5-2 s here; samples still queued are lost
+STOP_GRACE_S = 1.0   # stop(): the wait for a clean exit (~0.5-2 s here); then SIGTERM
 
 
 class RolloutProcessError(Exception):

@@ -109,8 +109,6 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     log = None                                  # rank 0: metrics.jsonl and the progress bar
 
     def save() -> None:
-        if rank == 0:
-            state.prompt_index, state.trained = feed.resume_state()
         checkpoint.save(output_dir, state, policy, optimizer, scheduler, tokenizer, config)
         if rank == 0:
             hooks.event("on_save")
@@ -164,7 +162,6 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                 if rank == 0:
                     feed.worker.set_model_version(state.model_version)
             if rank == 0:
-                state.prompt_index, state.trained = feed.resume_state()    # bounded: see there
                 step_metrics["perf/step_s"] = time.perf_counter() - started
                 log.step(state, step_metrics, step)
                 hooks.event("on_step_end")
@@ -372,20 +369,13 @@ class Feed:
     state: checkpoint.TrainState                       # counts dropped_*_total and num_tokens
     finished: bool = False                             # the worker has no more samples
 
-    def resume_state(self) -> tuple[int, dict]:
-        """rollout_state.json's (prompt_index, trained) now; the samples in the planner's open
-        rows are not trained yet. Taken after every step, which keeps rank 0's per-prompt state
-        to the prompts in flight (the staleness window and the queue) however long the run, and
-        drains the rollout process's progress queue."""
-        saved = self.worker.resume_state([s.prompt_index for s in self.planner.held()])
-        return saved["prompt_index"], saved["trained"]
-
     def next_step(self, version: int, max_staleness: int) -> Step | None:
         """The next step: up to `microbatches` micro-batches of world_size PackedRows (fewer only
         at the end of the prompts); None when the prompts are done. A sample older than
         max_staleness versions is dropped, also one held in an open row since an earlier step
         (spec: SAMPLE ... dropped if staleness > max_staleness), and so is one over the token
-        budget; the state counts both drops and the forwarded tokens."""
+        budget; the state counts both drops and the forwarded tokens, and holds the resume
+        cursor (prompt_index, trained)."""
         samples, staleness, queue_s, rows, waited_s = [], [], [], [], 0.0
         queue_size = self.worker.qsize()
         stale = self.planner.drop(lambda s: version - s.model_version > max_staleness)
@@ -413,6 +403,11 @@ class Feed:
                 micro = self.planner.add(sample)
             if micro:
                 rows.append(micro)
+        # the resume cursor once this step is trained (the open rows' samples are not): what a
+        # checkpoint after it saves; taken every step, it keeps rank 0's per-prompt state to the
+        # prompts in flight however long the run, and drains the rollout's progress queue
+        saved = self.worker.resume_state([s.prompt_index for s in self.planner.held()])
+        self.state.prompt_index, self.state.trained = saved["prompt_index"], saved["trained"]
         if not rows:
             return None
         packed = [[row.pack() for row in micro] for micro in rows]

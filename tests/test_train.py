@@ -53,6 +53,9 @@ def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
         def qsize(self):
             return len(self.samples)
 
+        def resume_state(self, held):
+            return {"prompt_index": 0, "trained": {}}
+
     fresh = [sample([1, 2, 3 + i], [0, 1, 1], group=i, version=1) for i in range(2)]
     stale = sample([1, 2, 9], [0, 1, 1], version=0)
     big = sample(range(9), [0] + [1] * 8, version=1)                   # over token_budget 8
