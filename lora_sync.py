@@ -447,23 +447,24 @@ def adapter_bytes(model, peft_config, dtype=torch.bfloat16) -> tuple[int, int]:
 
 
 def own_adapters(root: str, prefix: str):
-    """Rank 0 at start: hold <root>/<prefix>.lock for as long as this run lives (an flock, which
-    the kernel releases when the process dies, however it dies), and remove what every run whose
-    lock no one holds left in root (its adapters, a killed run's). Returns the open lock file."""
+    """Rank 0 at start: hold <root>.locks/<prefix> for as long as this run lives (an flock, which
+    the kernel releases when the process dies, however it dies), and remove from root what every
+    run whose lock no one holds left there (its adapters: a killed run's), and its lock file.
+    Returns the open lock file."""
+    locks = root + ".locks"
     os.makedirs(root, exist_ok=True)
-    held = open(os.path.join(root, f"{prefix}.lock"), "w")
+    os.makedirs(locks, exist_ok=True)
+    held = open(os.path.join(locks, prefix), "w")
     fcntl.flock(held, fcntl.LOCK_EX)
     live = set()
-    for name in os.listdir(root):
-        if name.endswith(".lock"):
-            with open(os.path.join(root, name)) as f:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    live.add(name.removesuffix(".lock"))
-    for name in os.listdir(root):        # policy-<run>.lock, policy-<run>-vN, .policy-<run>-vN.tmp
-        run = name.lstrip(".").removesuffix(".tmp").removesuffix(".lock").rsplit("-v", 1)[0]
-        if run not in live:
-            path = os.path.join(root, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    for name in os.listdir(locks):
+        with open(os.path.join(locks, name), "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.remove(os.path.join(locks, name))          # its run is gone
+            except BlockingIOError:
+                live.add(name)
+    for name in os.listdir(root):                     # policy-<run>-vN, .policy-<run>-vN.tmp
+        if name.lstrip(".").removesuffix(".tmp").rsplit("-v", 1)[0] not in live:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return held
