@@ -130,7 +130,10 @@ def claim(output_dir: str, overwrite: bool) -> None:
                          "or choose another --output_dir")
     for name in found:
         path = os.path.join(output_dir, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def find(output_dir: str, resume) -> str | None:
