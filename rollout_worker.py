@@ -19,7 +19,7 @@ it, feed it the policy version, take its samples and watch its health.
                  samples of later prompts trained already; resumed with it (trained=), get()
                  drops what the checkpoint trained, so every sample is trained exactly once
       .drain_metrics(), .qsize(), .stop()   stop: event → join (STOP_GRACE_S) → terminate → kill
-    The child runs child_main under watched_child_main: it exits when the trainer dies.
+    The child exits when the trainer dies without a stop (rollout/loop.py, _wait_for_stop).
 
 Departures from the spec:
 - The six inter-process primitives travel as one `channels.Channels` record, not six.
@@ -34,7 +34,6 @@ import os
 import pickle
 import queue
 import sys
-import threading
 import time
 import types
 from typing import Callable
@@ -146,8 +145,8 @@ class RolloutWorker:
             consumed=ctx.Value("q", self.consumed, lock=False),
             heartbeat=ctx.Value("d", time.time(), lock=False),
             stop=ctx.Event(), ready=ctx.Event(), failed=ctx.Event())
-        process = ctx.Process(target=watched_child_main, name="rollout", daemon=True,
-                              args=(self.loop_cls, self.kwargs, self.channels, os.getpid()))
+        process = ctx.Process(target=child_main, name="rollout", daemon=True,
+                              args=(self.loop_cls, self.kwargs, self.channels))
         spawn(process, pickled)
         self.process = process          # started (a failed start leaves stop() nothing to join)
         deadline = time.monotonic() + ready_timeout
@@ -285,19 +284,6 @@ class RolloutWorker:
             self.process.kill()
             self.process.join()
         self.process = None
-
-
-def watched_child_main(loop_cls: type, kwargs: dict, channels: Channels, parent: int) -> None:
-    """The spawned process: rollout.loop.child_main, and beside it a thread that waits on the stop
-    event and ends the process at once (os._exit: a queue no one reads would hold a clean exit)
-    when its parent, the trainer, is gone, as after an OOM kill: no orphan polls the servers."""
-    def watch() -> None:
-        while not channels.stop.wait(0.5):
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-    child_main(loop_cls, kwargs, channels)
 
 
 def check_main_guard() -> None:
