@@ -196,6 +196,7 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
                "torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         torch.save(rng, os.path.join(tmp, f"rng_state_{rank}.pth"))
+        fsync(os.path.join(tmp, f"rng_state_{rank}.pth"))   # by its writer (dcp fsyncs its own)
     if rank == 0:
         if not config.save_only_model:
             torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))

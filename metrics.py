@@ -320,11 +320,11 @@ def cut_back(output_dir: str, step: int) -> set[int]:
     for name in ("metrics.jsonl", COMPLETIONS):
         path = os.path.join(output_dir, name)
         if os.path.exists(path):
-            kept[name] = [r for r in _read_lines(path) if r.get("step", 0) <= step]
+            kept[name] = [(text, r) for text, r in _whole_lines(path) if r["step"] <= step]
             with open(path + ".tmp", "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept[name])
+                f.writelines(text for text, _ in kept[name])     # as written
             os.replace(path + ".tmp", path)
-    return {r["prompt_index"] for r in kept.get(COMPLETIONS, []) if "prompt" in r}
+    return {r["prompt_index"] for _, r in kept.get(COMPLETIONS, []) if "prompt" in r}
 
 
 def completion_records(step: int, version: int, samples: list, prompted: set[int]) -> list[dict]:
@@ -365,8 +365,13 @@ def mean_by(lines: list[dict], key: str, value: str) -> dict:
 
 
 def _read_lines(path: str) -> list[dict]:
-    """The complete lines: one a kill cut (no newline, or glued to the next line's start by a
-    later append) is left out."""
+    """The records of the whole lines of `path` (_whole_lines)."""
+    return [record for _, record in _whole_lines(path)]
+
+
+def _whole_lines(path: str) -> list[tuple[str, dict]]:
+    """(text, record) of each whole line: one a kill cut (no newline, or glued to the start of
+    the next line by a later append) is left out."""
     out = []
     with open(path) as f:
         for line in f:
@@ -375,7 +380,7 @@ def _read_lines(path: str) -> list[dict]:
             except ValueError:
                 continue
             if isinstance(record, dict) and "step" in record:
-                out.append(record)
+                out.append((line, record))
     return out
 
 
