@@ -7,8 +7,9 @@
       (LoRA: adapter_model.safetensors + adapter_config.json → PeftModel.from_pretrained)
       fsdp/                           torch.distributed.checkpoint: the sharded master weights and
                                       optimizer state, what a resume loads
-      scheduler.pt, rng_state_<rank>.pth
-      trainer_state.json              {"global_step": 20, "model_version": 20, "num_tokens": ...}
+      scheduler.pt, rng_state_<rank>.pth   loaded weights_only: tensors and numbers, no code
+      trainer_state.json              {"global_step": 20, "model_version": 20, "num_tokens": ...,
+                                      "settings": what the resume checks (settings())}
       rollout_state.json              {"prompt_index": 157, "trained": {"157": 2, "159": 4}}: the
                                       first prompt not wholly trained, and the samples of it and of
                                       later prompts trained already (the resume skips those)
@@ -17,17 +18,30 @@ save_only_model=True writes the model files, trainer_state.json and rollout_stat
 fsdp/, scheduler, RNG): a servable model, not a resume point. copy_model() copies a checkpoint's
 model files (AsyncGRPOTrainer.save_model); load_model() reads them back.
 
+One run per output_dir (claim): a run that does not resume refuses a directory holding another
+run's checkpoints or metrics, or with overwrite_output_dir removes them first. Every file and
+directory is fsynced before the rename, and the rename before older checkpoints are pruned.
+
 Resume (`resume_from_checkpoint=True`: the newest checkpoint in output_dir; or a path) restores
 all of it; the rollout process starts at prompt_index, the trainer syncs the saved weights to the
-servers before generation starts, and running totals (num_tokens, *_total) continue. A resume
-truncates completions.jsonl to the checkpoint's steps (metrics.py).
+servers before generation starts, and running totals (num_tokens, *_total) continue. It first
+checks what it resumes (check_resume): a changed dataset, num_generations or prompt order is
+refused (the cursor counts in them), a changed optimisation setting applied and said. A resume
+cuts metrics.jsonl and completions.jsonl back to the checkpoint's steps (metrics.py). fsdp/ holds
+torch's DCP metadata, a pickle: resume only checkpoints you trust (the model files are
+safetensors, safe to share).
 
 Departures from the spec, one line each:
 - One torch.distributed.checkpoint folder, not pytorch_model_fsdp.bin + optimizer.bin: it reshards.
 - rollout_state.json's "trained" (ours): samples trained past prompt_index are not trained again.
+- A resume applies the current learning rate, schedule and AdamW settings (the Trainer keeps the
+  checkpoint's).
 """
+import hashlib
 import json
+import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -40,6 +54,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from weight_sync import full_tensor
+
+log = logging.getLogger(__name__)
+RUN_FILES = ("metrics.jsonl", "completions.jsonl", "metrics.png")   # besides checkpoint-N/
+CURSOR = ("num_generations", "train_sampling_strategy")   # + shuffle_seed, the dataset's identity
+OPTIMIZATION = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
+                "max_steps", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2",
+                "adam_epsilon", "optim")
 
 
 @dataclass
@@ -54,6 +75,65 @@ class TrainState:
     dropped_oversize_total: int = 0    # over token_budget (batch/dropped_oversize_total)
     prompt_index: int = 0              # first prompt not wholly trained (rollout_state.json)
     trained: dict = field(default_factory=dict)   # prompt index ≥ it → samples trained (same)
+    settings: dict = field(default_factory=dict)  # what the run trains under (settings())
+
+
+def settings(config, dataset) -> dict:
+    """What a resume checks (check_resume). "cursor": what rollout_state.json's counts depend on,
+    which prompt sits at which index and how many samples each has: num_generations, the order
+    (train_sampling_strategy, shuffle_seed) and the dataset (its rows, and a digest of up to 1,024
+    prompts spread over them: another, reordered or filtered dataset changes it, the same rows
+    from a copied file do not). The world size is not among them: prompt indices count prompts,
+    not ranks. "optimization": the settings a resume applies (OPTIMIZATION)."""
+    cursor = {name: getattr(config, name) for name in CURSOR}
+    cursor["shuffle_seed"] = config.shuffle_seed()
+    if dataset is not None and hasattr(dataset, "__len__"):      # a stream restarts at 0 anyway
+        n = len(dataset)
+        picked = [dataset[i * n // min(n, 1024)]["prompt"] for i in range(min(n, 1024))]
+        text = json.dumps(picked, sort_keys=True, default=str).encode()
+        cursor |= {"dataset_rows": n, "dataset_prompts": hashlib.sha256(text).hexdigest()[:16]}
+    optimization = {name: getattr(config, name) for name in OPTIMIZATION}
+    return json.loads(json.dumps({"cursor": cursor, "optimization": optimization}, default=str))
+
+
+def check_resume(path: str, now: dict, say: bool = True) -> None:
+    """Before a resume from `path` under settings `now` (settings()): ValueError naming each
+    cursor setting that changed, old and new (the saved prompt index and trained counts would
+    drop or repeat samples); a changed optimisation setting is logged (`say`) and applied
+    (load())."""
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        saved = json.load(f).get("settings", {})      # none in a checkpoint older than the check
+    changed = {kind: [f"{name} {old!r} → {now[kind].get(name)!r}"
+                      for name, old in saved.get(kind, {}).items() if now[kind].get(name) != old]
+               for kind in ("cursor", "optimization")}
+    if changed["cursor"]:
+        raise ValueError(f"resume_from_checkpoint={path}: {'; '.join(changed['cursor'])}. The "
+                         "checkpoint's data cursor (rollout_state.json) counts prompts and "
+                         "samples under the old values, so this run would drop or repeat "
+                         "samples: resume with them as they were, or start a new run (another "
+                         "--output_dir, or --overwrite_output_dir true)")
+    if changed["optimization"] and say:
+        log.warning("resume_from_checkpoint=%s: applying the changed %s", path,
+                    ", ".join(changed["optimization"]))
+
+
+def claim(output_dir: str, overwrite: bool) -> None:
+    """One run per output_dir, for a run that does not resume: ValueError if output_dir holds
+    another run's checkpoints or metrics; with `overwrite` they are removed instead (what else is
+    there stays: serve_local.log, the adapters of live runs)."""
+    found = sorted(n for n in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
+                   if n in RUN_FILES or re.fullmatch(r"\.?checkpoint-\d+(\.tmp|\.deleting)?", n))
+    if found and not overwrite:
+        raise ValueError(f"output_dir {output_dir!r} holds another run ({', '.join(found[:4])}): "
+                         "continue it with --resume_from_checkpoint true, replace it with "
+                         "--overwrite_output_dir true (its checkpoints and metrics are removed), "
+                         "or choose another --output_dir")
+    for name in found:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def find(output_dir: str, resume) -> str | None:
@@ -110,11 +190,13 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
         model_state, optim_state = get_state_dict(policy, optimizer)
         dcp.save({"model": model_state, "optim": optim_state},
                  checkpoint_id=os.path.join(tmp, "fsdp"))
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
         rng = {"python": random.getstate(),
-               "numpy": np.random.get_state(),
+               "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
                "torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         torch.save(rng, os.path.join(tmp, f"rng_state_{rank}.pth"))
+        fsync(os.path.join(tmp, f"rng_state_{rank}.pth"))   # by its writer (dcp fsyncs its own)
     if rank == 0:
         if not config.save_only_model:
             torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
@@ -126,12 +208,30 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
             json.dump(rollout_state, f)
     dist.barrier()
     if rank == 0:
+        fsync_tree(tmp)              # every file and directory on disk before the rename
         if os.path.exists(final):    # the same step saved again (a resume from an older one)
             discard(output_dir, state.global_step)
         os.rename(tmp, final)        # atomic: the checkpoint appears complete or not at all
-        prune(output_dir, config.save_total_limit)
+        fsync(output_dir)            # the rename on disk before any older checkpoint goes
+        prune(output_dir, config.save_total_limit, state.global_step)
     dist.barrier()
     return final
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file under `path`, then every directory, the deepest first."""
+    for root, _, files in os.walk(path, topdown=False):
+        for name in files:
+            fsync(os.path.join(root, name))
+        fsync(root)
+
+
+def fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 RESUME_FILES = ("fsdp", "scheduler.pt", "trainer_state.json", "rollout_state.json")
@@ -153,11 +253,15 @@ def load_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path)
 
 
-def prune(output_dir: str, limit: int | None) -> None:
-    """Delete all but the newest `limit` checkpoints."""
-    if limit is None:
-        return
-    for step, _ in sorted(checkpoints(output_dir))[:-limit]:
+def prune(output_dir: str, limit: int | None, written: int) -> None:
+    """After checkpoint-<written>: delete the checkpoints past it (a history that a resume from an
+    older one abandoned, as metrics.jsonl was cut back to it), then all but the newest `limit`:
+    the one just written is never deleted."""
+    found = sorted(step for step, _ in checkpoints(output_dir))
+    doomed = [step for step in found if step > written]
+    if limit is not None:
+        doomed += [step for step in found if step <= written][:-limit]
+    for step in doomed:
         discard(output_dir, step)
 
 
@@ -171,22 +275,32 @@ def discard(output_dir: str, step: int) -> None:
 
 def load(path: str, policy, optimizer, scheduler) -> TrainState:
     """Restore a checkpoint written by save() into the sharded model, optimizer, scheduler and
-    RNGs."""
+    RNGs, under this run's optimisation settings: the parameter groups keep the hyperparameters
+    they were built with (learning rate, betas, eps, weight_decay), and the scheduler continues
+    at the saved step from this run's learning rate and schedule (check_resume says what
+    changed). torch.load reads tensors and numbers only (weights_only)."""
     if not os.path.isdir(os.path.join(path, "fsdp")):
         raise ValueError(f"{path} was saved with save_only_model=True: it holds no optimizer or "
                          "master-weight state to resume from; resume from a checkpoint saved "
                          "without it, or load the model with from_pretrained")
+    built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     model_state, optim_state = get_state_dict(policy, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=os.path.join(path, "fsdp"))
     set_state_dict(policy, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
+    for group, hyper in zip(optimizer.param_groups, built):
+        group.update(hyper)
+    schedule = load_tensors(os.path.join(path, "scheduler.pt"))
+    scheduler.load_state_dict(schedule | {"base_lrs": scheduler.base_lrs,
+                                          "last_epoch": schedule["last_epoch"] - 1})
+    scheduler.step()                      # the saved step's learning rate, from this run's
     rng_file = os.path.join(path, f"rng_state_{dist.get_rank()}.pth")
     if os.path.exists(rng_file):          # a resume on more ranks than saved starts fresh RNGs
-        rng = torch.load(rng_file, weights_only=False)
+        rng = load_tensors(rng_file)
         random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        kind, keys, pos, has_gauss, gauss = rng["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
@@ -196,3 +310,14 @@ def load(path: str, policy, optimizer, scheduler) -> TrainState:
         saved |= json.load(f)
     saved["trained"] = {int(p): n for p, n in saved.get("trained", {}).items()}
     return TrainState(**saved)
+
+
+def load_tensors(path: str):
+    """torch.load of tensors, numbers and containers only (weights_only): a file that holds
+    anything else, code that would run on load, is refused with its name, and nothing in it runs."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} holds more than tensors and numbers, so it was not loaded "
+                         "(nothing in it ran): this trainer did not write it, or it was altered; "
+                         "resume only checkpoints you trust") from e

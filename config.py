@@ -217,6 +217,8 @@ class AsyncGRPOConfig:
     logging_dir: str | None = None          # ours: tensorboard's dir; None: output_dir/runs/run
     weight_sync_verify_every: int | None = None  # ours: each tensor verified within N syncs
                                             # (verify_sync.py); 0: none, nor probes; None: 16
+    overwrite_output_dir: bool = False      # ours (transformers' scripts'): replace another run
+                                            # in output_dir (checkpoint.claim); False: refused
 
     def __post_init__(self):
         refuse_inapplicable(self)

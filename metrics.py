@@ -23,7 +23,8 @@ Sections below: the window reduction and the step's figures; MetricsLog (the JSO
 progress bar, on_log); completions.jsonl (log_completions: what was trained); report_to's
 dashboards (tensorboard, wandb, trackio: the same line at the same step); plot (a run → PNG).
 
-    completions.jsonl, one line per trained sample (a resume truncates it to its checkpoint):
+    completions.jsonl, one line per trained sample (a resume cuts it back to its checkpoint, and
+    metrics.jsonl too: cut_back):
     {"step": 12, "prompt_index": 37, "model_version": 10, "staleness": 1, "reward": 0.8,
      "advantage": 0.5, "completion_tokens": 6, "completion": "3 + 4 = 7", "prompt": "3 + 4 ="}
 
@@ -194,6 +195,7 @@ class MetricsLog:
         self.rollout_metrics = rollout_metrics   # the rollout process's since the last call
         self.window: list[dict] = []         # this logging window's per-step records
         self.last: dict = {}                 # the last line written
+        self.prompted = cut_back(output_dir, state.global_step)   # a resume's steps come again
         self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
         self.flops = FlopCounter(model)
         self.peak = peak_flops(device, config.compute_dtype(device) != torch.float32)
@@ -203,7 +205,6 @@ class MetricsLog:
         self.completions: list = []          # the samples trained in this logging window
         # once, if truncated sampling's samples come without candidate sets
         self.warn_bias = config.top_k > 0 or config.top_p < 1 or config.min_p is not None
-        self.prompted = truncate_completions(output_dir, state.global_step)
         self.completions_file = (open(os.path.join(output_dir, COMPLETIONS), "a")
                                  if config.log_completions else None)
         self.dashboards = open_dashboards(config, output_dir)
@@ -232,7 +233,9 @@ class MetricsLog:
             lines = completion_records(state.global_step, step.version, samples, self.prompted)
             self.completions_file.writelines(json.dumps(r) + "\n" for r in lines)
             self.completions_file.flush()
-            self.completions += samples
+            self.prompted = {p for p in self.prompted if p >= state.prompt_index}   # done before
+            if self.every is not None:                  # kept for the window's printout
+                self.completions += samples
         if self.warn_bias and all(s.candidate_counts is None for s in samples):
             self.warn_bias = False
             warn_biased_ratios(record, state.global_step)
@@ -296,7 +299,7 @@ def warn_biased_ratios(record: dict, step: int) -> None:
 # One line per trained sample, written by rank 0 after each optimizer step. `step` is the step that
 # trained it (a sample may wait in an open row for the next); `staleness` that step's policy version
 # minus model_version; completion_tokens the tokens the loss covers (tool results excluded);
-# `prompt` on the first line of each prompt_index only. A resume truncates the file to its
+# `prompt` on the first line of each prompt_index only. A resume cuts the file back to its
 # checkpoint's steps (atomically), so with rollout_state.json's exactly-once resume each
 # prompt_index of an epoch has num_generations lines however often the run was killed.
 
@@ -308,17 +311,20 @@ def completion_text(messages) -> str:
     return "" if messages is None else str(messages)
 
 
-def truncate_completions(output_dir: str, step: int) -> set[int]:
-    """Keep the lines of steps <= `step` (atomically: a kill leaves the old file or the new one).
-    Returns the prompt indices whose prompt text is written already."""
-    path = os.path.join(output_dir, COMPLETIONS)
-    if not os.path.exists(path):
-        return set()
-    kept = [r for r in _read_lines(path) if r["step"] <= step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(path + ".tmp", path)
-    return {r["prompt_index"] for r in kept if "prompt" in r}
+def cut_back(output_dir: str, step: int) -> set[int]:
+    """metrics.jsonl and completions.jsonl cut back to the lines of steps <= `step` (a resume's;
+    0: a fresh run), a line cut by a kill dropped, each file replaced atomically (a kill leaves
+    the old file or the new one). Returns the prompt indices whose prompt text completions.jsonl
+    holds already."""
+    kept = {}
+    for name in ("metrics.jsonl", COMPLETIONS):
+        path = os.path.join(output_dir, name)
+        if os.path.exists(path):
+            kept[name] = [(text, r) for text, r in _whole_lines(path) if r["step"] <= step]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(text for text, _ in kept[name])     # as written
+            os.replace(path + ".tmp", path)
+    return {r["prompt_index"] for _, r in kept.get(COMPLETIONS, []) if "prompt" in r}
 
 
 def completion_records(step: int, version: int, samples: list, prompted: set[int]) -> list[dict]:
@@ -359,9 +365,23 @@ def mean_by(lines: list[dict], key: str, value: str) -> dict:
 
 
 def _read_lines(path: str) -> list[dict]:
-    """The complete lines (a kill mid-write may leave a last one without its newline)."""
+    """The records of the whole lines of `path` (_whole_lines)."""
+    return [record for _, record in _whole_lines(path)]
+
+
+def _whole_lines(path: str) -> list[tuple[str, dict]]:
+    """(text, record) of each whole line: one a kill cut (no newline, or glued to the start of
+    the next line by a later append) is left out."""
+    out = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
+        for line in f:
+            try:
+                record = json.loads(line) if line.endswith("\n") else None
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "step" in record:
+                out.append((line, record))
+    return out
 
 
 # ── report_to: tensorboard, wandb, trackio ───────────────────────────────────────────────────

@@ -18,7 +18,8 @@ it, feed it the policy version, take its samples and watch its health.
       .resume_state(held)     rollout_state.json: that index, less the held samples, and the
                  samples of later prompts trained already; resumed with it (trained=), get()
                  drops what the checkpoint trained, so every sample is trained exactly once
-      .drain_metrics(), .qsize(), .stop()   stop: event → join → terminate → kill
+      .drain_metrics(), .qsize(), .stop()   stop: event → join (STOP_GRACE_S) → terminate → kill
+    The child exits when the trainer dies without a stop (rollout/loop.py, _wait_for_stop).
 
 Departures from the spec:
 - The six inter-process primitives travel as one `channels.Channels` record, not six.
@@ -43,6 +44,9 @@ from rollout.prompts import ResumeIndex, first_prompt_index
 from rollout.samples import RolloutSample
 from rollout.tool_calls import check_tools
 from rollout.staleness import Window, prior_rate
+
+STOP_GRACE_S = 1.0   # stop(): the wait for a clean exit (~0.5-2 s here); then SIGTERM
+
 
 class RolloutProcessError(Exception):
     """The rollout process's traceback text, chained under the RuntimeError the trainer sees."""
@@ -263,14 +267,19 @@ class RolloutWorker:
                                f"(exit code {self.process.exitcode})")
 
     def stop(self) -> None:
-        """Ask the process to stop, then join → terminate → kill: nothing is left behind."""
+        """Ask the process to stop (the progress queue drained meanwhile: a child exits only once
+        its queues are flushed); one still running after STOP_GRACE_S is terminated, then killed.
+        It returns within ~2 s however long the run was, and nothing is left behind."""
         if self.process is None:
             return
         self.channels.stop.set()
-        self.process.join(15)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while self.process.is_alive() and time.monotonic() < deadline:
+            self.resume_index()
+            self.process.join(0.05)
         if self.process.is_alive():
             self.process.terminate()
-            self.process.join(5)
+            self.process.join(0.5)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()

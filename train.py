@@ -45,7 +45,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 
 import torch
@@ -65,8 +65,7 @@ import rollout_worker
 from rollout_worker import RolloutWorker
 from trie_pack import Planner
 from vllm_client import VLLMClient, server_urls
-from weight_sync import (FullSync, check_servers, free_port, full_tensor, language_parameters,
-                         on_rank0)
+from weight_sync import FullSync, check_servers, full_tensor, language_parameters, on_rank0
 
 # ── the loop ─────────────────────────────────────────────────────────────────────────────────
 
@@ -78,12 +77,19 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     max_steps; every rank calls it (torchrun). `hooks`: the callbacks and the TrainerState they
     see (Hooks). Returns the last logged metrics (rank 0; {} on the other ranks)."""
     rollout_worker.check_main_guard()
+    output_dir = config.output_dir or "trainer_output"
+    resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
+    state = checkpoint.TrainState(settings=checkpoint.settings(config, dataset))
+    first = int(os.environ.get("RANK", "0")) == 0
+    if resume:                                  # before any work: what it resumes is checked
+        checkpoint.check_resume(resume, state.settings, say=first)
+    elif first:                                 # one run per output_dir
+        checkpoint.claim(output_dir, config.overwrite_output_dir)
     rank, world, device = setup_distributed(config)
     set_log_level(config, rank)
     hooks = hooks or Hooks([], config)
     from transformers import set_seed
     set_seed(config.seed)        # random, numpy, torch on every rank: the weights agree to shard
-    output_dir = config.output_dir or "trainer_output"
     model, tokenizer = load_model(model, config, processing_class, peft_config, device)
     aux_coef = router_aux_loss_coef(model.config, config.router_aux_loss_coef)
     policy = shard(Policy(model), config, device)
@@ -92,10 +98,9 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     if config.fp16:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         scaler = ShardedGradScaler(device=device.type)    # its default, "cuda", is off on a CPU
-    state = checkpoint.TrainState()
-    resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
     if resume:
-        state = checkpoint.load(resume, policy, optimizer, scheduler)
+        state = replace(checkpoint.load(resume, policy, optimizer, scheduler),
+                        settings=state.settings)        # the next checkpoint records this run's
     hooks.state.global_step = state.global_step
     clients = [VLLMClient(url, timeout=config.vllm_server_timeout) for url in server_urls(config)]
     sync = None                                 # chosen once the servers answer
@@ -104,10 +109,6 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     log = None                                  # rank 0: metrics.jsonl and the progress bar
 
     def save() -> None:
-        if rank == 0:
-            held = [s.prompt_index for s in feed.planner.held()]    # in open rows: untrained
-            saved = feed.worker.resume_state(held)
-            state.prompt_index, state.trained = saved["prompt_index"], saved["trained"]
         checkpoint.save(output_dir, state, policy, optimizer, scheduler, tokenizer, config)
         if rank == 0:
             hooks.event("on_save")
@@ -210,8 +211,8 @@ def setup_distributed(config) -> tuple[int, int, torch.device]:
                                    f"group at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} "
                                    f"did not form within {wait_s:g}s (ddp_timeout): {e}; start "
                                    "every rank against the same master") from e
-        else:                                   # alone: nothing written to os.environ
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+        else:                                   # alone: nothing written to os.environ, and
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0,   # no store to listen
                                     world_size=1, timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
@@ -375,7 +376,8 @@ class Feed:
         at the end of the prompts); None when the prompts are done. A sample older than
         max_staleness versions is dropped, also one held in an open row since an earlier step
         (spec: SAMPLE ... dropped if staleness > max_staleness), and so is one over the token
-        budget; the state counts both drops and the forwarded tokens."""
+        budget; the state counts both drops and the forwarded tokens, and holds the resume
+        cursor (prompt_index, trained)."""
         samples, staleness, queue_s, rows, waited_s = [], [], [], [], 0.0
         queue_size = self.worker.qsize()
         stale = self.planner.drop(lambda s: version - s.model_version > max_staleness)
@@ -403,6 +405,11 @@ class Feed:
                 micro = self.planner.add(sample)
             if micro:
                 rows.append(micro)
+        # the resume cursor once this step is trained (the open rows' samples are not): what a
+        # checkpoint after it saves; taken every step, it keeps rank 0's per-prompt state to the
+        # prompts in flight however long the run, and drains the rollout's progress queue
+        saved = self.worker.resume_state([s.prompt_index for s in self.planner.held()])
+        self.state.prompt_index, self.state.trained = saved["prompt_index"], saved["trained"]
         if not rows:
             return None
         packed = [[row.pack() for row in micro] for micro in rows]
@@ -699,10 +706,14 @@ class ScriptArguments:
 
 
 def import_callable(spec: str):
-    """module:function → the function."""
+    """module:function → the function, from the current directory too (searched after this
+    repository's, so a file of the user's never shadows a module of the trainer; the spawned
+    rollout process inherits the path)."""
     module, _, name = spec.partition(":")
     if not name:
         raise ValueError(f"--reward {spec!r}: expected module:function")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(1, os.getcwd())
     return getattr(importlib.import_module(module), name)
 
 

@@ -3,7 +3,8 @@ trainer and the rollout process talk to. The one place that talks HTTP to a vLLM
 (endpoints, timeouts, retries): every other module calls a method here instead of building a URL.
 One `VLLMClient` talks to one server; `server_urls` splits `vllm_server_base_url`
 ("http://a:8000,http://b:8000") into the replicas' URLs. With VLLM_API_KEY set (the variable
-`vllm serve --api-key` reads too), every request carries `Authorization: Bearer <key>`.
+`vllm serve --api-key` reads too), every request carries `Authorization: Bearer <key>` (over
+plain http to a host that is not loopback, a warning says so).
 
     purpose          endpoint                              method(s) here
     ---------------  ------------------------------------  --------------------------------------
@@ -48,6 +49,7 @@ Departures from TRL's client (reference/trl_async_grpo_notes.md §2, §6.6), one
   REQUESTS_CA_BUNDLE (requests) and SSL_CERT_FILE (aiohttp: Python's ssl reads it).
 """
 import asyncio
+import ipaddress
 import itertools
 import logging
 import os
@@ -55,6 +57,7 @@ import random
 import re
 import ssl
 import time
+import urllib.parse
 
 import aiohttp
 import orjson
@@ -217,6 +220,20 @@ def parse_prometheus(text: str) -> Samples:
     return samples
 
 
+WARNED: set[str] = set()    # URLs whose plain-http API key was said (once per process)
+
+
+def plain_http_off_host(url: str) -> bool:
+    """An http:// URL whose host is not loopback (names are not resolved: only localhost is)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or parts.hostname == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(parts.hostname or "").is_loopback
+    except ValueError:
+        return True
+
+
 class VLLMClient:
     """HTTP client for one vLLM server: a base URL, a requests.Session for the sync calls, an
     aiohttp session per event loop for the async ones, a retry counter."""
@@ -232,6 +249,12 @@ class VLLMClient:
         self.retry_total = 0  # retries so far, sync and async (rollout/vllm_retry_total)
         key = os.environ.get("VLLM_API_KEY")
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if key and plain_http_off_host(self.base_url) and self.base_url not in WARNED:
+            WARNED.add(self.base_url)
+            log.warning("VLLM_API_KEY goes to %s over plain http, readable on the way: use "
+                        "https (a TLS proxy in front of vllm serve), an SSH tunnel to "
+                        "127.0.0.1, or a network only the trainer and servers share",
+                        self.base_url)
         self._session = self._sync_session()
         self._aio: aiohttp.ClientSession | None = None   # made in, and tied to, ...
         self._aio_loop: asyncio.AbstractEventLoop | None = None   # ... this event loop

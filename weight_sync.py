@@ -478,16 +478,24 @@ class WeightSync:
         """Rank 0's side of the rendezvous. Real vLLM (NCCL, vllm importable): vLLM's own
         nccl_common.trainer_init and packed producer. local_vllm and our gloo plugin: both ends
         make a torch.distributed group from the same init_info over a TCPStore that rank 0 owns
-        (gloo on CPU, NCCL where vllm is not installed), created with the vllm_server_timeout."""
+        (gloo on CPU, NCCL where vllm is not installed), created with the vllm_server_timeout.
+        The store and gloo listen on master_address only, the address the servers reach: for
+        a local server, loopback (TCPStore alone listens on every interface: it is handed a
+        socket bound here, master_listen_fd)."""
         if self.vllm_group:
             from vllm.distributed.weight_transfer.nccl_common import trainer_init
             return trainer_init(info | {"rank_offset": 0})
         timeout = timedelta(seconds=self.timeout)
-        store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"],
-                              is_master=True, timeout=timeout)
+        address = info["master_address"]
+        listener = socket.create_server((address, info["master_port"]))
+        store = dist.TCPStore(address, info["master_port"], info["world_size"], is_master=True,
+                              timeout=timeout, master_listen_fd=listener.detach())
         store = dist.PrefixStore("weight_transfer", store)
         if self.backend == "gloo":
-            return dist.ProcessGroupGloo(store, 0, info["world_size"], timeout)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+            return dist.ProcessGroupGloo(store, 0, info["world_size"], options)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, 0, info["world_size"], options)

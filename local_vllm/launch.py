@@ -8,7 +8,9 @@ engine. Both get VLLM_SERVER_DEV_MODE=1 (the pause and weight-transfer routes) b
     server.url        # http://127.0.0.1:<free port>
     server.output()   # its log so far
     server.stop()     # SIGTERM to its process group, SIGKILL after 10 s
+On Linux a server also gets SIGTERM when the process that started it dies (die_with).
 """
+import ctypes
 import http.client
 import os
 import signal
@@ -29,6 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with(parent: int):
+    """Popen's preexec_fn on Linux (None elsewhere): the server gets SIGTERM when the process that
+    started it dies, SIGKILLed included (PR_SET_PDEATHSIG; strictly, when the starting thread
+    ends, so start servers from a thread that lives as long as they should)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl        # looked up before the fork
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGTERM))                       # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:                          # it died before the call
+            os._exit(1)
+    return preexec
+
+
 class ServerProcess:
     """A server command in its own process group; `url` once /health answers. stop() ends it and
     everything it started."""
@@ -41,7 +58,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with(os.getpid()))
         self.deadline = time.monotonic() + startup_timeout
         self.startup_timeout = startup_timeout
 

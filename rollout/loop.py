@@ -23,6 +23,7 @@ Departures from the spec, one line each (the why is on the code named):
 import asyncio
 import contextvars
 import logging
+import multiprocessing
 import os
 import queue
 import time
@@ -607,7 +608,12 @@ class AsyncRolloutLoop:
             await asyncio.sleep(0.5)
 
     async def _wait_for_stop(self) -> None:
+        """Until the trainer sets stop; a trainer gone without it (SIGKILL, the OOM killer) ends
+        this process at once: no one reads its queues, so a clean exit could hang."""
+        parent = multiprocessing.parent_process()     # the trainer; None when run in-process
         while not self.channels.stop.is_set():
+            if parent is not None and not parent.is_alive():
+                os._exit(1)
             await asyncio.sleep(0.1)
 
 

@@ -1,19 +1,27 @@
 """checkpoint.py: what the session's shared run (train_fixtures.train_run) left on disk, a killed
-trainer resumed from it, and the choice of checkpoint to resume from."""
+trainer resumed from it, and the choice of checkpoint to resume from; one run per output_dir, what
+a resume checks, loads and cuts back, and the order in which a checkpoint reaches the disk (this
+module's own run, saved_run)."""
 import json
+import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
 
 import checkpoint
 import toy
 import metrics
-from train_helpers import SERVER_ARGS, cli, lines, newest_checkpoint
+import train
+from local_vllm.launch import LocalServer
+from train_helpers import SERVER_ARGS, SMALL, cli, lines, newest_checkpoint
 
 pytest_plugins = ["train_fixtures"]
 
@@ -89,9 +97,13 @@ def test_find_picks_the_newest_complete_checkpoint_and_prune_keeps_the_newest(tm
     assert checkpoint.find(str(tmp_path), "true") == str(tmp_path / "checkpoint-10")   # 10 > 4 > 2
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         checkpoint.find(str(tmp_path), str(tmp_path / ".checkpoint-12.tmp"))
-    checkpoint.prune(str(tmp_path), 2)
+    checkpoint.prune(str(tmp_path), 2, written=10)
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint")) == [
         "checkpoint-10", "checkpoint-4"]
+    os.makedirs(tmp_path / "checkpoint-6")      # written by a run resumed from checkpoint-4
+    checkpoint.prune(str(tmp_path), 1, written=6)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint")) == [
+        "checkpoint-6"]                         # kept; 10 was the abandoned history's
 
 
 def test_every_prompt_is_trained_exactly_once_across_kills_mid_generation_step_and_save(
@@ -168,3 +180,190 @@ def test_every_prompt_is_trained_exactly_once_across_kills_mid_generation_step_a
     assert all(r["staleness"] >= 0 and r["prompt"] for r in trained)
     state = json.load(open(os.path.join(out, "checkpoint-64", "trainer_state.json")))
     assert state["global_step"] == 64, seen
+
+
+# ── one run per output_dir, what a resume checks and loads, durable checkpoints (issue 34) ──
+
+
+@pytest.fixture(scope="module")
+def saved_run(toy_dir, tmp_path_factory):
+    """(server, output_dir, events): a server of this module's and one in-process run of 4 steps
+    saved at 2 and 4 with save_total_limit 1 (so checkpoint-2 is pruned after 4 is written) and
+    log_completions; `events` is every os.fsync (the file's path) and os.rename it made, in
+    order. The tests copy output_dir before they resume from it."""
+    server = LocalServer(toy_dir, *SERVER_ARGS)
+    out = str(tmp_path_factory.mktemp("saved"))
+    events = []
+    fsync, rename = os.fsync, os.rename
+
+    def recorded_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recorded_rename(src, dst):
+        events.append(("rename", os.path.realpath(src), os.path.realpath(dst)))
+        rename(src, dst)
+
+    config = train.AsyncGRPOConfig(output_dir=out, vllm_server_base_url=server.url, max_steps=4,
+                                   save_steps=2, save_total_limit=1, log_completions=True, **SMALL)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(os, "fsync", recorded_fsync)
+            patch.setattr(os, "rename", recorded_rename)
+            train.train(config, toy.make_dataset(64), [toy.sum_reward], model=toy_dir)
+        yield server, out, events
+    finally:
+        server.stop()
+
+
+def resume_config(server, out: str, **changes) -> train.AsyncGRPOConfig:
+    """saved_run's configuration, resumed from the newest checkpoint in `out`, to step 6."""
+    fields = SMALL | dict(output_dir=out, vllm_server_base_url=server.url, max_steps=6,
+                          save_steps=2, save_total_limit=1, log_completions=True,
+                          resume_from_checkpoint="true")
+    return train.AsyncGRPOConfig(**fields | changes)
+
+
+def test_a_checkpoint_is_on_disk_before_its_rename_and_the_rename_before_a_prune(saved_run):
+    """Every file and directory of checkpoint-4 is fsynced under its .tmp name before the rename
+    that publishes it, and output_dir (the rename) before checkpoint-2 is moved away to be
+    deleted."""
+    _, out, events = saved_run
+    out = os.path.realpath(out)
+    tmp, final = os.path.join(out, ".checkpoint-4.tmp"), os.path.join(out, "checkpoint-4")
+    published = events.index(("rename", tmp, final))
+    pruned = events.index(("rename", os.path.join(out, "checkpoint-2"),
+                           os.path.join(out, ".checkpoint-2.deleting")))
+    synced = {path for kind, path, *_ in events[:published] if kind == "fsync"}
+    walked = list(os.walk(final))
+    written = {root for root, _, _ in walked} | {
+        os.path.join(root, name) for root, _, files in walked for name in files}
+    assert len(written) > 10
+    assert {path.replace(final, tmp, 1) for path in written} <= synced
+    assert ("fsync", out) in events[published:pruned]
+    assert sorted(os.listdir(out)) == ["checkpoint-4", "completions.jsonl", "metrics.jsonl"]
+
+
+def test_a_second_run_into_a_used_output_dir_is_refused_or_replaces_the_first(
+        start_server, indexed, tmp_path):
+    """`python train.py` twice into one directory: the second is refused before it trains, with
+    the two ways on, and leaves the first run as it was; with --overwrite_output_dir true the
+    first run's checkpoints and metrics go, and the new run keeps its own checkpoints (the first
+    run's higher steps made save_total_limit prune them as they were written)."""
+    server = start_server(*SERVER_ARGS)
+    out = str(tmp_path / "out")
+    flags = ("--save_steps", "1", "--save_total_limit", "2")
+    proc = cli(out, server.url, indexed, "--max_steps", "4", *flags)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log
+    first = (sorted(os.listdir(out)), open(os.path.join(out, "metrics.jsonl")).read())
+    proc = cli(out, server.url, indexed, "--max_steps", "2", *flags)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and "holds another run" in log, log
+    assert "--resume_from_checkpoint true" in log and "--overwrite_output_dir true" in log
+    assert (sorted(os.listdir(out)), open(os.path.join(out, "metrics.jsonl")).read()) == first
+    proc = cli(out, server.url, indexed, "--max_steps", "2", *flags, "--overwrite_output_dir",
+               "true")
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log
+    assert [r["step"] for r in lines(out)] == [1, 2]
+    assert sorted(n for n in os.listdir(out) if "checkpoint" in n) == [
+        "checkpoint-1", "checkpoint-2"]
+    state = json.load(open(os.path.join(out, "checkpoint-2", "trainer_state.json")))
+    assert state["global_step"] == 2
+
+
+def test_a_resume_refuses_a_changed_data_cursor_and_applies_a_changed_learning_rate(
+        saved_run, toy_dir, tmp_path, caplog):
+    """A resume with another dataset (other rows, fewer rows), num_generations or prompt order is
+    refused before any work, naming the field, old and new; one with learning_rate 0 says so
+    and trains at 0: the weights stay the checkpoint's (the saved rate of 1e-3 would move them)."""
+    server, saved, _ = saved_run
+    out = str(tmp_path / "run")
+    shutil.copytree(saved, out)
+    refused = [({}, toy.make_dataset(64, seed=1), r"dataset_prompts '\w+' → '\w+'"),
+               ({}, toy.make_dataset(32), "dataset_rows 64 → 32"),
+               ({"num_generations": 2}, toy.make_dataset(64), "num_generations 4 → 2"),
+               ({"data_seed": 7}, toy.make_dataset(64), "shuffle_seed 42 → 7")]
+    for changes, dataset, named in refused:
+        with pytest.raises(ValueError, match=named + ".*would drop or repeat samples"):
+            train.train(resume_config(server, out, **changes), dataset, [toy.sum_reward],
+                        model=toy_dir)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(saved))
+    with caplog.at_level(logging.WARNING, logger="checkpoint"):
+        train.train(resume_config(server, out, learning_rate=0.0), toy.make_dataset(64),
+                    [toy.sum_reward], model=toy_dir)
+    assert "applying the changed learning_rate 0.001 → 0.0" in caplog.text
+    resumed = lines(out)[4:]
+    assert [r["step"] for r in resumed] == [5, 6]
+    assert all(r["learning_rate"] == 0.0 and r["grad_norm"] > 0 for r in resumed)
+    before = load_file(os.path.join(saved, "checkpoint-4", "model.safetensors"))
+    after = load_file(os.path.join(out, "checkpoint-6", "model.safetensors"))
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+class Planted:
+    """Pickles as a call of open(path, "w"): loading it without weights_only writes the file."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+@pytest.mark.parametrize("name", ["scheduler.pt", "rng_state_0.pth"])
+def test_a_planted_pickle_in_a_checkpoint_does_not_run(saved_run, toy_dir, tmp_path, name):
+    """A resume from a checkpoint whose `name` holds code is refused naming the file, and the
+    code did not run (its marker file is absent); the same file loaded without weights_only
+    writes the marker (the plant is live)."""
+    server, saved, _ = saved_run
+    out = str(tmp_path / "run")
+    shutil.copytree(saved, out)
+    marker = tmp_path / "ran"
+    planted = os.path.join(out, "checkpoint-4", name)
+    torch.save({"last_epoch": 4, "payload": Planted(str(marker))}, planted)
+    try:
+        with pytest.raises(ValueError, match=f"{name} holds more than tensors and numbers"):
+            train.train(resume_config(server, out), toy.make_dataset(64), [toy.sum_reward],
+                        model=toy_dir)
+    finally:
+        if dist.is_initialized():               # the load failed before train()'s cleanup
+            dist.destroy_process_group()
+    assert not marker.exists()
+    torch.load(planted, weights_only=False)
+    assert marker.exists()
+
+
+def test_a_resume_after_a_cut_metrics_line_cuts_both_files_back_and_plots(saved_run, toy_dir,
+                                                                          tmp_path):
+    """A run killed after its checkpoint at step 4 logged step 5 and died writing step 6, in both
+    files: the plot reads them as they are, and the resume (to step 6) cuts them back to step 4
+    before it appends, so each step is logged once and every line is whole."""
+    server, saved, _ = saved_run
+    out = str(tmp_path / "run")
+    shutil.copytree(saved, out)
+    for name in ("metrics.jsonl", metrics.COMPLETIONS):
+        with open(os.path.join(out, name)) as f:
+            last = json.loads(f.readlines()[-1])
+        with open(os.path.join(out, name), "a") as f:       # step 5 whole, step 6 cut
+            f.write(json.dumps(last | {"step": 5, "lost": True}) + "\n")
+            f.write(json.dumps(last | {"step": 6})[:20])
+    logged = metrics._read_lines(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in logged][-2:] == [4, 5]
+    assert os.path.isfile(metrics.plot(out))           # `python train.py plot` on the cut files
+    train.train(resume_config(server, out), toy.make_dataset(64), [toy.sum_reward],
+                model=toy_dir)
+    assert [r["step"] for r in lines(out)] == [1, 2, 3, 4, 5, 6]     # every line whole JSON
+    with open(os.path.join(out, metrics.COMPLETIONS)) as f:
+        trained = [json.loads(line) for line in f]
+    assert sorted({r["step"] for r in trained}) == [1, 2, 3, 4, 5, 6]
+    assert not any("lost" in r for r in lines(out) + trained)
+    assert os.path.isfile(metrics.plot(out))
+
+
+def test_the_reader_skips_a_cut_line_glued_to_the_next(tmp_path):
+    """A cut line that a later append glued to a whole one: both are left out, the rest read."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "lo{"step": 3}\n{"step": 4}\n{"step": 5')
+    assert [r["step"] for r in metrics._read_lines(str(path))] == [1, 4]

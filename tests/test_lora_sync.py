@@ -5,6 +5,7 @@ Log-probs, not checksums, judge adapters and merges: the server applies an adapt
 holds W + s·B·A computed on our side), so its log-probs must equal those of the trained PeftModel
 forward.
 """
+import fcntl
 import json
 import os
 import re
@@ -272,3 +273,24 @@ def test_meta_device_byte_ratio_matches_the_spec_figure():
     full, adapter = lora_byte_ratio("qwen2.5-7b", r=32)
     assert 14e9 < full < 16e9 and 150e6 < adapter < 170e6
     assert torch.isclose(torch.tensor(adapter / full), torch.tensor(0.0106), rtol=0.05)
+
+
+def test_a_run_removes_the_adapter_folders_no_live_run_owns(servers, toy_dir, tmp_path):
+    """Issue 34: a killed run leaves its adapters in <output_dir>/.vllm_lora/ (its flock on
+    .vllm_lora.locks/<run> went with it). The next run with adapter sync removes them, a
+    half-written one and the dead run's lock file included, and leaves those of a live run (its
+    lock held: here by this process) as they are."""
+    root = tmp_path / ".vllm_lora"
+    locks = tmp_path / ".vllm_lora.locks"
+    for name in ("policy-dead01-v3", ".policy-dead01-v4.tmp", "policy-live02-v2"):
+        os.makedirs(root / name)
+        (root / name / "adapter_config.json").write_text("{}")
+    os.makedirs(locks)
+    (locks / "policy-dead01").write_text("")
+    with open(locks / "policy-live02", "w") as live:
+        fcntl.flock(live, fcntl.LOCK_EX)
+        run(servers(1, *LORA_ARGS), toy_dir, tmp_path,
+            LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS), steps=1)
+        assert os.listdir(root) == ["policy-live02-v2"]
+        left = os.listdir(locks)
+        assert "policy-live02" in left and "policy-dead01" not in left

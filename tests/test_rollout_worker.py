@@ -1,23 +1,34 @@
 """rollout_worker.py: the trainer's handle on the rollout process: the spec's TypeError before
 anything is spawned, a child that imports nothing of the trainer, failures and hangs of the child
-reaching the trainer, nothing left behind."""
+reaching the trainer, nothing left behind (also when the trainer is SIGKILLed), rank 0's state
+bounded however long the run."""
 import functools
+import ipaddress
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 import types
 
 import pytest
+import torch
+import torch.distributed as dist
 from datasets import Dataset
+from transformers import AutoModelForCausalLM
 
+import checkpoint
+import metrics
 import rollout_helpers as h
 import toy
+import train
 from config import AsyncGRPOConfig
 from rollout import AsyncRolloutLoop
 from rollout_worker import RolloutProcessError, RolloutWorker, check_picklable
 from train_helpers import ROOT, recorded_reward
+from trie_pack import Planner
 
 
 class Scorer:
@@ -187,3 +198,137 @@ def test_the_end_of_the_prompts_is_seen_after_a_drain_read_the_metrics_end_marke
         assert ended == [None] and all(s is not None for s in samples)
     finally:
         worker.stop()
+
+
+# ── a long run, a SIGKILLed trainer, its listeners (issue 34) ──
+
+
+def test_rank_0_keeps_the_state_of_the_prompts_in_flight_only_and_stops_at_once(
+        server, toy_dir, tokenizer, tmp_path):
+    """Rank 0's side of train() without the model, over 2,000 prompts and no checkpoint: each
+    step taken through train.Feed (the planner, the drops, the resume cursor), a version
+    published and the step logged with its completions, as train() does. What rank 0 keeps
+    per prompt (the resume index's counts, the prompts whose text completions.jsonl holds) and
+    per completion never exceeds the prompts in flight, and stop() returns within 2 s."""
+    config = h.config_for(server, max_completion_length=1, max_steps=10**6, queue_maxsize=64,
+                          per_device_train_batch_size=16, token_budget=0, log_completions=True,
+                          num_completions_to_print=0, disable_tqdm=True)
+    worker = RolloutWorker(config, toy.make_dataset(64), [h.rank_reward], tokenizer)
+    state = checkpoint.TrainState()
+    feed = train.Feed(worker, Planner(1, 0, 16), 1, state)
+    train.setup_distributed(config)
+    log = metrics.MetricsLog(config, str(tmp_path), state, AutoModelForCausalLM.from_pretrained(
+        toy_dir), torch.device("cpu"), worker.drain_metrics)
+    kept = []
+    try:
+        worker.start()
+        while state.prompt_index < 2000:
+            step = feed.next_step(state.model_version, config.max_staleness)
+            state.global_step += 1
+            state.model_version += 1
+            worker.set_model_version(state.model_version)
+            log.step(state, {"perf/fwd_bwd_s": 0.01, "perf/step_s": 0.01}, step)
+            index = worker.resume
+            kept.append(max(len(index.trained), len(index.left), len(index.announced),
+                            len(index.skip), len(log.prompted), len(log.completions)))
+        start = time.monotonic()
+        worker.stop()
+        stopped = time.monotonic() - start
+    finally:
+        worker.stop()
+        log.close()
+        dist.destroy_process_group()
+    in_flight = (config.queue_maxsize + worker.bound) // config.num_generations + 16
+    assert len(kept) > 200 and max(kept) <= in_flight, (max(kept), in_flight)
+    assert stopped < 2.0
+    assert len(metrics.load_completions(str(tmp_path))) == 16 * len(kept)
+
+
+def stat(pid) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1])
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    found = stat(pid)
+    return found is not None and found[0] != "Z"            # a zombie has exited
+
+
+def family(pid: int) -> set[int]:
+    """The live processes descended from `pid`."""
+    parents = {int(p): found[1] for p in os.listdir("/proc") if p.isdigit()
+               if (found := stat(p)) is not None and found[0] != "Z"}
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def listening(pid: int) -> list[str]:
+    """The addresses `pid`'s listening TCP sockets are bound to (/proc/net/tcp, tcp6)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd") if alive(pid) else []:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for table, kind in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{table}") as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:        # 0A: LISTEN
+                    raw = bytes.fromhex(cols[1].split(":")[0])
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    out.append(socket.inet_ntop(kind, words))
+    return out
+
+
+def loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+
+
+def test_the_demo_listens_on_loopback_only_and_a_sigkilled_trainer_leaves_no_child(tmp_path):
+    """`python train.py` (the demo: its own local server, full sync every step) after its first
+    step: every socket the trainer, the server and the rollout process listen on is bound to
+    127.0.0.1 (the weight transfer's store and gloo, the server's HTTP port; a run of one
+    process has no store). Then the trainer's pid alone is SIGKILLed, as the OOM killer does:
+    within 15 s no process it started is left."""
+    out = tmp_path / "toy"
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--output_dir", str(out),
+         "--max_steps", "1000", "--save_strategy", "no", "--disable_tqdm", "true"],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    children = set()
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, "no first step"
+            time.sleep(0.2)
+        children = family(proc.pid)
+        assert len(children) >= 2                          # the server, the rollout process
+        bound = {pid: listening(pid) for pid in children | {proc.pid}}
+        assert bound[proc.pid] and sum(map(len, bound.values())) >= 3, bound
+        assert all(loopback(a) for addresses in bound.values() for a in addresses), bound
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while any(map(alive, children)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in children if alive(pid)]
+    finally:
+        for pid in [proc.pid, *children]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

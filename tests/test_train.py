@@ -54,6 +54,9 @@ def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
         def qsize(self):
             return len(self.samples)
 
+        def resume_state(self, held):
+            return {"prompt_index": 0, "trained": {}}
+
     fresh = [sample([1, 2, 3 + i], [0, 1, 1], group=i, version=1) for i in range(2)]
     stale = sample([1, 2, 9], [0, 1, 1], version=0)
     big = sample(range(9), [0] + [1] * 8, version=1)                   # over token_budget 8
@@ -330,3 +333,27 @@ def test_given_fields_win_over_the_toy_defaults_in_either_form():
                 ["--vllm_server_base_url", "http://localhost:8000"]):   # the default, given
         assert parse(*url)[0].serve_local is False
     assert parse("--model=some/other", "--serve_local=true")[0].serve_local is True
+
+
+def test_a_reward_module_in_the_current_directory_is_found(start_server, indexed, tmp_path):
+    """Issue 34: `python train.py --reward my_rewards:accuracy` (the README's example) run where
+    my_rewards.py lies: the trainer imports it from the current directory, and so does the
+    spawned rollout process, which scores with it."""
+    server = start_server(*SERVER_ARGS)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my_rewards.py").write_text(
+        "def accuracy(prompts, completions, **kwargs):\n"
+        "    open('scored', 'a').write('group\\n')\n"
+        "    return [float(i) for i in range(len(completions))]\n")
+    flags = [f"--{k}={v}" for k, v in SMALL.items()]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--model",
+         os.path.join(os.path.dirname(indexed), "model"), "--dataset", indexed,
+         "--reward", "my_rewards:accuracy", "--vllm_server_base_url", server.url,
+         "--output_dir", str(tmp_path / "out"), "--max_steps", "1", *flags],
+        cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (work / "scored").read_text().count("group") >= 1
+    assert [r["step"] for r in lines(str(tmp_path / "out"))] == [1]

@@ -611,3 +611,19 @@ def test_a_server_without_weight_transfer_names_the_flag(start_server):
             "transfer not configured")
         assert "start it with --weight-transfer-config" in info.value.message
     assert client.retry_total == 0
+
+
+def test_an_api_key_over_plain_http_to_another_host_is_warned_about_once(monkeypatch, caplog):
+    """Issue 34: a client made for http:// to a host that is not loopback, with VLLM_API_KEY set,
+    warns (once per URL) naming it; https, loopback, or no key: nothing said. Nothing is sent:
+    making a client makes no request (the host is a .invalid one)."""
+    monkeypatch.setenv("VLLM_API_KEY", "k3y")
+    with caplog.at_level("WARNING", logger="vllm_client"):
+        for url in ("http://gpu0.invalid:8000", "http://gpu0.invalid:8000/",
+                    "https://gpu1.invalid:8000", "http://127.0.0.1:8000", "http://[::1]:8000",
+                    "http://localhost:8000"):
+            VLLMClient(url, **FAST)
+        monkeypatch.delenv("VLLM_API_KEY")
+        VLLMClient("http://gpu2.invalid:8000", **FAST)
+    said = [r.getMessage() for r in caplog.records if "VLLM_API_KEY" in r.getMessage()]
+    assert len(said) == 1 and "http://gpu0.invalid:8000 over plain http" in said[0], said
