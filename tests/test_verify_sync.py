@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -25,7 +24,7 @@ import train
 import verify_sync
 from conftest import ROOT
 from local_vllm.engine import FAULT, fault_noise
-from local_vllm.launch import LocalServer, free_port
+from local_vllm.launch import free_port
 from test_serve_local import reference_logprobs
 from train import AsyncGRPOConfig
 from train_helpers import SERVER_ARGS, SMALL, lines
@@ -329,10 +328,11 @@ def test_a_lora_run_waits_for_a_server_still_starting(toy_dir, tmp_path):
     """The server comes up 3 s after the trainer starts: the LoRA run waits for its health
     (within vllm_server_timeout) before it reads the server's configuration, and trains."""
     port = free_port()
-    started = []
-    starter = threading.Timer(3.0, lambda: started.append(
-        LocalServer(toy_dir, *SERVER_ARGS, *LORA, port=port)))
-    starter.start()
+    serve = [sys.executable, "-m", "local_vllm.server", "--model", toy_dir, "--port", str(port),
+             *SERVER_ARGS, *LORA]
+    late = subprocess.Popen(["bash", "-c", 'sleep 3; exec "$@"', "late", *serve], cwd=ROOT,
+                            env=dict(os.environ, VLLM_SERVER_DEV_MODE="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         config = AsyncGRPOConfig(**SMALL | dict(output_dir=str(tmp_path), max_steps=1,
                                                 max_staleness=1, learning_rate=1e-2,
@@ -341,9 +341,8 @@ def test_a_lora_run_waits_for_a_server_still_starting(toy_dir, tmp_path):
                            peft_config=PEFT)
         assert last["step"] == 1
     finally:
-        starter.join()
-        for s in started:
-            s.stop()
+        late.terminate()
+        late.wait(30)
 
 
 MEMORY_RUN = """
