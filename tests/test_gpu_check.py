@@ -15,14 +15,15 @@ def test_cpu_smoke_prints_one_table_and_passes():
     assert p.returncode == 0, p.stdout + p.stderr
     table = p.stdout[p.stdout.index("check"):].splitlines()
     assert [line.split()[0] for line in table[1:]] == ["env", "gpu", "packing", "packing", "bf16",
-                                                       "train"]
+                                                       "fingerprint", "train"]
     assert table[2].split()[2] == "PASS" and "deselected" in table[2]   # gpu tests: all skipped
     for line in table[3:5]:
         assert line.split()[2] == "PASS" and "CPU: timings not judged" in line
         assert float(line.split("gap ")[1].split(";")[0]) <= 1e-5       # tree == padding-free
     assert table[5].split()[:3] == ["bf16", "sdpa", "PASS"]          # a bf16 step, loss finite
     assert "tokens/s of 230, loss " in table[5]                       # the tiny row's figures
-    assert table[6].split()[1] == "SKIP"
+    assert table[6].split()[1] == "PASS" and "on cpu" in table[6] and "agree: True" in table[6]
+    assert table[7].split()[1] == "SKIP"
 
 
 def test_benchmark_lines_are_judged_against_the_targets(monkeypatch):

@@ -30,7 +30,8 @@ def device():
 
 @pytest.mark.parametrize("backend, family", [("sdpa", "qwen3"), ("flex", "qwen3"),
                                              ("flash", "qwen3"), ("sdpa", "qwen3_5")])
-def test_a_bf16_sharded_forward_equals_the_fp32_one(backend, family, device, monkeypatch):
+def test_a_bf16_sharded_forward_equals_the_fp32_one(backend, family, device, monkeypatch,
+                                                    request):
     """Sliding and full layers (two masks a row) or a Gated DeltaNet hybrid (qwen3_5: tree_gdn),
     sharded in bf16: the decoder's hidden states match the unsharded fp32 model's within bf16's
     precision. flash: a pure-torch stand-in for the kernel (test_tree_attention); flex: the
@@ -38,7 +39,8 @@ def test_a_bf16_sharded_forward_equals_the_fp32_one(backend, family, device, mon
     monkeypatch.setattr(tree_attention, "flash_kernel",
                         lambda: tree_attention.FlashKernel.of("stand-in", reference_varlen))
     if backend == "flex":   # torch 2.13's CPU flex kernel fails to build in bf16 once earlier
-        torch.compiler.reset()      # rows have made N dynamic: compile afresh, static
+        torch.compiler.reset()      # rows have made N dynamic, and fp32 fails to build after a
+        request.addfinalizer(torch.compiler.reset)      # bf16 build: compile afresh, both ways
     build = (lambda: windowed("qwen3", 3)) if family == "qwen3" else (lambda: hybrid(family, 3))
     mixed, reference = build(), build()
     tree_attention.install(mixed, backend)

@@ -39,13 +39,6 @@ Departures, one line each:
 import re
 import sys
 
-# Qwen3Config fields of the models the benchmarks build with random weights (no hub): Qwen3-0.6B's
-# shape on CUDA, a tiny one on a CPU (packing, step)
-QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936)
-TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300)
-
 # ── planner, packing (trie_pack.py, tree_attention.py) ───────────────────────────────────────────
 
 def planner(argv):
@@ -172,6 +165,7 @@ def packing(argv):
 
     import tree_attention
     from rollout.samples import RolloutSample
+    from tools import bench_train
     from trie_pack import build_row
 
     parser = argparse.ArgumentParser(prog="python -m tools.bench packing")
@@ -187,13 +181,13 @@ def packing(argv):
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if cuda:
-        shape = QWEN3_0_6B
+        shape = bench_train.QWEN3_0_6B
         device = "cuda"
         dtype = torch.bfloat16
     else:
         print("no CUDA: a tiny model on the sdpa backend, fp32; checks correctness only, "
               "the timings mean nothing")
-        shape = TINY_QWEN3
+        shape = bench_train.TINY_QWEN3
         device = "cpu"
         dtype = torch.float32
         args.groups = 2                              # the tiny layout replaces the command line's

@@ -5,6 +5,13 @@ alternating generation, full against adapter sync, the stand-in against real vLL
 import sys
 import time
 
+# Qwen3Config fields of the models the benchmarks build with random weights (no hub): Qwen3-0.6B's
+# shape on CUDA, a tiny one on a CPU (packing, step)
+QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300)
+
 
 # ── the trainer (train.py, weight_sync.py, lora_sync.py) ─────────────────────────────────────────
 
@@ -399,7 +406,6 @@ def step(argv):
     import train
     import tree_attention
     from rollout.samples import RolloutSample
-    from tools.bench import QWEN3_0_6B, TINY_QWEN3
     from trie_pack import build_row
 
     parser = argparse.ArgumentParser(prog="python -m tools.bench step")
