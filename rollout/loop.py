@@ -75,7 +75,8 @@ class Counts:
     """The loop's progress: what admission (staleness.admits) and the failure rule read."""
     pending_rollouts: int = 0       # rollouts of admitted groups not yet scored
     queued: int = 0                 # samples put on rollout_buffer
-    rollouts_scored: int = 0        # rollouts of scored or dropped groups
+    rollouts_done: int = 0          # rollouts finished (reconciled) ...
+    samples_done: int = 0           # ... and their training sequences: samples per rollout
     failures_in_a_row: int = 0      # rollouts failed since the last success
     failed_groups_in_a_row: int = 0  # the groups they belong to
 
@@ -426,11 +427,13 @@ class AsyncRolloutLoop:
 
     def _admissible(self) -> bool:
         """May a new group start now? staleness.admits with the trainer's published values."""
-        return admits(queued=self.counts.queued, pending=self.counts.pending_rollouts,
-                      scored=self.counts.rollouts_scored, consumed=self.channels.consumed.value,
+        counts = self.counts
+        per_rollout = counts.samples_done / counts.rollouts_done if counts.rollouts_done else None
+        return admits(queued=counts.queued, pending=counts.pending_rollouts,
+                      consumed=self.channels.consumed.value,
                       version_start=self.channels.version_start.value,
                       rate=self.channels.rate.value, num_generations=self.config.num_generations,
-                      max_staleness=self.config.max_staleness)
+                      max_staleness=self.config.max_staleness, per_rollout=per_rollout)
 
     async def _rollout(self, group: PendingGroup, i: int) -> None:
         """Run rollout i of a group in its own task, under the version current at its start; hand
@@ -459,6 +462,8 @@ class AsyncRolloutLoop:
             stats |= {"duration_s": time.monotonic() - start, "drifts": drifts}
             group.slots[i] = FinishedRollout(prompt, rollout, sequences, env_reward, stats, env)
             self.since_emit.generated_tokens += len(rollout.completion_ids)
+            self.counts.rollouts_done += 1
+            self.counts.samples_done += len(sequences)
             self.counts.failures_in_a_row = 0
             self.counts.failed_groups_in_a_row = 0
         except Exception as e:
@@ -526,7 +531,6 @@ class AsyncRolloutLoop:
 
     def _finish_prompt(self, prompt_index: int, rollouts: int, samples: int) -> None:
         self.counts.pending_rollouts -= rollouts
-        self.counts.rollouts_scored += rollouts
         self.counts.queued += samples
         self.channels.progress.put((prompt_index, samples))
         self.wake.set()
