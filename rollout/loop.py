@@ -15,7 +15,8 @@ Departures from the spec, one line each (the why is on the code named):
   turn).
 - A rollout's requests name the policy version it started under, as a LoRA adapter (adapter_name).
 - A failed rollout drops its group; FAILED_GROUPS_TO_STOP groups in a row stop the run (_rollout);
-  one whose replica stopped answering runs again on another (_reroute).
+  one whose replica stopped answering runs again on another (_reroute). A reward function, tool
+  or environment past reward_tool_timeout (ours) fails its rollout, named (CallTimeout).
 - *_total metrics are running totals; backpressure_s, score_block_s: seconds since the last one.
 - rollout/admission_wait_s (ours): seconds generation waited for staleness admission, not a full
   queue (the spec's rollout/backpressure_s, which counts only that).
@@ -36,13 +37,15 @@ import numpy as np
 from rollout.channels import Channels, spec_channels
 from rollout.prompts import check_prompt_source, filtered_stream, prompt_stream
 from rollout.samples import (FinishedRollout, PendingGroup, Rollout, RolloutGroup, RolloutSample,
-                             ToolCall, TurnRecord, parse_completion, parse_generate, reconcile)
+                             ToolCall, TurnRecord, check_turn, parse_completion, parse_generate,
+                             reconcile)
 from rollout.scoring import add_totals, score_group
 from rollout.servers import (NoReplicaLeft, Replica, connect_all, drop_unverified, make_replicas,
                              move, pick, poll_all, readmit, take_out)
 from rollout.staleness import admits
-from rollout.tool_calls import (EnvironmentPool, environment_reward, environment_tools, parse_turn,
-                                run_tool_calls, start_environment, tool_call_format, tool_schemas)
+from rollout.tool_calls import (CallTimeout, EnvironmentPool, environment_reward,
+                                environment_tools, parse_turn, run_tool_calls, start_environment,
+                                tool_call_format, tool_schemas)
 from vllm_client import VLLMError, server_urls
 
 log = logging.getLogger(__name__)
@@ -77,7 +80,7 @@ class Counts:
     queued: int = 0                 # samples put on rollout_buffer
     rollouts_done: int = 0          # rollouts finished (reconciled) ...
     samples_done: int = 0           # ... and their training sequences: samples per rollout
-    failures_in_a_row: int = 0      # rollouts failed since the last success
+    failures_in_a_row: int = 0      # rollouts failed since a group was last scored
     failed_groups_in_a_row: int = 0  # the groups they belong to
 
 
@@ -148,13 +151,14 @@ class AsyncRolloutLoop:
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
         self.environments = None if environment_factory is None else EnvironmentPool(
-            environment_factory)
+            environment_factory, config.reward_tool_timeout)
         self.lora_name = lora_name
         self.dataset_start_index = dataset_start_index
         # where and how requests go: the servers, the sampler's top log-probs, tool calls
         self.replicas = make_replicas(server_urls(config), max_concurrent_rollouts,
                                       config.vllm_server_timeout, self.vllm_max_retries)
         self.num_top = config.num_sampler_logprobs if config.score_centering else None
+        self.vocab_size = len(processing_class)       # a reply's token ids lie below it
         self.tool_pool = ThreadPoolExecutor(max_concurrent_rollouts,
                                             thread_name_prefix="rollout-tool")
         self.tool_format = tool_call_format(processing_class)
@@ -234,7 +238,7 @@ class AsyncRolloutLoop:
                 exhausted = True
                 break
             results, records = await run_tool_calls(requested, by_name, self.tool_pool,
-                                                    turn_index=iteration)
+                                                    iteration, config.reward_tool_timeout)
             calls += records
             messages += results
         return Rollout(messages[len(prompt):], completion_ids, turns, tool_call_count=len(calls),
@@ -279,10 +283,7 @@ class AsyncRolloutLoop:
         parse = parse_generate if use_generate else parse_completion
         try:
             turn = parse(prompt_ids, reply, self.num_top)
-            n = len(turn.output_ids)
-            if len(turn.output_log_probs) != n or n > max_tokens:
-                raise ValueError(f"{len(turn.output_ids)} tokens, {len(turn.output_log_probs)} "
-                                 f"log-probs, max_tokens {max_tokens}")
+            check_turn(turn, reply.get("model"), context.model, max_tokens, self.vocab_size)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise VLLMError(f"malformed reply ({type(e).__name__}: {e}): {str(reply)[:300]}",
                             client.base_url + endpoint) from e
@@ -403,8 +404,16 @@ class AsyncRolloutLoop:
         while (group := await self.score_queue.get()) is not None:
             waited = time.monotonic() - group.queued_at
             start = time.monotonic()
-            samples, metrics = await score_group(group, self.reward_funcs, self.compute_advantages,
-                                                 self.eos_token_ids, self.num_top)
+            try:
+                samples, metrics = await score_group(
+                    group, self.reward_funcs, self.compute_advantages, self.eos_token_ids,
+                    self.num_top, self.config.reward_tool_timeout,
+                    offers_tools=bool(self.tools) or self.environments is not None)
+            except CallTimeout as e:              # a stalled reward function fails the group
+                self._failed(group.group_id, group.row_index, "scoring", e, new_group=True)
+                self._finish_prompt(group.prompt_index, len(group.rollouts), 0)
+                continue
+            self.counts.failures_in_a_row = self.counts.failed_groups_in_a_row = 0
             for env in group.environments or []:
                 self.environments.give_back(env)
             add_totals(self.totals, metrics)
@@ -439,9 +448,10 @@ class AsyncRolloutLoop:
         """Run rollout i of a group in its own task, under the version current at its start; hand
         the group to scoring when it is complete.
 
-        A rollout that raises (a 4xx, a malformed reply, 5xx retries exhausted, a tool loop bug)
-        drops its group with a logged error. The process stops only once rollouts of
-        FAILED_GROUPS_TO_STOP groups have failed in a row (counted by group, so one bad prompt with
+        A rollout that raises (a 4xx, a reply samples.check_turn refuses, vllm_server_timeout
+        spent, a tool or environment past reward_tool_timeout, a tool loop bug) drops its group
+        with a logged error (_failed). The process stops only once FAILED_GROUPS_TO_STOP groups
+        have failed with none scored in between (counted by group, so one bad prompt with
         num_generations ≥ 8 does not stop the run), or when no replica is left. One whose replica
         stopped answering runs again on another (_reroute): nothing is lost or trained twice."""
         start = time.monotonic()
@@ -457,28 +467,19 @@ class AsyncRolloutLoop:
                     replica = self._reroute(group, replica, e)
             env_reward = None
             if env is not None:
-                env_reward, stats["env/reward_s"] = await environment_reward(env, self.tool_pool)
+                env_reward, stats["env/reward_s"] = await environment_reward(
+                    env, self.tool_pool, self.config.reward_tool_timeout)
             sequences, drifts = reconcile(rollout.turns)
             stats |= {"duration_s": time.monotonic() - start, "drifts": drifts}
             group.slots[i] = FinishedRollout(prompt, rollout, sequences, env_reward, stats, env)
             self.since_emit.generated_tokens += len(rollout.completion_ids)
             self.counts.rollouts_done += 1
             self.counts.samples_done += len(sequences)
-            self.counts.failures_in_a_row = 0
-            self.counts.failed_groups_in_a_row = 0
         except Exception as e:
             if isinstance(e, NoReplicaLeft):
                 raise
-            self.counts.failed_groups_in_a_row += not group.failed
+            self._failed(group.group_id, group.row_index, f"rollout {i}", e, not group.failed)
             group.failed = True
-            self.counts.failures_in_a_row += 1
-            log.error("rollout %d of group %d (dataset row %d) failed; the group is dropped: "
-                      "%s: %s", i, group.group_id, group.row_index, type(e).__name__, e,
-                      exc_info=True)
-            if self.counts.failed_groups_in_a_row >= FAILED_GROUPS_TO_STOP:
-                raise RuntimeError(f"{self.counts.failures_in_a_row} rollouts failed in a row, in "
-                                   f"{self.counts.failed_groups_in_a_row} groups; the last one: "
-                                   f"{type(e).__name__}: {e}") from e
         finally:
             group.done.add(i)
             self.wake.set()
@@ -522,6 +523,19 @@ class AsyncRolloutLoop:
         new.assigned += 1
         new.inflight += 1
         return new
+
+    def _failed(self, group_id: int, row_index: int, what: str, error: Exception,
+                new_group: bool) -> None:
+        """Count and log a failed rollout (or a group's scoring: `what`), whose group is dropped;
+        raise once rollouts of FAILED_GROUPS_TO_STOP groups have failed in a row."""
+        self.counts.failed_groups_in_a_row += new_group
+        self.counts.failures_in_a_row += 1
+        log.error("%s of group %d (dataset row %d) failed; the group is dropped: %s: %s", what,
+                  group_id, row_index, type(error).__name__, error, exc_info=True)
+        if self.counts.failed_groups_in_a_row >= FAILED_GROUPS_TO_STOP:
+            raise RuntimeError(f"{self.counts.failures_in_a_row} rollouts failed in a row, in "
+                               f"{self.counts.failed_groups_in_a_row} groups; the last one: "
+                               f"{type(error).__name__}: {error}") from error
 
     def _rollout_ended(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)

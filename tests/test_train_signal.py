@@ -1,0 +1,172 @@
+"""train.py end to end when the training signal misbehaves, against a local_vllm server of each
+test's own (a sync changes its weights): a reward that is not finite, optimizer steps whose loss
+is not finite, a run whose every group is dropped (a task too hard), rollouts that fork; and the
+input errors AsyncGRPOTrainer refuses before the model loads."""
+import json
+import logging
+import math
+import os
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+
+import metrics
+import rollout_helpers as h
+import toy
+import train
+from rollout import AsyncRolloutLoop
+from train_helpers import SERVER_ARGS, SMALL
+
+
+def run(server, toy_dir, out, reward=h.rank_reward, dataset=None, loop_cls=AsyncRolloutLoop,
+        tokenizer=None, **config):
+    """train() on the toy model against `server`, with SMALL's settings under `config`."""
+    config = train.AsyncGRPOConfig(output_dir=str(out), vllm_server_base_url=server.url,
+                                   train_sampling_strategy="sequential", **(SMALL | config))
+    dataset = toy.make_dataset(16) if dataset is None else dataset
+    return train.train(config, dataset, [reward], model=toy_dir, processing_class=tokenizer,
+                       loop_cls=loop_cls)
+
+
+def strict_lines(out) -> list[dict]:
+    """metrics.jsonl, refusing NaN and Infinity (not JSON, though json.dumps writes them)."""
+    def refuse(constant):
+        raise ValueError(f"{constant} in metrics.jsonl")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f]
+
+
+def weights(directory) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+# ── non-finite rewards and steps ────────────────────────────────────────────────────────────
+
+
+def test_an_infinite_reward_stops_the_run_naming_the_function_and_the_row(start_server, toy_dir,
+                                                                          tmp_path):
+    server = start_server(*SERVER_ARGS)
+    with pytest.raises(RuntimeError, match=r"reward function infinite_reward returned \[inf, 0.0, "
+                                           r"0.0, 0.0\] for dataset row 0 \(prompt "):
+        run(server, toy_dir, tmp_path / "out", reward=h.infinite_reward, max_steps=2)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_step_whose_loss_is_not_finite_is_skipped_and_the_run_goes_on(start_server, toy_dir,
+                                                                        tmp_path, caplog, bf16):
+    """The group of row 0 gets infinite advantages: its step (one group a step: rows of 4
+    samples) is not applied, logged with a null loss and grad_norm and warned; the others train,
+    and the weights stay finite."""
+    server = start_server(*SERVER_ARGS)
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING):
+        run(server, toy_dir, out, loop_cls=h.InfAdvantageLoop, max_steps=3, token_budget=0,
+            bf16=bf16)
+    records = strict_lines(out)
+    skipped = [r for r in records if "loss" in r and r["loss"] is None]
+    assert len(skipped) == 1 and skipped[0]["grad_norm"] is None
+    assert f"step {skipped[0]['step']}: the loss or gradient norm is not finite" in caplog.text
+    assert records[-1]["skipped_steps_total"] == 1 and math.isfinite(records[-1]["loss"])
+    trained, base = weights(out / "checkpoint-3"), weights(toy_dir)
+    assert all(torch.isfinite(t).all() for t in trained.values())
+    assert any(not torch.equal(trained[n].float(), base[n]) for n in base)   # the others trained
+
+
+def test_non_finite_steps_in_a_row_stop_the_run_with_the_weights_untouched(start_server, toy_dir,
+                                                                           tmp_path):
+    server = start_server(*SERVER_ARGS)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="optimizer steps 1 to 3: the loss or gradient norm "
+                                           "was not finite, so none was applied"):
+        run(server, toy_dir, out, loop_cls=h.AllInfAdvantageLoop, max_steps=8, token_budget=0,
+            save_steps=1)
+    saved, base = weights(out / "checkpoint-2"), weights(toy_dir)
+    assert all(torch.equal(saved[n], base[n]) for n in base)
+    assert [r["skipped_steps_total"] for r in strict_lines(out)] == [1, 2, 3]
+
+
+# ── nothing to train ────────────────────────────────────────────────────────────────────────
+
+
+def test_a_max_steps_run_whose_every_group_is_dropped_says_why_and_stops(start_server, toy_dir,
+                                                                         tmp_path, caplog):
+    """Equal rewards: every group is dropped (the spec), so no sample ever comes. The windows are
+    logged all the same, a warning names frac_reward_zero_std, and after rollout_worker_timeout
+    the run stops instead of waiting forever."""
+    server = start_server(*SERVER_ARGS)
+    out = tmp_path / "out"
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING), pytest.raises(
+            RuntimeError, match=r"no group was kept for \d+s and max_steps=5 waits forever: "
+                                "every group scored was dropped"):
+        run(server, toy_dir, out, reward=h.constant_reward, max_steps=5, untrained_warning_s=2,
+            rollout_worker_timeout=12)
+    assert time.monotonic() - start < 90
+    assert "frac_reward_zero_std 1" in caplog.text and "partial credit" in caplog.text
+    records = strict_lines(out)
+    assert records and all(r["frac_reward_zero_std"] == 1.0 and r["step"] == 0 for r in records)
+    assert records[-1]["reward"] == 0.0 and records[-1]["sample/dropped_stale_total"] == 0
+
+
+def test_an_epochs_run_whose_every_group_is_dropped_says_why(start_server, toy_dir, tmp_path):
+    server = start_server(*SERVER_ARGS)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="and the prompts ran out: every group scored was "
+                                           "dropped"):
+        run(server, toy_dir, out, reward=h.constant_reward, dataset=toy.make_dataset(6),
+            num_train_epochs=1)
+    last = strict_lines(out)[-1]
+    assert last["frac_reward_zero_std"] == 1.0 and last["reward"] == 0.0 and last["step"] == 0
+
+
+# ── forks: admission by staleness ───────────────────────────────────────────────────────────
+
+
+def test_forked_rollouts_train_every_group_of_each_epoch(start_server, toy_dir, tokenizer,
+                                                        tmp_path):
+    """3 samples a rollout (a template that re-renders earlier answers), 2 epochs of 17 prompts:
+    every prompt of each epoch is trained and stale drops stay under 5% of the samples. Before the
+    window learned the yield and counted a stale drop as admission's fault, this run dropped 85 of
+    its 204 samples as stale and trained 22 of the 34 prompts."""
+    server = start_server(*SERVER_ARGS)
+    out = tmp_path / "out"
+    tokenizer.chat_template = h.RERENDERING_TEMPLATE
+    run(server, toy_dir, out, loop_cls=h.ThreeTurnLoop, tokenizer=tokenizer,
+        dataset=toy.make_dataset(17), num_generations=2, max_completion_length=4,
+        per_device_train_batch_size=8, token_budget=None, max_staleness=1, num_train_epochs=2,
+        log_completions=True)
+    records = strict_lines(out)
+    assert {r.get("rollout/samples_per_rollout", 3.0) for r in records} == {3.0}
+    assert {r["prompt_index"] for r in metrics.load_completions(str(out))} == set(range(34))
+    assert records[-1]["sample/dropped_stale_total"] < 0.05 * 34 * 2 * 3
+
+
+# ── input errors at construction ────────────────────────────────────────────────────────────
+
+
+ROWS = [{"prompt": [{"role": "user", "content": "1+1="}], "environment": "counter"}] * 2
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(train_dataset=None), "no train_dataset: pass a dataset"),
+    (dict(train_dataset=None, reward_funcs=None, environment_factory=h.PromptEnv),
+     "set max_steps > 0"),
+    (dict(train_dataset=None, environment_factory={"counter": h.Counter}),
+     "one factory, not a dict"),
+    (dict(train_dataset=Dataset.from_list(ROWS + [dict(ROWS[0], environment="chess")]),
+          environment_factory={"counter": h.Counter}),
+     r"dataset row 2: environment 'chess' is not one of environment_factory's \['counter'\]"),
+    (dict(train_dataset=Dataset.from_list([{"prompt": "1+1="}, {"prompt": None}])),
+     "dataset row 1: the prompt is None"),
+    (dict(train_dataset=Dataset.from_list([{"prompt": "1+1="}, {"prompt": ""}])),
+     "dataset row 1: the prompt is ''"),
+], ids=["no dataset", "environment data without max_steps", "dict factory without dataset",
+        "unknown environment", "None prompt", "empty prompt"])
+def test_input_errors_are_refused_at_construction_naming_the_row(kwargs, error):
+    """AsyncGRPOTrainer refuses them before any model is loaded (the model here does not exist)."""
+    kwargs = dict(reward_funcs=h.rank_reward) | kwargs
+    with pytest.raises(ValueError, match=error):
+        train.AsyncGRPOTrainer("no/such/model", **kwargs)
