@@ -306,12 +306,13 @@ def check_turn(turn: TurnRecord, model: str | None, asked: str, max_tokens: int,
         raise ValueError(f"{len(ids)} tokens, {len(logprobs)} log-probs, max_tokens {max_tokens}")
     if model != asked:
         raise ValueError(f"the reply is from model {model!r}, not {asked!r} as asked")
-    if ((ids < 0) | (ids >= vocab_size)).any():
-        raise ValueError(f"token ids {ids[(ids < 0) | (ids >= vocab_size)].tolist()[:5]} lie "
-                         f"outside the tokenizer's vocabulary of {vocab_size}")
-    if not (np.isfinite(logprobs) & (logprobs <= LOGPROB_SLACK)).all():
-        raise ValueError(f"log-probs {logprobs[~(logprobs <= LOGPROB_SLACK)].tolist()[:5]} are "
-                         "not finite and <= 0")
+    outside = (ids < 0) | (ids >= vocab_size)
+    if outside.any():
+        raise ValueError(f"token ids {ids[outside].tolist()[:5]} lie outside the tokenizer's "
+                         f"vocabulary of {vocab_size}")
+    wrong = ~(np.isfinite(logprobs) & (logprobs <= LOGPROB_SLACK))
+    if wrong.any():
+        raise ValueError(f"log-probs {logprobs[wrong].tolist()[:5]} are not finite and <= 0")
 
 
 def top_k_of(entries: dict[int, float], k: int) -> dict[int, float]:
