@@ -214,9 +214,6 @@ class MetricsLog:
                         disable=config.disable_tqdm)           # None: on a tty only
         self.pending: list[dict] = []        # rollout metrics drained, not on a line yet
         self.line_at = time.monotonic()      # when the last line was written
-        self.kept_at = time.monotonic()      # when a kept group was last drained (or the start)
-        self.dropped = 0                     # groups dropped since, all of them (none kept)
-        self.warned = False                  # ... and untrained_warning_s said so
 
     def step(self, state, metrics: dict, step) -> None:
         """Record one optimizer step: its loss and timings (`metrics`), and what it took from the
@@ -250,7 +247,7 @@ class MetricsLog:
 
     def flush(self, global_step: int) -> None:
         """Write the window's line (with the rollout metrics drained since the last) everywhere."""
-        self.drain()
+        self.pending += self.rollout_metrics()
         line = self.write(global_step, reduce_window(self.window))
         self.last = line
         self.window = []
@@ -278,35 +275,17 @@ class MetricsLog:
             self.on_log(line)
         return line
 
-    def drain(self) -> float:
-        """Take the rollout process's metrics, counting the groups dropped since one was kept;
-        returns for how many seconds groups were dropped and none kept (0 if none dropped)."""
-        for m in self.rollout_metrics():
-            self.pending.append(m)
-            if m.get("frac_reward_zero_std") == 0:
-                self.kept_at, self.dropped, self.warned = time.monotonic(), 0, False
-            elif "frac_reward_zero_std" in m:
-                self.dropped += 1
-        return time.monotonic() - self.kept_at if self.dropped else 0.0
-
     def waiting(self, state, final: bool = False) -> None:
-        """While the trainer waits for samples and every group since the last kept one was
-        dropped: their line (reward, frac_reward_zero_std, the drop counts) every WAITING_LINE_S
-        and when `final`, so a run that trains nothing shows why; past untrained_warning_s, a
-        warning saying why and what to try."""
-        quiet = self.drain()
-        if self.dropped and (final or time.monotonic() - self.line_at >= WAITING_LINE_S):
+        """While the trainer waits for samples: a window whose groups were all dropped gets its
+        line (reward, frac_reward_zero_std, the drop counts) every WAITING_LINE_S, and when
+        `final` (the run ends), so a run that trains nothing shows why."""
+        self.pending += self.rollout_metrics()
+        dropped = [m["frac_reward_zero_std"] for m in self.pending if "frac_reward_zero_std" in m]
+        due = final or time.monotonic() - self.line_at >= WAITING_LINE_S
+        if dropped and all(dropped) and due and self.every is not None:
             self.write(state.global_step,
                        {"sample/dropped_stale_total": float(state.dropped_stale_total),
                         "batch/dropped_oversize_total": float(state.dropped_oversize_total)})
-        if quiet >= self.config.untrained_warning_s and not self.warned:
-            self.warned = True
-            log.warning("no group kept for %.0f s: the %d groups scored since were dropped "
-                        "(frac_reward_zero_std 1: the rollouts of each got equal rewards, or "
-                        "fewer than 2 were scored), so nothing trains. If the task is too hard "
-                        "for the model (or too easy), give partial credit in the reward, raise "
-                        "num_generations or temperature, or filter the prompts (filter_prompt)",
-                        quiet, self.dropped)
 
     def completion_rows(self) -> list[tuple[str, str, float]]:
         """(prompt, completion, reward) of num_completions_to_print samples (None: all)."""

@@ -136,7 +136,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                                      rollout_metrics=worker.drain_metrics,
                                      on_log=lambda line: hooks.event("on_log", logs=line))
             feed = Feed(worker, planner, config.gradient_accumulation_steps, state,
-                        on_wait=lambda ended: untrained(log, state, config, ended))
+                        on_wait=lambda: log.waiting(state))
             worker.start()
             hooks.event("on_train_begin")
         while config.max_steps <= 0 or state.global_step < config.max_steps:
@@ -186,6 +186,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
         if feed is not None:
             feed.worker.stop()
         if log is not None:
+            log.waiting(state, final=True)      # what was dropped since the last line, and why
             log.close()
         sync.close()                            # LoRA: the servers unload this run's adapters
         for c in clients:
@@ -378,23 +379,17 @@ class Feed:
     planner: Planner
     microbatches: int                                  # gradient_accumulation_steps
     state: checkpoint.TrainState                       # counts dropped_*_total and num_tokens
-    on_wait: Callable[[bool], None] = lambda ended: None  # waiting (ended: no sample ever came)
+    on_wait: Callable[[], None] = lambda: None         # called while no sample comes
     finished: bool = False                             # the worker has no more samples
-    taken: int = 0                                     # samples taken from the queue
 
     def take(self):
-        """The worker's next sample (None: the prompts are done). While none comes, on_wait(False)
-        every WAIT_POLL_S; on_wait(True) if the prompts end before the first sample."""
+        """The worker's next sample (None: the prompts are done); on_wait() every WAIT_POLL_S while
+        none comes (MetricsLog.waiting: a window whose every group was dropped is logged)."""
         while True:
             try:
-                sample = self.worker.get(timeout=WAIT_POLL_S)
-                break
+                return self.worker.get(timeout=WAIT_POLL_S)
             except queue.Empty:
-                self.on_wait(False)
-        if sample is None and not self.taken:
-            self.on_wait(True)
-        self.taken += 1
-        return sample
+                self.on_wait()
 
     def next_step(self, version: int, max_staleness: int) -> Step | None:
         """The next step: up to `microbatches` micro-batches of world_size PackedRows (fewer only
@@ -439,23 +434,6 @@ class Feed:
                     row_metrics=[self.planner.metrics(micro) for micro in packed],
                     samples=samples, staleness=staleness, queue_s=queue_s, waited_s=waited_s,
                     queue_size=queue_size)
-
-
-def untrained(log: metrics.MetricsLog, state: checkpoint.TrainState, config, ended: bool) -> None:
-    """Rank 0 waits for samples (Feed.on_wait): while every group scored is dropped the log says
-    so (MetricsLog.waiting), and a max_steps run stops after rollout_worker_timeout of it instead
-    of waiting forever, as does a run whose prompts `ended` before any sample came."""
-    quiet_s = log.drain()
-    endless = config.max_steps > 0 and quiet_s > config.rollout_worker_timeout
-    stop = quiet_s > 0 and (ended or endless)
-    log.waiting(state, final=stop)
-    if stop:
-        why = "the prompts ran out" if ended else f"max_steps={config.max_steps} waits forever"
-        raise RuntimeError(f"no group was kept for {quiet_s:.0f}s and {why}: every group scored "
-                           "was dropped, its rollouts' rewards all equal (frac_reward_zero_std "
-                           "in metrics.jsonl), so there is nothing to train; give partial credit "
-                           "in the reward, raise num_generations or temperature, or filter the "
-                           "prompts")
 
 
 def scatter_rows(step: Step | None, rank: int, world: int, error: str | None = None):

@@ -271,9 +271,6 @@ class VLLMClient:
                                                                            collective: VLLMError
             timeout (what is left of         VLLMError:     TimeoutError   TimeoutError now
             `timeout`)                       budget spent
-                                             (async: hung
-                                             if /health
-                                             fails too)
 
         Retry k (k = 0, 1, ...) sleeps min(max_backoff, backoff * 2**k) * U(0.9, 1.1); after
         `retries` retries (max_retries unless the call sets its own), or when the sleep would end
@@ -366,11 +363,6 @@ class VLLMClient:
                     reply, error = (r.status, await r.read()), None
             except (aiohttp.ClientError, TimeoutError) as e:
                 reply, error = None, e
-            if (kind == "generation" and error is not None and _failure(error) == "timeout"
-                    and not await asyncio.to_thread(self.healthy)):
-                raise VLLMError(f"{method} got no answer within {self.timeout:g}s "
-                                f"(vllm_server_timeout), nor GET /health within "
-                                f"{HEALTH_PROBE_S:g}s: the server is hung", url) from error
             delay = self._next_delay(method, path, kind, attempt, self.max_retries, reply, error,
                                      deadline - time.monotonic())
             if delay is None:

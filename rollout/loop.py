@@ -29,7 +29,7 @@ import queue
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -75,13 +75,17 @@ _TURN: contextvars.ContextVar[TurnContext] = contextvars.ContextVar("rollout_tur
 
 @dataclass
 class Counts:
-    """The loop's progress: what admission (staleness.admits) and the failure rule read."""
+    """The loop's progress: what admission (staleness.admits), the failure rule (_failed) and the
+    untrained rule (_untrained) read."""
     pending_rollouts: int = 0       # rollouts of admitted groups not yet scored
     queued: int = 0                 # samples put on rollout_buffer
     rollouts_done: int = 0          # rollouts finished (reconciled) ...
     samples_done: int = 0           # ... and their training sequences: samples per rollout
     failures_in_a_row: int = 0      # rollouts failed since a group was last scored
     failed_groups_in_a_row: int = 0  # the groups they belong to
+    dropped_in_a_row: int = 0       # groups scored and dropped since one was kept ...
+    kept_at: float = field(default_factory=time.monotonic)  # ... when that one was
+    warned: bool = False            # ... and untrained_warning_s said so
 
 
 @dataclass
@@ -414,6 +418,7 @@ class AsyncRolloutLoop:
                 self._finish_prompt(group.prompt_index, len(group.rollouts), 0)
                 continue
             self.counts.failures_in_a_row = self.counts.failed_groups_in_a_row = 0
+            self._untrained(kept=bool(samples))
             for env in group.environments or []:
                 self.environments.give_back(env)
             add_totals(self.totals, metrics)
@@ -423,6 +428,7 @@ class AsyncRolloutLoop:
                 await self._put(sample)
             self._finish_prompt(group.prompt_index, len(group.rollouts), len(samples))
             self._emit(metrics)
+        self._untrained(kept=False, ended=True)
         await self._put(None, self.channels.metrics)  # metrics end first: the parent waits for it
         await self._put(None)
 
@@ -536,6 +542,29 @@ class AsyncRolloutLoop:
             raise RuntimeError(f"{self.counts.failures_in_a_row} rollouts failed in a row, in "
                                f"{self.counts.failed_groups_in_a_row} groups; the last one: "
                                f"{type(error).__name__}: {error}") from error
+
+    def _untrained(self, kept: bool, ended: bool = False) -> None:
+        """After each group is scored (kept: it gave samples), and when the prompts have `ended`:
+        once no group was kept for untrained_warning_s (the spec drops a group whose rewards are
+        all equal: a task too hard, or too easy), a warning saying why and what to try; a
+        max_steps run stops after rollout_worker_timeout of it (the trainer would wait forever),
+        and a run whose prompts ended before any sample was queued stops saying why."""
+        counts = self.counts
+        if kept:
+            counts.kept_at, counts.dropped_in_a_row, counts.warned = time.monotonic(), 0, False
+            return
+        counts.dropped_in_a_row += not ended
+        quiet = time.monotonic() - counts.kept_at
+        why = (f"no group kept for {quiet:.0f}s: the {counts.dropped_in_a_row} scored since had "
+               "equal rewards (frac_reward_zero_std 1), so nothing trains; give partial credit in "
+               "the reward, raise num_generations or temperature, or filter the prompts")
+        if self.config.max_steps > 0 and quiet > self.config.rollout_worker_timeout:
+            raise RuntimeError(f"max_steps={self.config.max_steps} would wait forever: {why}")
+        if ended and counts.dropped_in_a_row and not counts.queued:
+            raise RuntimeError(f"the prompts ran out and nothing was trained: {why}")
+        if quiet > self.config.untrained_warning_s and not counts.warned and not ended:
+            counts.warned = True
+            log.warning(why)
 
     def _rollout_ended(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)

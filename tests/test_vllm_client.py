@@ -361,26 +361,7 @@ def test_async_methods_share_the_policy(serve):
 
     asyncio.run(run())
     assert (a.retry_total, b.retry_total, c.retry_total) == (1, 0, 0)
-    assert len(refused.requests) == 1      # a stalled generation: /health; the budget is spent
-    assert [r[:2] for r in stalled.requests] == [("POST", "/inference/v1/generate"),
-                                                 ("GET", "/health")]
-
-
-def test_a_stalled_generation_whose_health_stalls_too_is_not_retried(serve):
-    """The server accepts and never answers (hung): one timeout and one /health probe, then a
-    VLLMError saying so, not max_retries timeouts."""
-    hung = serve(["stall", "stall", (200, COMPLETION)])
-    client = VLLMClient(hung.url, timeout=0.2, **FAST)
-
-    async def run():
-        try:
-            with pytest.raises(VLLMError, match="no answer within 0.2s.*nor GET /health.*hung"):
-                await client.acompletions({"prompt": [1]})
-        finally:
-            await client.aclose()
-
-    asyncio.run(run())
-    assert client.retry_total == 0 and len(hung.requests) == 2
+    assert len(refused.requests) == 1 and len(stalled.requests) == 1   # a stall spends the budget
 
 
 def test_server_urls_split_the_replicas():
