@@ -6,6 +6,8 @@ import json
 import logging
 import math
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -18,7 +20,8 @@ import rollout_helpers as h
 import toy
 import train
 from rollout import AsyncRolloutLoop
-from train_helpers import SERVER_ARGS, SMALL
+from train_helpers import ROOT, SERVER_ARGS, SMALL
+from weight_sync import free_port
 
 
 def run(server, toy_dir, out, reward=h.rank_reward, dataset=None, loop_cls=AsyncRolloutLoop,
@@ -73,6 +76,22 @@ def test_a_step_whose_loss_is_not_finite_is_skipped_and_the_run_goes_on(start_se
     trained, base = weights(out / "checkpoint-3"), weights(toy_dir)
     assert all(torch.isfinite(t).all() for t in trained.values())
     assert any(not torch.equal(trained[n].float(), base[n]) for n in base)   # the others trained
+
+
+def test_every_rank_skips_a_step_one_ranks_row_makes_non_finite(tmp_path):
+    """The loss is summed over ranks and the gradient norm is global, so a non-finite value in one
+    rank's row skips the step on both: the full weights are the initial ones."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TWO_RANK_POISON="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                           os.path.join(ROOT, "tests", "two_rank_step.py"),
+                           str(tmp_path / "two.pt")], env=env, timeout=300, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    torch.manual_seed(0)
+    init = dict(toy.build_model(len(toy.build_tokenizer())).named_parameters())
+    after = torch.load(tmp_path / "two.pt")
+    assert all(torch.equal(after[n], init[n]) for n in init)
 
 
 def test_non_finite_steps_in_a_row_stop_the_run_with_the_weights_untouched(start_server, toy_dir,
