@@ -295,7 +295,8 @@ class ThreeTurnLoop(AsyncRolloutLoop):
             turns.append(turn)
             ids += turn.output_ids
             text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": "again"}]
         return Rollout(messages[len(prompt):], ids, turns)
 
 

@@ -5,7 +5,8 @@
 
 Both plan the same samples into the same 2-row micro-batches; rank 0 saves the full weights after
 the step to OUT.pt, so the test can compare them (test_train.py). With TWO_RANK_POISON=1 the first
-sample's advantage is infinite (one rank's row): every rank must skip the step (test_train_signal.py).
+sample's advantage is infinite (one rank's row): every rank must skip the step
+(test_train_signal.py).
 """
 import os
 import sys
