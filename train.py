@@ -410,7 +410,7 @@ class Feed:
                 micro = self.planner.flush()
             elif version - sample.model_version > max_staleness:
                 self.state.dropped_stale_total += 1
-                self.worker.dropped_stale()         # admission's fault: not consumption
+                self.worker.dropped_stale()         # admission's fault, not consumption
                 continue
             elif self.planner.oversize(sample):
                 self.state.dropped_oversize_total += 1

@@ -418,7 +418,6 @@ class AsyncRolloutLoop:
                 self._finish_prompt(group.prompt_index, len(group.rollouts), 0)
                 continue
             self.counts.failures_in_a_row = self.counts.failed_groups_in_a_row = 0
-            self._untrained(kept=bool(samples))
             for env in group.environments or []:
                 self.environments.give_back(env)
             add_totals(self.totals, metrics)
@@ -428,6 +427,7 @@ class AsyncRolloutLoop:
                 await self._put(sample)
             self._finish_prompt(group.prompt_index, len(group.rollouts), len(samples))
             self._emit(metrics)
+            self._untrained(kept=bool(samples))
         self._untrained(kept=False, ended=True)
         await self._put(None, self.channels.metrics)  # metrics end first: the parent waits for it
         await self._put(None)
