@@ -64,7 +64,7 @@ PEAK_FLOPS = {"bf16": {"B200": 2.25e15, "H200": 989e12, "H100": 989e12, "H800": 
 SUMMED = ("rollout/backpressure_s", "rollout/admission_wait_s", "rollout/score_block_s",
           "rollout/vllm_preemptions_total")     # amounts since the last emission: a window sums
 LATEST = ("rollout/kv_cache_usage",)            # spec: the value at the last poll
-WAITING_LINE_S = 10.0   # while every group is dropped and the trainer waits: a line this often
+WAITING_LINE_S = 60.0   # while every group is dropped and the trainer waits: a line this often
 
 
 def reduce_window(records: list[dict]) -> dict[str, float]:
@@ -278,7 +278,7 @@ class MetricsLog:
     def waiting(self, state, final: bool = False) -> None:
         """While the trainer waits for samples: a window whose groups were all dropped gets its
         line (reward, frac_reward_zero_std, the drop counts) every WAITING_LINE_S, and when
-        `final` (the run ends), so a run that trains nothing shows why."""
+        `final` (a run that ends before its first line), so a run that trains nothing shows why."""
         self.pending += self.rollout_metrics()
         dropped = [m["frac_reward_zero_std"] for m in self.pending if "frac_reward_zero_std" in m]
         due = final or time.monotonic() - self.line_at >= WAITING_LINE_S

@@ -186,7 +186,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
         if feed is not None:
             feed.worker.stop()
         if log is not None:
-            log.waiting(state, final=True)      # what was dropped since the last line, and why
+            if not log.last:                    # a run that trained nothing: its dropped groups
+                log.waiting(state, final=True)
             log.close()
         sync.close()                            # LoRA: the servers unload this run's adapters
         for c in clients:

@@ -598,9 +598,10 @@ class AsyncRolloutLoop:
             if ready():
                 return
             self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), WAKE_S)
-            except asyncio.TimeoutError:
+            try:            # not wait_for: on 3.11 it swallows a cancel that meets a set wake
+                async with asyncio.timeout(WAKE_S):
+                    await self.wake.wait()
+            except TimeoutError:
                 pass
             if wait is not None:
                 now = time.monotonic()

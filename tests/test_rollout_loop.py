@@ -112,6 +112,22 @@ def test_an_unknown_tool_format_warns_once(tokenizer, caplog):
     assert sum("neither defines a response_template" in r.message for r in caplog.records) == 1
 
 
+def test_a_stop_that_meets_a_wake_ends_the_wait(tokenizer):
+    """The generate loop waits on `wake`; cancelled (the run stops) just as a rollout sets it, the
+    wait must end: asyncio.wait_for on Python 3.11 swallowed such a cancel, and the child hung in
+    its shutdown until the trainer called it silent."""
+    loop = h.make_loop(tokenizer)
+
+    async def main():
+        waiting = asyncio.create_task(loop._wait_until(lambda: False))
+        await asyncio.sleep(0.01)
+        loop.wake.set()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(waiting, 2)
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("factory, max_steps, fix", [(None, 10, "environment_factory"),
                                                      ({"a": h.PromptEnv}, 10, "not a dict"),
                                                      (h.PromptEnv, -1, "max_steps > 0")])

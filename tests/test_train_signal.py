@@ -121,8 +121,8 @@ def test_a_max_steps_run_whose_every_group_is_dropped_says_why_and_stops(start_s
     with pytest.raises(RuntimeError, match=r"max_steps=5 would wait forever: no group kept for "
                                            r"\d+s: the \d+ scored since had equal rewards"):
         run(server, toy_dir, out, reward=h.constant_reward, max_steps=5, untrained_warning_s=2,
-            rollout_worker_timeout=15)
-    assert time.monotonic() - start < 90
+            rollout_worker_timeout=30)      # also the heartbeat's: generous on a busy machine
+    assert time.monotonic() - start < 150
     warned = capfd.readouterr().err
     assert "frac_reward_zero_std 1" in warned and "partial credit in the reward" in warned
     records = strict_lines(out)
