@@ -22,6 +22,8 @@ Departures from the spec, one line each:
 - `bf16=None` is True on CUDA only (spec: True): CPU bf16 matmuls are slow, the tests compare fp32.
 - `tree_attention_backend` and `logging_dir` are ours: the spec has one attention kernel.
 - `weight_sync_verify_every` is ours: the spec does not check that a sync landed (verify_sync.py).
+- `reward_tool_timeout`, `untrained_warning_s` are ours: the spec bounds no reward or tool call,
+  and says nothing of a run whose every group is dropped.
 - `optim` offers the two AdamW variants only: train.py builds torch.optim.AdamW itself.
 - `ddp_timeout` is at least vllm_server_timeout + rollout_worker_timeout (set lower: a warning).
 """
@@ -194,7 +196,8 @@ class AsyncGRPOConfig:
     max_tool_calling_iterations: int | None = None  # tool-calling turns per rollout; None: no limit
     # ── vLLM server ──
     vllm_server_base_url: str = "http://localhost:8000"  # several replicas: comma-separated URLs
-    vllm_server_timeout: float = 1800.0     # seconds for startup, each request, each weight sync
+    vllm_server_timeout: float = 1800.0     # seconds for startup, each request (its retries
+                                            # included), each weight sync
     # ── training ──
     epsilon: float = 0.2                    # lower clip of the surrogate's ratio: 1 - epsilon
     epsilon_high: float | None = None       # upper clip 1 + epsilon_high; None: epsilon
@@ -219,6 +222,10 @@ class AsyncGRPOConfig:
                                             # (verify_sync.py); 0: none, nor probes; None: 16
     overwrite_output_dir: bool = False      # ours (transformers' scripts'): replace another run
                                             # in output_dir (checkpoint.claim); False: refused
+    reward_tool_timeout: float = 300.0      # ours: seconds a reward function, tool or environment
+                                            # call may take; past it its rollout fails, named
+    untrained_warning_s: float = 180.0      # ours: seconds of dropped groups and none kept before
+                                            # a warning naming frac_reward_zero_std
 
     def __post_init__(self):
         refuse_inapplicable(self)
@@ -249,6 +256,11 @@ class AsyncGRPOConfig:
         need(self.num_sampler_logprobs >= 1 or not self.score_centering, "num_sampler_logprobs",
              "score centering needs >= 1 sampler log-probs per token")
         # the asynchronous pipeline
+        for name in ("max_completion_length", "queue_maxsize", "vllm_server_timeout",
+                     "rollout_worker_timeout", "reward_tool_timeout", "untrained_warning_s"):
+            need(getattr(self, name) > 0, name, "must be > 0")
+        need(self.num_train_epochs > 0 or self.max_steps > 0, "num_train_epochs",
+             "must be > 0 (or set max_steps > 0)")
         need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         need(self.weight_sync_steps >= 1, "weight_sync_steps", "must be >= 1")
         need(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1,

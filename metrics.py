@@ -9,7 +9,9 @@ writes one line of <output_dir>/metrics.jsonl:
                                                          dropped_oversize_total
     perf/*    timings (Timer, weight_sync.py)            + tokens/s and MFU on both time bases
     loss.py   loss, sampling/*, clip_ratio/*, entropy    reduced over micro-batches and ranks
+    train.py  skipped_steps_total (ours)                 steps not applied (loss, grad_norm: null)
     rollout   rollout/*, completions/*, tools/*, env/*, reward, reward_kept, frac_reward_zero_std
+              (also on a line of their own while the trainer waits and every group is dropped)
 
 num_tokens and the trainer's *_total are the run's TrainState counters (checkpoint.py): a resume
 continues them.
@@ -63,18 +65,22 @@ PEAK_FLOPS = {"bf16": {"B200": 2.25e15, "H200": 989e12, "H100": 989e12, "H800": 
 SUMMED = ("rollout/backpressure_s", "rollout/admission_wait_s", "rollout/score_block_s",
           "rollout/vllm_preemptions_total")     # amounts since the last emission: a window sums
 LATEST = ("rollout/kv_cache_usage",)            # spec: the value at the last poll
+WAITING_LINE_S = 60.0   # while every group is dropped and the trainer waits: a line this often
 
 
 def reduce_window(records: list[dict]) -> dict[str, float]:
     """Many metric dicts → one, by name: SUMMED the sum (rollout/vllm_preemptions_total: the
     spec's count during the window), other `*_total` and LATEST the last value, a name
-    whose last part holds "max" the max, "min" the min, everything else the mean. None and NaN
-    values are skipped (module docstring: a worked example)."""
+    whose last part holds "max" the max, "min" the min, everything else the mean. None and
+    non-finite values are skipped; a name left with none logs None (JSON null) if one was None,
+    as a skipped step's loss and grad_norm, else nothing (module docstring: a worked example)."""
     out: dict[str, float] = {}
     for name in dict.fromkeys(k for r in records for k in r):
         values = [r[name] for r in records
-                  if name in r and r[name] is not None and not _nan(r[name])]
+                  if name in r and r[name] is not None and math.isfinite(r[name])]
         if not values:
+            if any(name in r and r[name] is None for r in records):
+                out[name] = None
             continue
         if name in SUMMED:
             out[name] = float(sum(values))
@@ -87,10 +93,6 @@ def reduce_window(records: list[dict]) -> dict[str, float]:
         else:
             out[name] = float(np.mean(values))
     return out
-
-
-def _nan(v) -> bool:
-    return isinstance(v, float) and math.isnan(v)
 
 
 def sample_metrics(step, state) -> dict[str, float]:
@@ -211,6 +213,8 @@ class MetricsLog:
         self.bar = tqdm(total=config.max_steps if config.max_steps > 0 else None,
                         initial=state.global_step, unit="step", dynamic_ncols=True,
                         disable=config.disable_tqdm)           # None: on a tty only
+        self.pending: list[dict] = []        # rollout metrics drained, not on a line yet
+        self.line_at = time.monotonic()      # when the last line was written
 
     def step(self, state, metrics: dict, step) -> None:
         """Record one optimizer step: its loss and timings (`metrics`), and what it took from the
@@ -246,23 +250,45 @@ class MetricsLog:
 
     def flush(self, global_step: int) -> None:
         """Write the window's line (with the rollout metrics drained since the last) everywhere."""
-        rollout = reduce_window(self.rollout_metrics())
-        line = {"step": global_step, "time": time.time()} | rollout | reduce_window(self.window)
-        self.file.write(json.dumps(line) + "\n")
-        self.file.flush()
+        self.pending += self.rollout_metrics()
+        line = self.write(global_step, reduce_window(self.window))
         self.last = line
         self.window = []
-        shown = {k: f"{line[k]:.3g}" for k in ("reward", "loss", "perf/step_s") if k in line}
+        shown = {k: f"{line[k]:.3g}" for k in ("reward", "loss", "perf/step_s")
+                 if line.get(k) is not None}
         self.bar.set_postfix(shown, refresh=False)
-        log_line(self.dashboards, line)
         if self.config.log_completions:
             rows = self.completion_rows()
             for prompt, completion, reward in rows:
                 self.bar.write(f"  reward {reward:+.2f}  {prompt!r} → {completion!r}")
             log_table(self.dashboards, global_step, rows)
         self.completions = []
+
+    def write(self, global_step: int, metrics: dict) -> dict:
+        """One line: the rollout metrics drained since the last line, then `metrics`, in
+        metrics.jsonl (valid JSON: reduce_window leaves out what is not finite), on the
+        dashboards and to on_log."""
+        line = {"step": global_step, "time": time.time()} | reduce_window(self.pending) | metrics
+        self.pending = []
+        self.line_at = time.monotonic()
+        self.file.write(json.dumps(line, allow_nan=False) + "\n")
+        self.file.flush()
+        log_line(self.dashboards, line)
         if self.on_log is not None:
             self.on_log(line)
+        return line
+
+    def waiting(self, state, final: bool = False) -> None:
+        """While the trainer waits for samples: a window whose groups were all dropped gets its
+        line (reward, frac_reward_zero_std, the drop counts) every WAITING_LINE_S, and when
+        `final` (a run that ends before its first line), so a run that trains nothing shows why."""
+        self.pending += self.rollout_metrics()
+        dropped = [m["frac_reward_zero_std"] for m in self.pending if "frac_reward_zero_std" in m]
+        due = final or time.monotonic() - self.line_at >= WAITING_LINE_S
+        if dropped and all(dropped) and due and self.every is not None:
+            self.write(state.global_step,
+                       {"sample/dropped_stale_total": float(state.dropped_stale_total),
+                        "batch/dropped_oversize_total": float(state.dropped_oversize_total)})
 
     def completion_rows(self) -> list[tuple[str, str, float]]:
         """(prompt, completion, reward) of num_completions_to_print samples (None: all)."""
@@ -414,7 +440,7 @@ def open_dashboards(config, output_dir: str) -> list[Dashboard]:
 
 def log_line(boards: list[Dashboard], line: dict) -> None:
     """One metrics.jsonl line (its "step" and "time" are not metrics) on every dashboard."""
-    metrics = {k: v for k, v in line.items() if k not in ("step", "time")}
+    metrics = {k: v for k, v in line.items() if k not in ("step", "time") and v is not None}
     for board in boards:
         board.log(metrics, line["step"])
 

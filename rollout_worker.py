@@ -13,7 +13,7 @@ it, feed it the policy version, take its samples and watch its health.
                  with its traceback, a silent heartbeat (rollout_worker_timeout) too; an empty
                  queue means a starved trainer (staleness.Window.starved)
       .set_model_version(v)   after each weight sync: the version and the staleness window
-                 (staleness.Window.new_version publishes C_v and R)
+                 (staleness.Window.new_version publishes C_v and R); .dropped_stale(): Window.stale
       .resume_index()         first prompt not fully handed out (prompts.ResumeIndex)
       .resume_state(held)     rollout_state.json: that index, less the held samples, and the
                  samples of later prompts trained already; resumed with it (trained=), get()
@@ -201,6 +201,12 @@ class RolloutWorker:
         self.channels.rate.value = self.window.rate
         self.channels.version_start.value = self.window.version_start
         self.channels.model_version.value = version
+
+    def dropped_stale(self) -> None:
+        """The trainer dropped a sample it was handed as stale: admission's fault, not
+        consumption (staleness.Window.stale)."""
+        self.window.stale()
+        self.channels.version_start.value = self.window.version_start
 
     def drain_metrics(self) -> list[dict[str, float]]:
         """Metric dicts from the rollout process since the last drain (all of them once get()

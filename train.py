@@ -42,11 +42,13 @@ import importlib
 import logging
 import math
 import os
+import queue
 import signal
 import sys
 import time
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -61,6 +63,7 @@ from loss import (MOE_EXPERT_FIELDS, compute_loss, finalize_metrics, reduce_metr
                   router_aux_loss_coef)
 from rollout import (AsyncRolloutLoop, Rollout, RolloutGroup,  # noqa: F401 (the spec's records)
                      TurnRecord)
+from rollout.prompts import check_prompt_source
 import rollout_worker
 from rollout_worker import RolloutWorker
 from trie_pack import Planner
@@ -105,6 +108,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     clients = [VLLMClient(url, timeout=config.vllm_server_timeout) for url in server_urls(config)]
     sync = None                                 # chosen once the servers answer
     saving = config.save_strategy == "steps"
+    skipped = skipped_total = 0                 # non-finite steps: in a row, since this start
     feed = None                                 # rank 0: its end of the rollout queue
     log = None                                  # rank 0: metrics.jsonl and the progress bar
 
@@ -129,10 +133,11 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                                    num_processes=world, dataset_start_index=state.prompt_index,
                                    trained=state.trained, model_version=state.model_version,
                                    **sync.worker_kwargs)
-            feed = Feed(worker, planner, config.gradient_accumulation_steps, state)
             log = metrics.MetricsLog(config, output_dir, state, policy.model, device,
                                      rollout_metrics=worker.drain_metrics,
                                      on_log=lambda line: hooks.event("on_log", logs=line))
+            feed = Feed(worker, planner, config.gradient_accumulation_steps, state,
+                        on_wait=lambda: log.waiting(state))
             worker.start()
             hooks.event("on_train_begin")
         while config.max_steps <= 0 or state.global_step < config.max_steps:
@@ -153,6 +158,9 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                                       world, aux_coef, scaler, state.model_version)
             state.global_step += 1
             hooks.state.global_step = state.global_step
+            skipped = skipped + 1 if step_metrics["loss"] is None else 0     # not applied
+            skipped_total += skipped > 0
+            step_metrics["skipped_steps_total"] = skipped_total
             every = config.torch_empty_cache_steps
             if every and state.global_step % every == 0 and device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -166,6 +174,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                 step_metrics["perf/step_s"] = time.perf_counter() - started
                 log.step(state, step_metrics, step)
                 hooks.event("on_step_end")
+            if skipped:
+                say_skipped(skipped, state.global_step, rank)
             if saving and state.global_step % config.every("save_steps") == 0:
                 save()
         if log is not None and log.window and log.every is not None:
@@ -179,6 +189,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
         if feed is not None:
             feed.worker.stop()
         if log is not None:
+            if not log.last:                    # a run that trained nothing: its dropped groups
+                log.waiting(state, final=True)
             log.close()
         if sync is not None:
             sync.close()                        # LoRA: the servers unload this run's adapters
@@ -361,6 +373,9 @@ class Step:
     queue_size: int                 # sample/rollout_queue_size at its start
 
 
+WAIT_POLL_S = 1.0           # while no sample comes, Feed.on_wait is called this often
+
+
 @dataclass
 class Feed:
     """Rank 0's end of the rollout queue: the worker, the planner, and the run's TrainState (its
@@ -369,7 +384,17 @@ class Feed:
     planner: Planner
     microbatches: int                                  # gradient_accumulation_steps
     state: checkpoint.TrainState                       # counts dropped_*_total and num_tokens
+    on_wait: Callable[[], None] = lambda: None         # called while no sample comes
     finished: bool = False                             # the worker has no more samples
+
+    def take(self):
+        """The worker's next sample (None: the prompts are done); on_wait() every WAIT_POLL_S while
+        none comes (MetricsLog.waiting: a window whose every group was dropped is logged)."""
+        while True:
+            try:
+                return self.worker.get(timeout=WAIT_POLL_S)
+            except queue.Empty:
+                self.on_wait()
 
     def next_step(self, version: int, max_staleness: int) -> Step | None:
         """The next step: up to `microbatches` micro-batches of world_size PackedRows (fewer only
@@ -384,13 +409,14 @@ class Feed:
         self.state.dropped_stale_total += stale
         while len(rows) < self.microbatches and not self.finished:
             start = time.perf_counter()
-            sample = self.worker.get()
+            sample = self.take()
             waited_s += time.perf_counter() - start
             if sample is None:
                 self.finished = True
                 micro = self.planner.flush()
             elif version - sample.model_version > max_staleness:
                 self.state.dropped_stale_total += 1
+                self.worker.dropped_stale()         # admission's fault, not consumption
                 continue
             elif self.planner.oversize(sample):
                 self.state.dropped_oversize_total += 1
@@ -451,9 +477,11 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
     """One optimizer step over this rank's rows; returns the loss metrics reduced over micro-batches
     and ranks, and the timings. A row's loss divides by num_tokens, the whole step's trained tokens,
     so the step's loss is the sum over rows and ranks; FSDP2 averages gradients over ranks, hence
-    the backward of loss × world. `scaler` (fp16): the loss is scaled, the gradients unscaled
-    before clipping, and a step with inf/NaN gradients skipped. `version`: the policy version the
-    weights are at, whose samples measure the train/inference mismatch (sampling/mismatch_*)."""
+    the backward of loss × world. A step whose loss or gradient norm is not finite is not applied
+    (nor is the schedule stepped, as transformers' Trainer): its loss and grad_norm are None.
+    `scaler` (fp16): the loss is scaled, the gradients unscaled before clipping, and a step with
+    inf/NaN gradients skipped. `version`: the policy version the weights are at, whose samples
+    measure the train/inference mismatch (sampling/mismatch_*)."""
     device = policy.head().weight.device
     softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
     timer = metrics.Timer(device)
@@ -476,19 +504,6 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
             (loss * world if scaler is None else scaler.scale(loss * world)).backward()
         loss_sum += loss.detach().to(torch.float64)
         parts.append(terms)
-    with timer("optimizer_s"):
-        limit = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
-        trainable = [p for p in policy.parameters() if p.requires_grad]
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, limit)
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
     reduced = reduce_metrics(parts) | {"loss": loss_sum}
     if aux_coef:
         reduced["aux_loss"] = torch.tensor(aux_sum / world, dtype=torch.float64, device=device)
@@ -496,9 +511,44 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
         if world > 1:
             dist.all_reduce(reduced[name], op=rank_reduce_op(name))
     out = finalize_metrics(reduced)
-    out["grad_norm"] = float(full_tensor(grad_norm))
+    with timer("optimizer_s"):
+        limit = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        out["grad_norm"] = float(full_tensor(torch.nn.utils.clip_grad_norm_(trainable, limit)))
+        # the loss and the norm are global: every rank takes the same decision (fp16: the scaler
+        # skips an overflowing step itself)
+        if math.isfinite(out["loss"]) and (scaler is not None or math.isfinite(out["grad_norm"])):
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+            scheduler.step()
+        else:
+            out["loss"] = out["grad_norm"] = None        # skipped: logged null, counted by train()
+        if scaler is not None:
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
     out["learning_rate"] = scheduler.get_last_lr()[0]
     return out | timer.metrics()
+
+
+SKIPS_TO_STOP = 3           # non-finite optimizer steps in a row that stop the run
+
+
+def say_skipped(in_a_row: int, step: int, rank: int) -> None:
+    """A step train_step did not apply (its loss or gradient norm was not finite): a warning on
+    rank 0; SKIPS_TO_STOP in a row stop every rank (each counts the same global values)."""
+    if in_a_row >= SKIPS_TO_STOP:
+        raise RuntimeError(f"optimizer steps {step - in_a_row + 1} to {step}: the loss or "
+                           "gradient norm was not finite, so none was applied (the weights are "
+                           f"those of step {step - in_a_row}); look for non-finite advantages "
+                           "(compute_advantages) or log-probs, or lower learning_rate")
+    if rank == 0:
+        logging.getLogger(__name__).warning(
+            "step %d: the loss or gradient norm is not finite; the optimizer step is skipped (%d "
+            "in a row, %d stop the run)", step, in_a_row, SKIPS_TO_STOP)
 
 
 def rank_reduce_op(name: str) -> dist.ReduceOp:
@@ -568,6 +618,7 @@ class AsyncGRPOTrainer:
         self.trained_checkpoint = None   # after train(): the last checkpoint-N
         self.reward_funcs = reward_funcs
         self.args = args if args is not None else AsyncGRPOConfig()
+        check_prompt_source(train_dataset, environment_factory, self.args.max_steps)  # early
         self.train_dataset = train_dataset
         self.processing_class = processing_class
         self.peft_config = peft_config

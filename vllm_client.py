@@ -43,8 +43,8 @@ Departures from TRL's client (reference/trl_async_grpo_notes.md §2, §6.6), one
 - A collective call is retried only if refused: the server may already wait inside NCCL for it.
 - The async pool holds `max_connections` (the rollout passes its concurrency cap, + 1 for the
   /metrics poll); an idle connection the server closed (uvicorn: after 5 s) is replaced.
-- `timeout`: requests' is per phase (connect, each read), and a non-streamed reply sends nothing
-  until done, so it bounds all; aiohttp's ClientTimeout(total=) bounds each request.
+- `timeout` bounds a call with its retries, each attempt getting what is left: a generation that
+  times out has spent it and fails naming the server (the spec retries it, each time in full).
 - https:// is the libraries' own TLS, certificates verified: a private CA's bundle goes in
   REQUESTS_CA_BUNDLE (requests) and SSL_CERT_FILE (aiohttp: Python's ssl reads it).
 """
@@ -280,13 +280,13 @@ class VLLMClient:
     # ---- the retry policy, shared by the sync and async paths ----
 
     def _next_delay(self, method: str, path: str, kind: str, attempt: int, retries: int,
-                    reply: Reply | None, error: Exception | None) -> float | None:
+                    reply: Reply | None, error: Exception | None, left: float) -> float | None:
         """None if `reply` is the answer; else the seconds to sleep before retrying; else raise.
 
         kind: "generation" | "control" | "weights" | "collective"; `error` (requests' or
         aiohttp's) in _failure's words. The policy (spec: `vllm_server_timeout` bounds waiting
-        for the server, each generation request and each weight-sync call; waiting and weight
-        sync raise on timeout, generation retries):
+        for the server, each generation request and each weight-sync call; here each call with
+        its retries):
 
             answer / error                   generation     control        weights, collective
             2xx                              return         return         return
@@ -295,14 +295,13 @@ class VLLMClient:
             refused (never sent)             retry (REFUSED_RETRIES at most: nothing listens)
             dropped mid-request or reply     retry          retry          weights: retry;
                                                                            collective: VLLMError
-            timeout (`timeout` s)            retry (async:  TimeoutError   TimeoutError now
-                                             VLLMError now
-                                             if /health
-                                             fails too)
+            timeout (what is left of         VLLMError:     TimeoutError   TimeoutError now
+            `timeout`)                       budget spent
 
         Retry k (k = 0, 1, ...) sleeps min(max_backoff, backoff * 2**k) * U(0.9, 1.1); after
-        `retries` retries (max_retries unless the call sets its own) the last error is raised as
-        VLLMError naming the URL, the attempts and the cause. A collective call
+        `retries` retries (max_retries unless the call sets its own), or when the sleep would end
+        past the request's budget (`left`: seconds of `timeout` left, retries included), the last
+        error is raised as VLLMError naming the URL, the attempts and the cause. A collective call
         (init_weight_transfer_engine, update_weights) blocks inside NCCL on the server, paired with
         the trainer's own send: once it may have reached the server, a retry would wait for a send
         that already happened. vLLM answers a refused weight-sync call with a 500 (its worker
@@ -329,11 +328,12 @@ class VLLMClient:
                 raise VLLMError(f"{method} failed: {last}", url) from error
             if failure == "refused":                # a server that died: say so in seconds
                 retries = min(retries, REFUSED_RETRIES)
-        if attempt >= retries:
-            message = f"{method} gave up after {attempt + 1} attempts; last error: {last}"
+        delay = min(self.max_backoff, self.backoff * 2 ** attempt) * random.uniform(0.9, 1.1)
+        if attempt >= retries or delay >= left:
+            spent = "" if attempt >= retries else f" in vllm_server_timeout={self.timeout:g}s"
+            message = f"{method} gave up after {attempt + 1} attempts{spent}; last error: {last}"
             raise VLLMError(message, url, status) from error
         self.retry_total += 1
-        delay = min(self.max_backoff, self.backoff * 2 ** attempt) * random.uniform(0.9, 1.1)
         log.warning("%s %s failed (%s); retry %d/%d in %.2fs", method, url, last, attempt + 1,
                     retries, delay)
         return delay
@@ -361,14 +361,17 @@ class VLLMClient:
                  json=None) -> Reply:
         retries = self.max_retries if retries is None else retries
         data = None if json is None else orjson.dumps(json)
+        deadline = time.monotonic() + self.timeout      # the whole call, its retries included
         for attempt in itertools.count():
             try:
                 r = self._session.request(method, self.base_url + path, data=data,
-                                          headers=JSON if data else None, timeout=self.timeout)
+                                          headers=JSON if data else None,
+                                          timeout=deadline - time.monotonic())
                 reply, error = (r.status_code, r.content), None
             except requests.RequestException as e:
                 reply, error = None, e
-            delay = self._next_delay(method, path, kind, attempt, retries, reply, error)
+            delay = self._next_delay(method, path, kind, attempt, retries, reply, error,
+                                     deadline - time.monotonic())
             if delay is None:
                 return reply
             time.sleep(delay)
@@ -377,19 +380,17 @@ class VLLMClient:
         session = self._async_session()
         url = self.base_url + path
         data = None if json is None else orjson.dumps(json)
+        deadline = time.monotonic() + self.timeout      # the whole call, its retries included
         for attempt in itertools.count():
+            budget = aiohttp.ClientTimeout(total=deadline - time.monotonic())
             try:
-                async with session.request(method, url, data=data,
+                async with session.request(method, url, data=data, timeout=budget,
                                            headers=JSON if data else None) as r:
                     reply, error = (r.status, await r.read()), None
             except (aiohttp.ClientError, TimeoutError) as e:
                 reply, error = None, e
-            if (kind == "generation" and error is not None and _failure(error) == "timeout"
-                    and not await asyncio.to_thread(self.healthy)):
-                raise VLLMError(f"{method} got no answer within {self.timeout:g}s "
-                                f"(vllm_server_timeout), nor GET /health within "
-                                f"{HEALTH_PROBE_S:g}s: the server is hung", url) from error
-            delay = self._next_delay(method, path, kind, attempt, self.max_retries, reply, error)
+            delay = self._next_delay(method, path, kind, attempt, self.max_retries, reply, error,
+                                     deadline - time.monotonic())
             if delay is None:
                 return reply
             await asyncio.sleep(delay)

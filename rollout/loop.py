@@ -15,7 +15,8 @@ Departures from the spec, one line each (the why is on the code named):
   turn).
 - A rollout's requests name the policy version it started under, as a LoRA adapter (adapter_name).
 - A failed rollout drops its group; FAILED_GROUPS_TO_STOP groups in a row stop the run (_rollout);
-  one whose replica stopped answering runs again on another (_reroute).
+  one whose replica stopped answering runs again on another (_reroute). A reward function, tool
+  or environment past reward_tool_timeout (ours) fails its rollout, named (CallTimeout).
 - *_total metrics are running totals; backpressure_s, score_block_s: seconds since the last one.
 - rollout/admission_wait_s (ours): seconds generation waited for staleness admission, not a full
   queue (the spec's rollout/backpressure_s, which counts only that).
@@ -29,7 +30,7 @@ import queue
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -37,13 +38,15 @@ import numpy as np
 from rollout.channels import Channels, spec_channels
 from rollout.prompts import check_prompt_source, filtered_stream, prompt_stream
 from rollout.samples import (FinishedRollout, PendingGroup, Rollout, RolloutGroup, RolloutSample,
-                             ToolCall, TurnRecord, parse_completion, parse_generate, reconcile)
+                             ToolCall, TurnRecord, check_turn, parse_completion, parse_generate,
+                             reconcile)
 from rollout.scoring import add_totals, score_group
 from rollout.servers import (NoReplicaLeft, Replica, connect_all, drop_unverified, make_replicas,
                              move, pick, poll_all, readmit, take_out)
 from rollout.staleness import admits
-from rollout.tool_calls import (EnvironmentPool, environment_reward, environment_tools, parse_turn,
-                                run_tool_calls, start_environment, tool_call_format, tool_schemas)
+from rollout.tool_calls import (CallTimeout, EnvironmentPool, environment_reward,
+                                environment_tools, parse_turn, run_tool_calls, start_environment,
+                                tool_call_format, tool_schemas)
 from vllm_client import VLLMError, server_urls
 
 log = logging.getLogger(__name__)
@@ -73,12 +76,17 @@ _TURN: contextvars.ContextVar[TurnContext] = contextvars.ContextVar("rollout_tur
 
 @dataclass
 class Counts:
-    """The loop's progress: what admission (staleness.admits) and the failure rule read."""
+    """The loop's progress: what admission (staleness.admits), the failure rule (_failed) and the
+    untrained rule (_untrained) read."""
     pending_rollouts: int = 0       # rollouts of admitted groups not yet scored
     queued: int = 0                 # samples put on rollout_buffer
-    rollouts_scored: int = 0        # rollouts of scored or dropped groups
-    failures_in_a_row: int = 0      # rollouts failed since the last success
+    rollouts_done: int = 0          # rollouts finished (reconciled) ...
+    samples_done: int = 0           # ... and their training sequences: samples per rollout
+    failures_in_a_row: int = 0      # rollouts failed since a group was last scored
     failed_groups_in_a_row: int = 0  # the groups they belong to
+    dropped_in_a_row: int = 0       # groups scored and dropped since one was kept ...
+    kept_at: float = field(default_factory=time.monotonic)  # ... when that one was
+    warned: bool = False            # ... and untrained_warning_s said so
 
 
 @dataclass
@@ -148,13 +156,14 @@ class AsyncRolloutLoop:
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
         self.environments = None if environment_factory is None else EnvironmentPool(
-            environment_factory)
+            environment_factory, config.reward_tool_timeout)
         self.lora_name = lora_name
         self.dataset_start_index = dataset_start_index
         # where and how requests go: the servers, the sampler's top log-probs, tool calls
         self.replicas = make_replicas(server_urls(config), max_concurrent_rollouts,
                                       config.vllm_server_timeout, self.vllm_max_retries)
         self.num_top = config.num_sampler_logprobs if config.score_centering else None
+        self.vocab_size = len(processing_class)       # a reply's token ids lie below it
         self.tool_pool = ThreadPoolExecutor(max_concurrent_rollouts,
                                             thread_name_prefix="rollout-tool")
         self.tool_format = tool_call_format(processing_class)
@@ -234,7 +243,7 @@ class AsyncRolloutLoop:
                 exhausted = True
                 break
             results, records = await run_tool_calls(requested, by_name, self.tool_pool,
-                                                    turn_index=iteration)
+                                                    iteration, config.reward_tool_timeout)
             calls += records
             messages += results
         return Rollout(messages[len(prompt):], completion_ids, turns, tool_call_count=len(calls),
@@ -279,10 +288,7 @@ class AsyncRolloutLoop:
         parse = parse_generate if use_generate else parse_completion
         try:
             turn = parse(prompt_ids, reply, self.num_top)
-            n = len(turn.output_ids)
-            if len(turn.output_log_probs) != n or n > max_tokens:
-                raise ValueError(f"{len(turn.output_ids)} tokens, {len(turn.output_log_probs)} "
-                                 f"log-probs, max_tokens {max_tokens}")
+            check_turn(turn, reply.get("model"), context.model, max_tokens, self.vocab_size)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise VLLMError(f"malformed reply ({type(e).__name__}: {e}): {str(reply)[:300]}",
                             client.base_url + endpoint) from e
@@ -403,8 +409,16 @@ class AsyncRolloutLoop:
         while (group := await self.score_queue.get()) is not None:
             waited = time.monotonic() - group.queued_at
             start = time.monotonic()
-            samples, metrics = await score_group(group, self.reward_funcs, self.compute_advantages,
-                                                 self.eos_token_ids, self.num_top)
+            try:
+                samples, metrics = await score_group(
+                    group, self.reward_funcs, self.compute_advantages, self.eos_token_ids,
+                    self.num_top, self.config.reward_tool_timeout,
+                    offers_tools=bool(self.tools) or self.environments is not None)
+            except CallTimeout as e:              # a stalled reward function fails the group
+                self._failed(group.group_id, group.row_index, "scoring", e, new_group=True)
+                self._finish_prompt(group.prompt_index, len(group.rollouts), 0)
+                continue
+            self.counts.failures_in_a_row = self.counts.failed_groups_in_a_row = 0
             for env in group.environments or []:
                 self.environments.give_back(env)
             add_totals(self.totals, metrics)
@@ -414,6 +428,8 @@ class AsyncRolloutLoop:
                 await self._put(sample)
             self._finish_prompt(group.prompt_index, len(group.rollouts), len(samples))
             self._emit(metrics)
+            self._untrained(kept=bool(samples))
+        self._untrained(kept=False, ended=True)
         await self._put(None, self.channels.metrics)  # metrics end first: the parent waits for it
         await self._put(None)
 
@@ -427,19 +443,22 @@ class AsyncRolloutLoop:
 
     def _admissible(self) -> bool:
         """May a new group start now? staleness.admits with the trainer's published values."""
-        return admits(queued=self.counts.queued, pending=self.counts.pending_rollouts,
-                      scored=self.counts.rollouts_scored, consumed=self.channels.consumed.value,
+        counts = self.counts
+        per_rollout = counts.samples_done / counts.rollouts_done if counts.rollouts_done else None
+        return admits(queued=counts.queued, pending=counts.pending_rollouts,
+                      consumed=self.channels.consumed.value,
                       version_start=self.channels.version_start.value,
                       rate=self.channels.rate.value, num_generations=self.config.num_generations,
-                      max_staleness=self.config.max_staleness)
+                      max_staleness=self.config.max_staleness, per_rollout=per_rollout)
 
     async def _rollout(self, group: PendingGroup, i: int) -> None:
         """Run rollout i of a group in its own task, under the version current at its start; hand
         the group to scoring when it is complete.
 
-        A rollout that raises (a 4xx, a malformed reply, 5xx retries exhausted, a tool loop bug)
-        drops its group with a logged error. The process stops only once rollouts of
-        FAILED_GROUPS_TO_STOP groups have failed in a row (counted by group, so one bad prompt with
+        A rollout that raises (a 4xx, a reply samples.check_turn refuses, vllm_server_timeout
+        spent, a tool or environment past reward_tool_timeout, a tool loop bug) drops its group
+        with a logged error (_failed). The process stops only once FAILED_GROUPS_TO_STOP groups
+        have failed with none scored in between (counted by group, so one bad prompt with
         num_generations ≥ 8 does not stop the run), or when no replica is left. One whose replica
         stopped answering runs again on another (_reroute): nothing is lost or trained twice."""
         start = time.monotonic()
@@ -455,26 +474,19 @@ class AsyncRolloutLoop:
                     replica = self._reroute(group, replica, e)
             env_reward = None
             if env is not None:
-                env_reward, stats["env/reward_s"] = await environment_reward(env, self.tool_pool)
+                env_reward, stats["env/reward_s"] = await environment_reward(
+                    env, self.tool_pool, self.config.reward_tool_timeout)
             sequences, drifts = reconcile(rollout.turns)
             stats |= {"duration_s": time.monotonic() - start, "drifts": drifts}
             group.slots[i] = FinishedRollout(prompt, rollout, sequences, env_reward, stats, env)
             self.since_emit.generated_tokens += len(rollout.completion_ids)
-            self.counts.failures_in_a_row = 0
-            self.counts.failed_groups_in_a_row = 0
+            self.counts.rollouts_done += 1
+            self.counts.samples_done += len(sequences)
         except Exception as e:
             if isinstance(e, NoReplicaLeft):
                 raise
-            self.counts.failed_groups_in_a_row += not group.failed
+            self._failed(group.group_id, group.row_index, f"rollout {i}", e, not group.failed)
             group.failed = True
-            self.counts.failures_in_a_row += 1
-            log.error("rollout %d of group %d (dataset row %d) failed; the group is dropped: "
-                      "%s: %s", i, group.group_id, group.row_index, type(e).__name__, e,
-                      exc_info=True)
-            if self.counts.failed_groups_in_a_row >= FAILED_GROUPS_TO_STOP:
-                raise RuntimeError(f"{self.counts.failures_in_a_row} rollouts failed in a row, in "
-                                   f"{self.counts.failed_groups_in_a_row} groups; the last one: "
-                                   f"{type(e).__name__}: {e}") from e
         finally:
             group.done.add(i)
             self.wake.set()
@@ -519,6 +531,42 @@ class AsyncRolloutLoop:
         new.inflight += 1
         return new
 
+    def _failed(self, group_id: int, row_index: int, what: str, error: Exception,
+                new_group: bool) -> None:
+        """Count and log a failed rollout (or a group's scoring: `what`), whose group is dropped;
+        raise once rollouts of FAILED_GROUPS_TO_STOP groups have failed in a row."""
+        self.counts.failed_groups_in_a_row += new_group
+        self.counts.failures_in_a_row += 1
+        log.error("%s of group %d (dataset row %d) failed; the group is dropped: %s: %s", what,
+                  group_id, row_index, type(error).__name__, error, exc_info=True)
+        if self.counts.failed_groups_in_a_row >= FAILED_GROUPS_TO_STOP:
+            raise RuntimeError(f"{self.counts.failures_in_a_row} rollouts failed in a row, in "
+                               f"{self.counts.failed_groups_in_a_row} groups; the last one: "
+                               f"{type(error).__name__}: {error}") from error
+
+    def _untrained(self, kept: bool, ended: bool = False) -> None:
+        """After each group is scored (kept: it gave samples), and when the prompts have `ended`:
+        once no group was kept for untrained_warning_s (the spec drops a group whose rewards are
+        all equal: a task too hard, or too easy), a warning saying why and what to try; a
+        max_steps run stops after rollout_worker_timeout of it (the trainer would wait forever),
+        and a run whose prompts ended before any sample was queued stops saying why."""
+        counts = self.counts
+        if kept:
+            counts.kept_at, counts.dropped_in_a_row, counts.warned = time.monotonic(), 0, False
+            return
+        counts.dropped_in_a_row += not ended
+        quiet = time.monotonic() - counts.kept_at
+        why = (f"no group kept for {quiet:.0f}s: the {counts.dropped_in_a_row} scored since had "
+               "equal rewards (frac_reward_zero_std 1), so nothing trains; give partial credit in "
+               "the reward, raise num_generations or temperature, or filter the prompts")
+        if self.config.max_steps > 0 and quiet > self.config.rollout_worker_timeout:
+            raise RuntimeError(f"max_steps={self.config.max_steps} would wait forever: {why}")
+        if ended and counts.dropped_in_a_row and not counts.queued:
+            raise RuntimeError(f"the prompts ran out and nothing was trained: {why}")
+        if quiet > self.config.untrained_warning_s and not counts.warned and not ended:
+            counts.warned = True
+            log.warning(why)
+
     def _rollout_ended(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
@@ -527,7 +575,6 @@ class AsyncRolloutLoop:
 
     def _finish_prompt(self, prompt_index: int, rollouts: int, samples: int) -> None:
         self.counts.pending_rollouts -= rollouts
-        self.counts.rollouts_scored += rollouts
         self.counts.queued += samples
         self.channels.progress.put((prompt_index, samples))
         self.wake.set()
@@ -552,9 +599,10 @@ class AsyncRolloutLoop:
             if ready():
                 return
             self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), WAKE_S)
-            except asyncio.TimeoutError:
+            try:            # not wait_for: on 3.11 it swallows a cancel that meets a set wake
+                async with asyncio.timeout(WAKE_S):
+                    await self.wake.wait()
+            except TimeoutError:
                 pass
             if wait is not None:
                 now = time.monotonic()

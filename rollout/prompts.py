@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 
 def check_prompt_source(dataset, environment_factory, max_steps: int) -> None:
     """Spec: train_dataset may be omitted only when environment_factory supplies the prompts from
-    reset(), and max_steps must then set the run's length."""
+    reset(), and max_steps must then set the run's length. A dataset's rows: check_rows."""
     if dataset is not None:
-        return
+        return check_rows(dataset, environment_factory)
     if environment_factory is None or isinstance(environment_factory, dict):
         raise ValueError("no train_dataset: pass a dataset with a 'prompt' column, or an "
                          "environment_factory (one factory, not a dict: a dict picks environments "
@@ -40,6 +40,23 @@ def check_prompt_source(dataset, environment_factory, max_steps: int) -> None:
     if max_steps <= 0:
         raise ValueError("no train_dataset: the environment supplies the prompts, so set "
                          "max_steps > 0 to define the length of the run")
+
+
+def check_rows(dataset, environment_factory) -> None:
+    """ValueError naming the first bad row of a sized dataset (a streaming one's rows fail as they
+    are read): each prompt a non-empty string or list of messages, and with a dict of
+    environment factories each `environment` one of its names."""
+    columns = (getattr(dataset, "column_names", None) if hasattr(dataset, "__len__") else None
+               ) or []
+    for i, prompt in enumerate(dataset["prompt"] if "prompt" in columns else []):
+        if not (isinstance(prompt, (str, list)) and prompt):
+            raise ValueError(f"dataset row {i}: the prompt is {prompt!r:.100}; it must be a "
+                             "non-empty string or a non-empty list of messages")
+    if isinstance(environment_factory, dict) and "environment" in columns:
+        for i, name in enumerate(dataset["environment"]):
+            if name not in environment_factory:
+                raise ValueError(f"dataset row {i}: environment {name!r} is not one of "
+                                 f"environment_factory's {sorted(environment_factory)}")
 
 
 def first_prompt_index(dataset, start_index: int) -> int:

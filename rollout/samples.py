@@ -292,6 +292,28 @@ def to_sample(seq: TrainingSequence, num_top: int | None, **fields) -> RolloutSa
 
 # ── server replies → TurnRecord ──────────────────────────────────────────────────────────────
 
+LOGPROB_SLACK = 1e-4  # a log-prob this far above 0 is float rounding (a near-certain token's)
+
+
+def check_turn(turn: TurnRecord, model: str | None, asked: str, max_tokens: int,
+               vocab_size: int) -> None:
+    """ValueError unless a parsed reply can be trained on: one log-prob a token, at most
+    max_tokens of them, each id in the tokenizer's vocabulary, each log-prob finite and <= 0 (up
+    to LOGPROB_SLACK), and the reply names the model (or adapter) asked for."""
+    ids = np.asarray(turn.output_ids, dtype=np.int64)
+    logprobs = np.asarray(turn.output_log_probs, dtype=np.float64)
+    if len(logprobs) != len(ids) or len(ids) > max_tokens:
+        raise ValueError(f"{len(ids)} tokens, {len(logprobs)} log-probs, max_tokens {max_tokens}")
+    if model != asked:
+        raise ValueError(f"the reply is from model {model!r}, not {asked!r} as asked")
+    outside = (ids < 0) | (ids >= vocab_size)
+    if outside.any():
+        raise ValueError(f"token ids {ids[outside].tolist()[:5]} lie outside the tokenizer's "
+                         f"vocabulary of {vocab_size}")
+    wrong = ~(np.isfinite(logprobs) & (logprobs <= LOGPROB_SLACK))
+    if wrong.any():
+        raise ValueError(f"log-probs {logprobs[wrong].tolist()[:5]} are not finite and <= 0")
+
 
 def top_k_of(entries: dict[int, float], k: int) -> dict[int, float]:
     """The k likeliest of the server's entries (it lists the sampled token first, however

@@ -4,7 +4,8 @@ completions/, tools/ and env/ rows of 記録されたメトリクス (Recorded m
 
 Pure functions over a RolloutGroup, called by the rollout loop's score loop (rollout/loop.py):
 
-    reward sources ─► one column each (NaN where a source did not score a rollout)
+    reward sources ─► one column each (NaN where a source did not score a rollout), checked:
+        G numbers or None (checked_column), none infinite, each call within reward_tool_timeout
         reward_funcs (sync ones in threads, all at once) · environment get_reward() (named after
         the environment class) · Rollout.reward (named "rollout")
     group.rewards = Σ columns per rollout (NaN when no source scored it) ─► compute_advantages
@@ -18,9 +19,14 @@ Departures from the spec, and why:
 - A reward source whose name repeats (two partials of one function) keeps its own column,
   <name>_2, <name>_3, ...: each is summed once and reported apart.
 - tools/*_total counts are summed over the run (add_totals): a total is read as its latest value.
+- A reward's NaN means None (TRL turns None into NaN: a ported function may return it); an
+  infinite one is an error naming the source and the row, not a dropped group, which would hide
+  the reward's bug for the whole run.
+- A reward function past reward_tool_timeout (ours) fails its group, counted as a failed rollout.
 """
 import asyncio
 import math
+import numbers
 from collections import Counter
 from typing import Callable
 
@@ -32,11 +38,13 @@ from rollout.tool_calls import call_maybe_async
 
 async def score_group(group: RolloutGroup, reward_funcs: list[Callable],
                       compute_advantages: Callable[[RolloutGroup], np.ndarray],
-                      eos_token_ids: list[int],
-                      num_top: int | None) -> tuple[list[RolloutSample], dict[str, float]]:
-    """Rewards → group.rewards → compute_advantages → drop the group or build its samples; and the
-    group's metrics (its tools/*_total counts are this group's: add_totals makes them totals)."""
-    columns = await score_rewards(reward_funcs, group)
+                      eos_token_ids: list[int], num_top: int | None, limit: float | None = None,
+                      offers_tools: bool = False,
+                      ) -> tuple[list[RolloutSample], dict[str, float]]:
+    """Rewards (each call within `limit` seconds) → group.rewards → compute_advantages → drop the
+    group or build its samples; and the group's metrics (its tools/*_total counts are this
+    group's: add_totals makes them totals; offers_tools: tools/ rates also with no call)."""
+    columns = await score_rewards(reward_funcs, group, limit)
     if columns:
         total = np.stack(list(columns.values()), axis=1)          # [G, sources]
     else:
@@ -46,7 +54,8 @@ async def score_group(group: RolloutGroup, reward_funcs: list[Callable],
     advantages = compute_advantages(group)
     scored = group.rewards[~np.isnan(group.rewards)]
     kept = len(scored) >= 2 and scored.max() > scored.min()
-    metrics = group_metrics(group, eos_token_ids) | {"frac_reward_zero_std": float(not kept)}
+    metrics = group_metrics(group, eos_token_ids, offers_tools)
+    metrics["frac_reward_zero_std"] = float(not kept)
     if len(scored):
         metrics["reward"] = float(scored.mean())
     if not kept:
@@ -80,19 +89,21 @@ def reward_name(func: Callable) -> str:
     return getattr(inner, "__name__", type(inner).__name__)
 
 
-async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup) -> dict[str, np.ndarray]:
+async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup,
+                        limit: float | None = None) -> dict[str, np.ndarray]:
     """Every reward source of a group as a column (NaN where a source did not score a rollout):
-    reward functions (sync ones in threads, all concurrently), environment rewards (named after
-    the environment class) and Rollout.reward. Every source keeps its own column, so each is
-    summed once; a name already taken gets a suffix (_2, _3, ...) in the rewards/<name>/ metrics."""
+    reward functions (sync ones in threads, all concurrently, each within `limit` seconds),
+    environment rewards (named after the environment class) and Rollout.reward, each checked
+    (checked_column). Every source keeps its own column, so each is summed once; a name already
+    taken gets a suffix (_2, _3, ...) in the rewards/<name>/ metrics."""
     environments = {} if group.environments is None else {"environments": group.environments}
 
     async def call(func):
-        values = await call_maybe_async(func, None, prompts=group.prompts,
+        values = await call_maybe_async(func, None, limit, prompts=group.prompts,
                                         completions=group.completions,
                                         completion_ids=group.completions_ids, **environments,
                                         **group.reward_kwargs)
-        return np.array([math.nan if v is None else float(v) for v in values])
+        return checked_column(f"reward function {reward_name(func)}", values, group)
 
     columns: dict[str, np.ndarray] = {}
 
@@ -107,16 +118,36 @@ async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup) -> di
     for func, column in zip(reward_funcs, await asyncio.gather(*map(call, reward_funcs))):
         add(reward_name(func), column)
     for cls in dict.fromkeys(e[0] for e in group.env_rewards if e is not None):
-        add(cls.__name__, np.array([e[1] if e is not None and e[0] is cls else math.nan
-                                    for e in group.env_rewards]))
+        values = [e[1] if e is not None and e[0] is cls else None for e in group.env_rewards]
+        add(cls.__name__, checked_column(f"{cls.__name__}.get_reward()", values, group))
     if any(r is not None for r in group.rollout_rewards):
-        add("rollout", np.array([math.nan if r is None else float(r)
-                                 for r in group.rollout_rewards]))
+        add("rollout", checked_column("Rollout.reward", group.rollout_rewards, group))
     return columns
 
 
-def group_metrics(group: RolloutGroup, eos_token_ids: list[int]) -> dict[str, float]:
-    """The group's rollout/, completions/, tools/ and env/ metrics (spec: 記録されたメトリクス)."""
+def checked_column(source: str, values, group: RolloutGroup) -> np.ndarray:
+    """A reward source's values for a group: one number or None (unscorable) per rollout, as a
+    column with NaN for None. NaN means None, as in TRL (which turns None into NaN), so a reward
+    function ported from it may return either; anything else (another length, a non-number, an
+    infinite reward, which would turn every advantage of the group into NaN) raises ValueError
+    naming the source, what it returned and the row."""
+    n = len(group.rollouts)
+    ok = isinstance(values, (list, tuple, np.ndarray)) and len(values) == n and all(
+        v is None or isinstance(v, (numbers.Real, np.bool_)) for v in values)
+    column = np.array([math.nan if v is None else float(v) for v in values]) if ok else None
+    if column is None or np.isinf(column).any():
+        raise ValueError(f"{source} returned {values!r:.200} for dataset row {group.row_index} "
+                         f"(prompt {group.prompts[0]!r:.100}); expected a list of {n} numbers or "
+                         "None (None: unscorable), none of them infinite")
+    return column
+
+
+def group_metrics(group: RolloutGroup, eos_token_ids: list[int],
+                  offers_tools: bool = False) -> dict[str, float]:
+    """The group's rollout/, completions/, tools/ and env/ metrics (spec: 記録されたメトリクス).
+    tools/call_frequency and tools/loop_exhausted_frac are per rollout over every group of a run
+    that offers tools (offers_tools), a group without a call included: 1 call in 10 groups of
+    one rollout is 0.1."""
     rollouts = group.rollouts
     stats = group.stats
     lengths = [len(r.completion_ids) for r in rollouts]
@@ -136,15 +167,16 @@ def group_metrics(group: RolloutGroup, eos_token_ids: list[int]) -> dict[str, fl
               "rollout/drift_tokens_mean": float(np.mean(drifts)),
               "rollout/drift_tokens_max": max(drifts)}
     calls = [c for r in rollouts for c in r.tool_calls]
+    if calls or offers_tools:
+        m |= {"tools/call_frequency": len(calls) / len(rollouts),
+              "tools/loop_exhausted_frac": float(np.mean([r.loop_exhausted for r in rollouts]))}
     if calls:
         per_turn = Counter((j, c.turn_index)        # calls per (rollout, turn)
                            for j, r in enumerate(rollouts) for c in r.tool_calls)
-        m |= {"tools/call_frequency": len(calls) / len(rollouts),
-              "tools/failure_frequency": sum(c.failed for c in calls) / len(calls),
+        m |= {"tools/failure_frequency": sum(c.failed for c in calls) / len(calls),
               "tools/latency_s": float(np.mean([c.latency_s for c in calls])),
               "tools/unknown_name_total": sum(c.unknown for c in calls),
-              "tools/parallel_calls_mean": float(np.mean(list(per_turn.values()))),
-              "tools/loop_exhausted_frac": float(np.mean([r.loop_exhausted for r in rollouts]))}
+              "tools/parallel_calls_mean": float(np.mean(list(per_turn.values())))}
         ran = {c.name for c in calls if c.name is not None and not c.unknown}  # malformed: no name
         for name in ran:
             mine = [c for c in calls if c.name == name]

@@ -54,15 +54,31 @@ from rollout.samples import ToolCall
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-async def call_maybe_async(fn: Callable, executor: Executor | None, *args, **kwargs) -> Any:
+class CallTimeout(RuntimeError):
+    """A reward function, tool or environment method ran past reward_tool_timeout (ours)."""
+
+
+async def call_maybe_async(fn: Callable, executor: Executor | None, limit: float | None, *args,
+                           **kwargs) -> Any:
     """Await an async callable; run a sync one on `executor` (None: asyncio's default) without
     blocking the event loop. A sync callable that returns an awaitable (a callable instance with
-    async __call__) is awaited too."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args, **kwargs)
-    call = functools.partial(fn, *args, **kwargs)
-    result = await asyncio.get_running_loop().run_in_executor(executor, call)
-    return await result if inspect.isawaitable(result) else result
+    async __call__) is awaited too. Past `limit` seconds (None: none), CallTimeout names it (a
+    sync one's thread cannot be stopped: it is left to finish)."""
+    scope = asyncio.timeout(limit)
+    try:
+        async with scope:
+            if inspect.iscoroutinefunction(fn):
+                return await fn(*args, **kwargs)
+            call = functools.partial(fn, *args, **kwargs)
+            result = await asyncio.get_running_loop().run_in_executor(executor, call)
+            return await result if inspect.isawaitable(result) else result
+    except TimeoutError:
+        if not scope.expired():                       # its own TimeoutError
+            raise
+        inner = getattr(fn, "func", fn)               # a partial's function
+        name = getattr(inner, "__qualname__", None) or type(inner).__name__
+        raise CallTimeout(f"{name} did not return within reward_tool_timeout={limit:g}s"
+                          ) from None
 
 
 def tool_call_format(tokenizer) -> str | None:
@@ -109,7 +125,7 @@ def parse_turn(tokenizer, fmt: str | None, text: str, prompt_ids: list[int],
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass
         if isinstance(name, str) and isinstance(arguments, dict):
             requested.append({"name": name, "arguments": arguments})
@@ -136,7 +152,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
                 arguments = json.loads(arguments)
             if not (isinstance(call.get("name"), str) and isinstance(arguments, dict)):
                 raise ValueError('expected {"name": <string>, "arguments": <object>}')
-        except (ValueError, AttributeError) as e:
+        except (ValueError, AttributeError, RecursionError) as e:   # RecursionError: too deep
             requested.append({"error": f"invalid tool call {match[1].strip()[:200]!r}: {e}"})
             continue
         requested.append({"name": call["name"], "arguments": arguments})
@@ -147,9 +163,10 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
 
 
 async def run_tool_calls(requested: list[dict], tools: dict[str, Callable], executor: Executor,
-                         turn_index: int) -> tuple[list[dict], list[ToolCall]]:
+                         turn_index: int, limit: float | None = None,
+                         ) -> tuple[list[dict], list[ToolCall]]:
     """Run one message's calls in order; every call (also a failed or refused one) gets a tool
-    message."""
+    message. A call past `limit` seconds fails the rollout (CallTimeout), not only the call."""
     messages = []
     records = []
     for call in requested:
@@ -164,9 +181,11 @@ async def run_tool_calls(requested: list[dict], tools: dict[str, Callable], exec
             failed = False
         else:
             try:
-                result = await call_maybe_async(tools[name], executor, **call["arguments"])
+                result = await call_maybe_async(tools[name], executor, limit, **call["arguments"])
                 content = str(result)
                 failed = False
+            except CallTimeout:
+                raise
             except Exception as e:
                 content = f"Error: {type(e).__name__}: {e}"
         messages.append({"role": "tool", "name": name or "invalid", "content": content})
@@ -207,8 +226,9 @@ class EnvironmentPool:
     wrapper of TRL's guide does) then holds as many sessions as rollouts alive at once, not one
     per rollout until the process ends. A dict factory keeps one pool per environment name."""
 
-    def __init__(self, factory: Callable | dict[str, Callable]):
+    def __init__(self, factory: Callable | dict[str, Callable], limit: float | None = None):
         self.factory = factory
+        self.limit = limit                         # seconds each of its calls may take
         self.free: dict[str | None, list] = {}
         self.name_of: dict[int, str | None] = {}   # id(instance) → its pool
 
@@ -226,7 +246,7 @@ class EnvironmentPool:
         if free := self.free.get(name):
             return free.pop()
         factory = self.factory if name is None else self.factory[name]
-        env = await call_maybe_async(factory, executor)
+        env = await call_maybe_async(factory, executor, self.limit)
         self.name_of[id(env)] = name
         return env
 
@@ -253,7 +273,7 @@ async def start_environment(pool: EnvironmentPool, row: dict, executor: Executor
     env = await pool.take(name, executor)
     columns = row if name is None else {k: v for k, v in row.items() if k != "environment"}
     start = time.monotonic()
-    observation = await call_maybe_async(env.reset, executor, **columns)
+    observation = await call_maybe_async(env.reset, executor, pool.limit, **columns)
     reset_s = time.monotonic() - start
     prompt = row.get("prompt")
     if prompt is None:                                 # no dataset: reset() writes the prompt
@@ -268,11 +288,11 @@ async def start_environment(pool: EnvironmentPool, row: dict, executor: Executor
     return env, prompt, reset_s
 
 
-async def environment_reward(env: object,
-                             executor: Executor) -> tuple[tuple[type, float] | None, float]:
+async def environment_reward(env: object, executor: Executor, limit: float | None = None,
+                             ) -> tuple[tuple[type, float] | None, float]:
     """(environment class, get_reward()) when the environment owns a reward, and its seconds."""
     if not callable(getattr(env, "get_reward", None)):
         return None, 0.0
     start = time.monotonic()
-    reward = await call_maybe_async(env.get_reward, executor)
+    reward = await call_maybe_async(env.get_reward, executor, limit)
     return (type(env), float(reward)), time.monotonic() - start

@@ -3,6 +3,7 @@
 helpers that run a worker, build a loop or a scored group.
 """
 import asyncio
+import math
 import os
 import queue
 import random
@@ -272,3 +273,99 @@ class SpanningLoop(ModelRecordingLoop):
         output_ids = first.output_ids + second.output_ids
         completion = [{"role": "assistant", "content": self.tokenizer.decode(output_ids)}]
         return self.tag(Rollout(completion, output_ids, [first, second]))
+
+
+# ── the training signal under real data (test_train_signal.py, test_rollout_*.py) ────────────
+
+# Earlier answers render as "(said)" (as Qwen3's template drops past thinking): a later turn's
+# prompt no longer extends what the server sampled, so every turn forks a new sample.
+RERENDERING_TEMPLATE = toy.CHAT_TEMPLATE.replace("{{ message.content or '' }}", "(said)")
+
+
+class ThreeTurnLoop(AsyncRolloutLoop):
+    """Three sampled turns a rollout, a user turn "again" between them: under RERENDERING_TEMPLATE
+    3 samples a rollout."""
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        messages, ids, turns = list(prompt), [], []
+        for _ in range(3):
+            prompt_ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+            turn = await self.generate_one_turn(prompt_ids)
+            turns.append(turn)
+            ids += turn.output_ids
+            text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": "again"}]
+        return Rollout(messages[len(prompt):], ids, turns)
+
+
+class InfAdvantageLoop(AsyncRolloutLoop):
+    """compute_advantages gives the group of dataset row 0 (rows None: every group) infinite
+    advantages, as a buggy override would: its step's loss is not finite."""
+    rows = (0,)
+
+    def compute_advantages(self, group):
+        advantages = super().compute_advantages(group)
+        if self.rows is None or group.row_index in self.rows:
+            advantages[:] = np.inf
+        return advantages
+
+
+class AllInfAdvantageLoop(InfAdvantageLoop):
+    rows = None
+
+
+def constant_reward(prompts, completions, **kwargs) -> list[float]:
+    """Equal rewards: every group is dropped (frac_reward_zero_std 1), as on a task too hard."""
+    return [0.0] * len(completions)
+
+
+def infinite_reward(prompts, completions, **kwargs) -> list[float]:
+    return [math.inf] + [0.0] * (len(completions) - 1)
+
+
+def one_too_many_reward(prompts, completions, **kwargs) -> list[float]:
+    return [float(i) for i in range(len(completions) + 1)]
+
+
+def nan_reward(prompts, completions, **kwargs) -> list[float]:
+    """TRL's spelling of None: the first rollout unscorable, the rest ranked."""
+    return [math.nan] + [float(i) for i in range(1, len(completions))]
+
+
+def slow_reward(prompts, completions, **kwargs) -> list[float]:
+    """Hangs (10 s) on the prompt "2+2=", ranks the rollouts of every other prompt."""
+    if prompts[0][-1]["content"] == "2+2=":
+        time.sleep(10)
+    return rank_reward(prompts, completions)
+
+
+def slow_add(a: int, b: int) -> int:
+    """Add two integers, slowly.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    time.sleep(10)
+    return a + b
+
+
+class SlowToolLoop(ScriptedToolLoop):
+    """ScriptedToolLoop calling slow_add."""
+    call_json = '{"name": "slow_add", "arguments": {"a": 1, "b": 2}}'
+
+
+class DeepCallLoop(ScriptedToolLoop):
+    """Asks for a call whose arguments nest 1,000 deep, then answers "3"."""
+    call_json = '{"name": "add", "arguments": {"a": ' + "[" * 1000 + "]" * 1000 + ', "b": 2}}'
+
+
+class FirstRowToolLoop(ScriptedToolLoop):
+    """Calls add(1, 2) only for the prompt "1+1="; every other prompt is answered at once."""
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        if prompt[-1]["content"].startswith("1+1="):
+            return await super().generate_one(prompt, tools, group_id)
+        return await AsyncRolloutLoop.generate_one(self, prompt, [], group_id)

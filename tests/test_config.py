@@ -98,6 +98,13 @@ def test_bf16_none_means_on_cuda_only():
     ("weight_sync_steps", {"weight_sync_steps": 0}),
     ("weight_sync_verify_every", {"weight_sync_verify_every": -1}),
     ("warmup_steps", {"warmup_steps": 0.5}),  # a fraction of max_steps, which is not set
+    ("max_completion_length", {"max_completion_length": 0}),
+    ("num_train_epochs", {"num_train_epochs": 0}),
+    ("queue_maxsize", {"queue_maxsize": 0}),  # an unbounded mp.Queue
+    ("vllm_server_timeout", {"vllm_server_timeout": -1}),
+    ("rollout_worker_timeout", {"rollout_worker_timeout": 0}),
+    ("reward_tool_timeout", {"reward_tool_timeout": 0}),
+    ("untrained_warning_s", {"untrained_warning_s": -5}),
 ])
 def test_bad_values_name_the_field(field, kwargs):
     with pytest.raises(ValueError, match=f"AsyncGRPOConfig.{field}"):

@@ -129,7 +129,8 @@ def test_a_window_reduces_by_name_as_the_module_docstring_works_it():
         "perf/step_s": 2.5,                   # the mean
         "batch/row_tokens_min": 5.0,          # a min
         "rollout/backpressure_s": 0.75,       # a time amount: the sum; NaN and None are skipped
-        "rollout/kv_cache_usage": 0.2}        # spec: the value at the last poll
+        "rollout/kv_cache_usage": 0.2,        # spec: the value at the last poll
+        "loss": None}                         # none finite, one None (a skipped step): null
 
 
 @pytest.mark.parametrize("sampling", [dict(top_p=0.9, top_k=50), dict(top_k=5)],

@@ -1,16 +1,21 @@
 """rollout/loop.py: the AsyncRolloutLoop's hooks called directly (a fake server reply), then the
 spawned rollout process against local_vllm: tools, forks, environments, candidate sets, admission
-by staleness, filtering, resume, failed rollouts, retries, and the adapter of each policy
-version."""
+by staleness, filtering, resume, failed rollouts, retries, the adapter of each policy version;
+rewards, replies and limits that misbehave (a proxy fakes what the stand-in cannot), tool rates."""
 import asyncio
+import json
 import logging
 import math
 import queue
+import re
+import threading
 import time
 
+import aiohttp
 import numpy as np
 import pytest
 import requests
+from aiohttp import web
 from datasets import Dataset
 
 import rollout_helpers as h
@@ -105,6 +110,22 @@ def test_an_unknown_tool_format_warns_once(tokenizer, caplog):
         for _ in range(2):
             asyncio.run(loop.generate_one([{"role": "user", "content": "1+2="}], [toy.add]))
     assert sum("neither defines a response_template" in r.message for r in caplog.records) == 1
+
+
+def test_a_stop_that_meets_a_wake_ends_the_wait(tokenizer):
+    """The generate loop waits on `wake`; cancelled (the run stops) just as a rollout sets it, the
+    wait must end: asyncio.wait_for on Python 3.11 swallowed such a cancel, and the child hung in
+    its shutdown until the trainer called it silent."""
+    loop = h.make_loop(tokenizer)
+
+    async def main():
+        waiting = asyncio.create_task(loop._wait_until(lambda: False))
+        await asyncio.sleep(0.01)
+        loop.wake.set()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(waiting, 2)
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("factory, max_steps, fix", [(None, 10, "environment_factory"),
@@ -450,3 +471,134 @@ def test_a_rollout_whose_adapter_was_unloaded_goes_on_under_the_newest(start_ser
     assert sorted(models) == [0, 1]                       # no group dropped
     assert models[0] == ["policy-v1", "policy-v2"]
     assert {s.model_version for s in samples if s.group_id == 0} == {1}
+
+
+# ── the training signal under real data: rewards, replies, limits, tool rates ───────────────
+
+
+@pytest.fixture
+def proxy():
+    """proxy(upstream, tamper) -> the URL of an aiohttp server in front of `upstream`: requests
+    pass through, a /v1/completions reply through tamper(reply) first; tamper None: a completion
+    never gets an answer (a stalled server). The stand-in cannot fake either."""
+    loops = []
+
+    def start(upstream: str, tamper) -> str:
+        async def handle(request):
+            if request.path == "/v1/completions" and tamper is None:
+                await asyncio.sleep(3600)
+            async with aiohttp.ClientSession() as session:
+                async with session.request(request.method, upstream + request.path_qs,
+                                           data=await request.read(),
+                                           headers={"Content-Type": request.content_type}) as r:
+                    status, body, kind = r.status, await r.read(), r.content_type
+            if request.path == "/v1/completions" and status == 200:
+                body = json.dumps(tamper(json.loads(body))).encode()
+            return web.Response(status=status, body=body, content_type=kind)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        loop = asyncio.new_event_loop()
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        loops.append(loop)
+        return f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    yield start
+    for loop in loops:
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def out_of_vocabulary(reply):
+    reply["choices"][0]["token_ids"][0] = 10 ** 6
+    return reply
+
+
+def positive_logprob(reply):
+    reply["choices"][0]["logprobs"]["token_logprobs"][0] = 0.5
+    return reply
+
+
+@pytest.mark.parametrize("tamper, wrong", [
+    (out_of_vocabulary, r"token ids \[1000000\] lie outside the tokenizer's vocabulary"),
+    (positive_logprob, r"log-probs \[0.5\] are not finite and <= 0"),
+    (lambda reply: reply | {"model": "another"}, "the reply is from model 'another', not"),
+], ids=["token id", "log-prob", "model"])
+def test_replies_that_cannot_be_trained_on_fail_their_rollouts_naming_the_server(
+        small_kv_server, tokenizer, proxy, tamper, wrong):
+    url = proxy(small_kv_server.url, tamper)
+    config = h.config_for(small_kv_server, vllm_server_base_url=url, num_train_epochs=10)
+    worker = RolloutWorker(config, toy.make_dataset(8), [h.rank_reward], tokenizer)
+    with pytest.raises(RuntimeError, match="rollouts failed in a row") as info:
+        h.run_worker(worker)
+    assert f"{url}/v1/completions" in str(info.value) and re.search(wrong, str(info.value))
+
+
+def test_a_stalled_server_is_named_within_vllm_server_timeout(small_kv_server, tokenizer, proxy):
+    """/health answers, completions never do: each request gives up after vllm_server_timeout
+    in all (not max_retries + 1 times it), naming the server; persisting, it stops the run."""
+    url = proxy(small_kv_server.url, None)
+    config = h.config_for(small_kv_server, vllm_server_base_url=url, vllm_server_timeout=2.0,
+                          num_train_epochs=10)
+    worker = RolloutWorker(config, toy.make_dataset(8), [h.rank_reward], tokenizer)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rollouts failed in a row") as info:
+        h.run_worker(worker)
+    assert (f"{url}/v1/completions: POST gave up after 1 attempts in vllm_server_timeout=2s"
+            in str(info.value))
+    assert time.monotonic() - start < 60
+
+
+def test_a_reward_list_of_the_wrong_length_stops_the_run_naming_the_function(small_kv_server,
+                                                                             tokenizer):
+    worker = RolloutWorker(h.config_for(small_kv_server), toy.make_dataset(2),
+                           [h.one_too_many_reward], tokenizer)
+    with pytest.raises(RuntimeError, match=r"reward function one_too_many_reward returned \[0.0, "
+                                           r"1.0, 2.0\] for dataset row 0 .* a list of 2 numbers"):
+        h.run_worker(worker)
+
+
+def test_a_stalled_reward_function_fails_its_group_and_the_run_goes_on(small_kv_server, tokenizer,
+                                                                       capfd):
+    rows = [{"prompt": [{"role": "user", "content": c}]} for c in ("1+1=", "2+2=", "3+3=")]
+    worker = RolloutWorker(h.config_for(small_kv_server, reward_tool_timeout=1.0),
+                           Dataset.from_list(rows), [h.slow_reward], tokenizer)
+    samples, _ = h.run_worker(worker)
+    assert sorted({s.row_index for s in samples}) == [0, 2] and worker.resume_index() == 3
+    assert ("scoring of group 1 (dataset row 1) failed; the group is dropped: CallTimeout: "
+            "slow_reward did not return within reward_tool_timeout=1s") in capfd.readouterr().err
+
+
+def test_a_stalled_tool_fails_its_rollout_naming_it(long_server, tokenizer):
+    config = h.config_for(long_server, max_completion_length=64, reward_tool_timeout=1.0,
+                          num_train_epochs=10)
+    worker = RolloutWorker(config, toy.make_dataset(4), [h.rank_reward], tokenizer,
+                           tools=[h.slow_add], loop_cls=h.SlowToolLoop)
+    with pytest.raises(RuntimeError, match="rollouts failed in a row.*CallTimeout: slow_add did "
+                                           "not return within reward_tool_timeout=1s"):
+        h.run_worker(worker)
+
+
+def test_a_tool_call_nested_too_deep_is_an_invalid_call(long_server, tokenizer):
+    worker = RolloutWorker(h.config_for(long_server, max_completion_length=64),
+                           toy.make_dataset(1), [h.rank_reward], tokenizer, tools=[toy.add],
+                           loop_cls=h.DeepCallLoop)
+    samples, metrics = h.run_worker(worker)
+    group = next(m for m in metrics if "tools/failure_frequency" in m)
+    assert group["tools/failure_frequency"] == 1.0 and len(samples) == 2
+
+
+def test_tool_rates_are_over_every_group(long_server, tokenizer):
+    """One prompt of four calls add once a rollout: tools/call_frequency is 0.25 over the run's
+    groups (it was 1.0, the groups without a call left out)."""
+    rows = [{"prompt": [{"role": "user", "content": c}]} for c in ("1+1=", "2+2=", "3+3=", "4+4=")]
+    worker = RolloutWorker(h.config_for(long_server, max_completion_length=64),
+                           Dataset.from_list(rows), [h.rank_reward], tokenizer, tools=[toy.add],
+                           loop_cls=h.FirstRowToolLoop)
+    _, metrics = h.run_worker(worker)
+    groups = [m for m in metrics if "frac_reward_zero_std" in m]
+    window = reduce_window(groups)
+    assert len(groups) == 4 and window["tools/call_frequency"] == 0.25
+    assert window["tools/loop_exhausted_frac"] == 0.0

@@ -1,9 +1,12 @@
-"""rollout/samples.py: reconcile and fork, the sample layout, server replies, building a group."""
+"""rollout/samples.py: reconcile and fork, the sample layout, server replies and their checks,
+building a group."""
+import math
+
 import numpy as np
 import pytest
 
-from rollout.samples import (FinishedRollout, PendingGroup, Rollout, TurnRecord, parse_completion,
-                             parse_generate, reconcile, to_sample)
+from rollout.samples import (FinishedRollout, PendingGroup, Rollout, TurnRecord, check_turn,
+                             parse_completion, parse_generate, reconcile, to_sample)
 
 
 def test_reconcile_clean_turns_make_one_sequence():
@@ -75,3 +78,23 @@ def test_a_pending_group_builds_the_specs_group_in_rollout_order():
     assert built.reward_kwargs == {"answer": ["2", "2"]}     # the row's other columns, per rollout
     assert (built.group_id, built.row_index, built.prompt_index) == (7, 3, 11)
     assert built.model_version == 4 and built.queued_at == 5.0
+
+
+def test_check_turn_refuses_what_cannot_be_trained_on():
+    """Ids in the vocabulary, log-probs finite and <= 0 up to LOGPROB_SLACK (rounding: 5e-5 passes,
+    2e-4 fails), the model asked for, one log-prob a token and no more than max_tokens."""
+    def check(ids=(5, 6), logprobs=(-1.0, 5e-5), model="policy-v3", max_tokens=4):
+        check_turn(TurnRecord([1], list(ids), list(logprobs)), model, "policy-v3", max_tokens,
+                   vocab_size=10)
+    check()
+    for bad, message in [(dict(ids=(5, 10)), r"token ids \[10\] lie outside the tokenizer's "
+                                             "vocabulary of 10"),
+                         (dict(ids=(-1, 6)), r"token ids \[-1\]"),
+                         (dict(logprobs=(-1.0, 2e-4)), r"log-probs \[0.0002\] are not finite"),
+                         (dict(logprobs=(math.nan, -1.0)), r"log-probs \[nan\]"),
+                         (dict(logprobs=(-math.inf, -1.0)), r"log-probs \[-inf\]"),
+                         (dict(model="base"), "the reply is from model 'base', not 'policy-v3'"),
+                         (dict(logprobs=(-1.0,)), "2 tokens, 1 log-probs"),
+                         (dict(max_tokens=1), "max_tokens 1")]:
+        with pytest.raises(ValueError, match=message):
+            check(**bad)

@@ -1,5 +1,5 @@
-"""rollout/scoring.py: reward sources summed per rollout, flat groups dropped, the group's metrics
-and their running totals."""
+"""rollout/scoring.py: reward sources summed per rollout and checked, flat groups dropped, the
+group's metrics and their running totals."""
 import asyncio
 import functools
 import math
@@ -7,8 +7,10 @@ import math
 import pytest
 
 import rollout_helpers as h
+from metrics import reduce_window
 from rollout.samples import ToolCall
 from rollout.scoring import add_totals, score_group
+from rollout.tool_calls import CallTimeout
 
 
 def scored(tokenizer, group, reward_funcs=()):
@@ -70,3 +72,55 @@ def test_tool_calls_are_counted_by_kind_and_totals_run(tokenizer):
     assert first["tools/failure_frequency"] == 0.5   # the raise and the malformed, not the unknown
     names = ["tools/unknown_name_total", "tools/add/call_total", "tools/add/failure_total"]
     assert [first[n] for n in names] == [1, 2, 1] and [second[n] for n in names] == [2, 4, 2]
+
+
+@pytest.mark.parametrize("returned, shown", [
+    ([0.0, 1.0, 2.0, 3.0], r"\[0.0, 1.0, 2.0, 3.0\]"),       # one value too many
+    ([0.0, 1.0], r"\[0.0, 1.0\]"),                           # one too few
+    (1.0, "1.0"),                                            # a single number
+    ([0.0, "1", 2.0], r"\[0.0, '1', 2.0\]"),                 # not a number
+    ([0.0, math.inf, 2.0], r"\[0.0, inf, 2.0\]"),            # infinite
+], ids=["too many", "too few", "a number", "a string", "inf"])
+def test_a_reward_function_returning_anything_but_its_groups_numbers_is_named(tokenizer, returned,
+                                                                              shown):
+    def reward(prompts, completions, **kwargs):
+        return returned
+    with pytest.raises(ValueError, match=rf"reward function reward returned {shown} for dataset "
+                                         r"row 1 \(prompt \[\{'role': 'user', 'content': '3\+4="
+                                         r"'\}\]\); expected a list of 3 numbers or None"):
+        scored(tokenizer, h.group_of([None, None, None]), [reward])
+
+
+def test_nan_is_unscorable_as_none_and_other_sources_are_checked_too(tokenizer):
+    group = h.group_of([None, None, None])
+    samples, metrics = scored(tokenizer, group, [h.nan_reward])     # TRL's spelling of None
+    assert math.isnan(group.rewards[0]) and list(group.rewards[1:]) == [1.0, 2.0]
+    assert samples[0].advantage == 0.0 and metrics["reward"] == 1.5
+    with pytest.raises(ValueError, match=r"Counter.get_reward\(\) returned \[inf, None, None\]"):
+        scored(tokenizer, h.group_of([None, 1.0, 2.0], env_rewards=[(h.Counter, math.inf), None,
+                                                                   None]))
+    with pytest.raises(ValueError, match=r"Rollout.reward returned \[-inf, 1.0, 2.0\]"):
+        scored(tokenizer, h.group_of([-math.inf, 1.0, 2.0]))
+
+
+def test_tool_rates_are_over_every_group_of_a_run_with_tools(tokenizer):
+    """tools/call_frequency and tools/loop_exhausted_frac are per rollout: a group without a call
+    counts (1 call in 2 groups of 2 rollouts: 0.25), in a run that offers tools."""
+    loop = h.make_loop(tokenizer)
+    call = ToolCall("add", 0.1, False, False, 0)
+    groups = [h.group_of([0.0, 1.0], row={}, tool_calls=[[call], []]), h.group_of([0.0, 1.0])]
+    per_group = [asyncio.run(score_group(g, [], loop.compute_advantages, loop.eos_token_ids,
+                                         loop.num_top, offers_tools=True))[1] for g in groups]
+    assert reduce_window(per_group)["tools/call_frequency"] == 0.25
+    assert [m["tools/loop_exhausted_frac"] for m in per_group] == [0.0, 0.0]
+    assert "tools/call_frequency" not in scored(tokenizer, h.group_of([0.0, 1.0]))[1]  # no tools
+
+
+def test_a_reward_function_past_its_limit_is_named(tokenizer):
+    async def stalled(prompts, completions, **kwargs):
+        await asyncio.sleep(10)
+    loop = h.make_loop(tokenizer)
+    with pytest.raises(CallTimeout, match="stalled did not return within "
+                                          "reward_tool_timeout=0.1s"):
+        asyncio.run(score_group(h.group_of([None] * 3), [stalled], loop.compute_advantages,
+                                loop.eos_token_ids, loop.num_top, limit=0.1))

@@ -8,7 +8,7 @@ import pytest
 
 import rollout_helpers as h
 import toy
-from rollout.tool_calls import (EnvironmentPool, check_tools, environment_reward,
+from rollout.tool_calls import (CallTimeout, EnvironmentPool, check_tools, environment_reward,
                                 environment_tools, parse_tool_calls, parse_turn, run_tool_calls,
                                 start_environment, tool_call_format)
 
@@ -98,3 +98,28 @@ def test_the_tokenizers_own_response_parsing_finds_the_calls(tokenizer):
     content, calls = parse_turn(tokenizer, "response_template", "x[TOOL_CALLS][{oops[/TOOL_CALLS]",
                                 prompt, [toy.add])
     assert len(calls) == 1 and "does not parse" in calls[0]["error"]
+
+
+def test_a_call_nested_too_deep_is_an_invalid_call():
+    deep = '{"name": "add", "arguments": {"a": ' + "[" * 1000 + "]" * 1000 + ', "b": 2}}'
+    content, calls = parse_tool_calls(f"<tool_call>{deep}</tool_call>")
+    assert "invalid tool call" in calls[0]["error"] and "recursion" in calls[0]["error"]
+
+
+def test_a_tool_past_its_limit_fails_the_rollout_naming_it():
+    """A stalled tool raises CallTimeout (the rollout fails), not a tool message; a tool that
+    raises TimeoutError itself is an ordinary failed call."""
+    async def stalled(x: int) -> int:
+        await asyncio.sleep(10)
+
+    def times_out(x: int) -> int:
+        raise TimeoutError("its own")
+    tools = {"stalled": stalled, "times_out": times_out}
+    with ThreadPoolExecutor(1) as pool:
+        with pytest.raises(CallTimeout, match="stalled did not return within "
+                                              "reward_tool_timeout=0.1s"):
+            asyncio.run(run_tool_calls([{"name": "stalled", "arguments": {"x": 1}}], tools, pool,
+                                       0, limit=0.1))
+        messages, records = asyncio.run(run_tool_calls(
+            [{"name": "times_out", "arguments": {"x": 1}}], tools, pool, 0, limit=5))
+    assert "TimeoutError: its own" in messages[0]["content"] and records[0].failed

@@ -105,7 +105,9 @@ def test_positional_arguments_follow_the_spec_signature():
     names = [f.name for f in dataclasses.fields(AsyncGRPOConfig)]
     assert names[:len(SPEC_DEFAULTS)] == list(SPEC_DEFAULTS)
     assert names[len(SPEC_DEFAULTS):] == ["tree_attention_backend", "logging_dir",
-                                         "weight_sync_verify_every", "overwrite_output_dir"]
+                                         "weight_sync_verify_every", "overwrite_output_dir",
+                                         "reward_tool_timeout",
+                                         "untrained_warning_s"]
     config = AsyncGRPOConfig("out", 16, 2.0, 5)
     assert (config.output_dir, config.per_device_train_batch_size) == ("out", 16)
     assert (config.num_train_epochs, config.max_steps, config.seed) == (2.0, 5, 42)

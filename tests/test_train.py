@@ -44,11 +44,12 @@ def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
     the figures the metrics read."""
     from test_trie_pack import sample
 
-    class Worker:                       # RolloutWorker's get() and qsize()
+    class Worker:                       # RolloutWorker's get(), qsize() and dropped_stale()
         def __init__(self, samples):
             self.samples = samples
+            self.stale = 0
 
-        def get(self):
+        def get(self, timeout=None):
             return self.samples.pop(0)
 
         def qsize(self):
@@ -56,6 +57,9 @@ def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
 
         def resume_state(self, held):
             return {"prompt_index": 0, "trained": {}}
+
+        def dropped_stale(self):
+            self.stale += 1
 
     fresh = [sample([1, 2, 3 + i], [0, 1, 1], group=i, version=1) for i in range(2)]
     stale = sample([1, 2, 9], [0, 1, 1], version=0)
@@ -66,6 +70,7 @@ def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
     packed = step.packed
     assert [[p.num_samples for p in micro] for micro in packed] == [[2]]   # the prompts ran out
     assert (state.dropped_stale_total, state.dropped_oversize_total) == (3, 2)
+    assert feed.worker.stale == 1                   # told: admission's fault, not consumption
     assert state.num_tokens == 100 + packed[0][0].unique_tokens
     assert step.trained_tokens == packed[0][0].trained_tokens == 4
     assert (step.samples, step.staleness, step.queue_size) == (fresh, [0, 0], 5)

@@ -149,11 +149,24 @@ def test_control_call_timeout_raises_naming_the_endpoint(serve):
     assert time.monotonic() - start < 1.0 and len(s.requests) == 1 and client.retry_total == 0
 
 
-def test_stalled_generation_is_retried(serve):
+def test_a_stalled_generation_spends_the_budget_and_names_the_server(serve):
+    """vllm_server_timeout bounds the request with its retries: a stall spends it, once."""
     s = serve(["stall", (200, COMPLETION)])
-    client = VLLMClient(s.url, timeout=0.2, **FAST)
-    assert client.completions({"prompt": [1]}) == COMPLETION
-    assert client.retry_total == 1 and len(s.requests) == 2
+    client = VLLMClient(s.url, timeout=0.5, **FAST)
+    start = time.monotonic()
+    with pytest.raises(VLLMError, match=f"{s.url}/v1/completions.*gave up after 1 attempts in "
+                                        "vllm_server_timeout=0.5s.*timeout"):
+        client.completions({"prompt": [1]})
+    assert time.monotonic() - start < 1.5 and client.retry_total == 0 and len(s.requests) == 1
+
+
+def test_retries_stop_when_the_budget_is_spent(serve):
+    s = serve([(503, {"error": {"message": "paused"}})], max_requests=100)
+    client = VLLMClient(s.url, timeout=1.0, max_retries=100, backoff=0.1, max_backoff=0.2)
+    start = time.monotonic()
+    with pytest.raises(VLLMError, match="in vllm_server_timeout=1s; last error: HTTP 503: paused"):
+        client.completions({"prompt": [1]})
+    assert time.monotonic() - start < 1.5 and 3 <= len(s.requests) < 100
 
 
 def test_collective_call_is_not_retried_after_it_reached_the_server(serve):
@@ -341,33 +354,14 @@ def test_async_methods_share_the_policy(serve):
         assert (await a.ametrics())["vllm:num_requests_running"][1][1] == 5.0
         with pytest.raises(VLLMError, match="bad logprobs"):
             await b.agenerate({"token_ids": [1]})
-        assert await c.agenerate({"token_ids": [1]}) == COMPLETION
+        with pytest.raises(VLLMError, match=f"{stalled.url}.*vllm_server_timeout=0.2s"):
+            await c.agenerate({"token_ids": [1]})
         for client in (a, b, c):
             await client.aclose()
 
     asyncio.run(run())
-    assert (a.retry_total, b.retry_total, c.retry_total) == (1, 0, 1)
-    assert len(refused.requests) == 1                 # a stalled generation: /health, then retry
-    assert [r[:2] for r in stalled.requests] == [("POST", "/inference/v1/generate"),
-                                                 ("GET", "/health"),
-                                                 ("POST", "/inference/v1/generate")]
-
-
-def test_a_stalled_generation_whose_health_stalls_too_is_not_retried(serve):
-    """The server accepts and never answers (hung): one timeout and one /health probe, then a
-    VLLMError saying so, not max_retries timeouts."""
-    hung = serve(["stall", "stall", (200, COMPLETION)])
-    client = VLLMClient(hung.url, timeout=0.2, **FAST)
-
-    async def run():
-        try:
-            with pytest.raises(VLLMError, match="no answer within 0.2s.*nor GET /health.*hung"):
-                await client.acompletions({"prompt": [1]})
-        finally:
-            await client.aclose()
-
-    asyncio.run(run())
-    assert client.retry_total == 0 and len(hung.requests) == 2
+    assert (a.retry_total, b.retry_total, c.retry_total) == (1, 0, 0)
+    assert len(refused.requests) == 1 and len(stalled.requests) == 1   # a stall spends the budget
 
 
 def test_server_urls_split_the_replicas():

@@ -5,7 +5,9 @@
     ... two_rank_step.py OUT.pt bf16                            # either, in bf16 (FSDP2's policy)
 
 Both plan the same samples into the same 2-row micro-batches; rank 0 saves the full weights after
-the step to OUT.pt, so the test can compare them (test_train.py).
+the step to OUT.pt, so the test can compare them (test_train.py). With TWO_RANK_POISON=1 the first
+sample's advantage is infinite (one rank's row): every rank must skip the step
+(test_train_signal.py).
 """
 import os
 import sys
@@ -54,11 +56,17 @@ def main(out_path: str, precision: str = "fp32") -> None:
     policy = train.shard(train.Policy(model), config, device)
     optimizer, scheduler = train.build_optimizer(policy, config)
     planner = Planner(world_size=2, token_budget=64, per_device_train_batch_size=1)
-    micro = [rows for s in samples(24) if (rows := planner.add(s))]
+    rollout = samples(24)
+    if os.environ.get("TWO_RANK_POISON"):
+        rollout[0].advantage = float("inf")
+    micro = [rows for s in rollout if (rows := planner.add(s))]
     packed = [[row.pack() for row in m] for m in micro]                  # [GA][2]
     num_tokens = sum(p.trained_tokens for m in packed for p in m)
     mine = [m[rank] for m in packed] if world == 2 else [p for m in packed for p in m]
-    train.train_step(policy, optimizer, scheduler, mine, num_tokens, config, world, aux_coef=0.0)
+    out = train.train_step(policy, optimizer, scheduler, mine, num_tokens, config, world,
+                           aux_coef=0.0)
+    if os.environ.get("TWO_RANK_POISON"):
+        assert out["loss"] is None and out["grad_norm"] is None, (rank, out)
     weights = {n: full_tensor(p).clone() for n, p in policy.model.named_parameters()}
     if rank == 0:
         torch.save(weights, out_path)
