@@ -47,7 +47,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from verify_sync import BASE_KL, NOISE_FLOOR, base_card, refusal, served_dtype
+from verify_sync import BASE_KL, NOISE_FLOOR, PROBE_TOKENS, base_card, refusal, served_dtype
 from vllm_client import VLLMError
 from weight_sync import (FAILED, FullSync, Members, SyncStats, ask, full_tensor,
                          language_parameters, on_rank0, parity, probe, shared)
@@ -198,8 +198,7 @@ class AdapterSync:
         self.verify = every is None or every > 0       # probes (0: off)
         self.adapter = [p for p in policy.parameters() if p.requires_grad]   # this rank's shards
         self.previous: list[torch.Tensor] | None = None  # the adapter at the last sync (shards)
-        self.noise = NOISE_FLOOR                       # the run's own: the probes' largest
-                                                       # rms(served - ours) where they passed
+        self.noise = NOISE_FLOOR                       # the run's own: the start probe's
         self.parity: dict[str, float] = {}             # sync/probe_kl of the last probe
         self.base = None                               # MergedSync of the base, with transfer
 
@@ -225,7 +224,8 @@ class AdapterSync:
         if self.base is not None:
             self.base.push(version, probe_after=False)
         if self.verify:
-            asked = on_rank0(lambda: ask(self.policy, self.members, base_card), FAILED)
+            asked = on_rank0(lambda: ask(self.policy, self.members, base_card, None,
+                                         4 * PROBE_TOKENS), FAILED)
             probes = probe(self.policy, asked, under=lambda: swapped(self.adapter))
             self.parity = parity(probes, self.members.clients)
             self.noise = max([NOISE_FLOOR] + [p.noise for p in probes])
@@ -301,7 +301,6 @@ class AdapterSync:
             if not attempt:
                 self.parity = parity(probes, self.members.clients)
             refused = {p.url: why for p in probes if (why := refusal(p, self.noise))}
-            self.noise = max([self.noise] + [p.noise for p in probes if p.url not in refused])
             if not refused:
                 return
             if not attempt:

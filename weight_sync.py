@@ -54,7 +54,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from verify_sync import (ENABLE, VERIFY_EVERY, Fingerprints, Probe, base_card, cannot_show,
+from verify_sync import (ENABLE, PROBE_TOKENS, VERIFY_EVERY, Fingerprints, Probe, base_card, cannot_show,
                          check_served, check_vocab, chosen, dtype_warning, mismatches,
                          policy_logprobs, probe_prompt, served_digests, served_logprobs)
 from vllm_client import UNVERIFIED, VLLMClient, VLLMError
@@ -228,7 +228,7 @@ class FullSync:
 
 
 def ask(policy, members: "Members", model_of: Callable[[VLLMClient], str],
-        only: set[str] | None = None) -> list[tuple[str, list[int], list[float]]]:
+        only: set[str] | None = None, tokens: int = PROBE_TOKENS) -> list[tuple]:
     """Rank 0: (url, tokens, their log-probs) of the probe each live server of `members` (in
     `only`, if given) samples under model_of(server), asked in parallel, in the servers' order."""
     prompt = probe_prompt(policy.model.get_input_embeddings().num_embeddings)
@@ -236,7 +236,7 @@ def ask(policy, members: "Members", model_of: Callable[[VLLMClient], str],
 
     def one(c: VLLMClient) -> None:
         if only is None or c.base_url in only:
-            found[c.base_url] = served_logprobs(c, model_of(c), prompt)
+            found[c.base_url] = served_logprobs(c, model_of(c), prompt, tokens)
     members.call(one)
     return [(c.base_url, *found[c.base_url]) for c in members.clients if c.base_url in found]
 

@@ -225,9 +225,14 @@ def test_the_refusal_replays_its_worked_example():
     ours, base = torch.tensor([-1.0, -2.0]), torch.tensor([-1.4, -1.6])
     good = Probe("u", torch.tensor([-1.02, -1.97]), ours, {"the base": base})
     stale = Probe("u", torch.tensor([-1.36, -1.64]), ours, {"the base": base})
-    assert refusal(good, noise=0.05) is None
-    assert "shows 0.10 of the change from the base" in refusal(stale, noise=0.05)
-    assert refusal(stale, noise=0.1) is None                 # rms 0.4 < 6 · 0.1: indistinct
+    assert refusal(good, noise=0.01) is None
+    assert "9x nearer the base's (0.04, rms) than the trained policy's (0.36)" in refusal(
+        stale, noise=1.0)                                    # nearest: whatever the noise
+    twin = Probe("u", torch.tensor([-1.03, -1.98]), ours, {"a step that moved nothing": ours})
+    assert refusal(twin, noise=0.01) is None                 # both distances are the noise
+    far = Probe("u", torch.tensor([-2.0, -1.0]), ours)       # none of the deliveries: far off
+    assert "1 (rms) from the trained policy's, over 20 times" in refusal(far, noise=0.04)
+    assert refusal(far, noise=0.05) is None                  # 1 <= 20 · 0.05
 
 
 def run(servers, out, steps, model, peft_config=None, **fields):
@@ -290,8 +295,8 @@ def test_a_correct_bf16_lora_run_raises_no_alarm_and_a_stale_adapter_is_caught(
     assert last["step"] == 6 and not [w for w in recwarn if "LoRA sync" in str(w.message)]
     assert all(r["sync/probe_kl"] < 0.05 for r in lines(str(tmp_path / "ok")))
     loads = stale_loads(monkeypatch, str(tmp_path / "first-adapter"))
-    with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*shows "
-                                           r"-?\d\.\d\d of the change from the (base|previous)"):
+    with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*on the "
+                                           r"probe its log-probs (lie|are)"):
         run([server], tmp_path / "stale", 6, peaky_dir, PEFT, **BF16_LORA)
     assert len(loads) <= 6 + 1                # caught before the run's end, after one reload
 
@@ -418,8 +423,8 @@ def test_on_real_vllm_in_bf16_a_correct_lora_run_raises_no_alarm_and_a_stale_one
                vllm_server_timeout=120.0)
     assert last["step"] == 6 and not [w for w in recwarn if "LoRA sync" in str(w.message)]
     loads = stale_loads(monkeypatch, str(tmp_path / "first-adapter"))
-    with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*shows "
-                                           r"-?\d\.\d\d of the change from the (base|previous)"):
+    with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*on the "
+                                           r"probe its log-probs (lie|are)"):
         run([bf16_vllm], tmp_path / "stale", 6, peaky_dir, PEFT, **BF16_LORA,
             vllm_server_timeout=120.0)
     assert len(loads) <= 6 + 1
