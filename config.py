@@ -18,7 +18,7 @@ A worked example of the derived values (a fraction < 1 is of max_steps):
     AsyncGRPOConfig(push_to_hub=True) → ValueError: AsyncGRPOConfig.push_to_hub=True: no hub ...
 
 Departures from the spec, one line each:
-- TrainingArguments fields that do not apply are refused when set (WHY, the last section, says why).
+- TrainingArguments fields that do not apply are refused when set, with why (REFUSED, at the end).
 - `bf16=None` is True on CUDA only (spec: True): CPU bf16 matmuls are slow, the tests compare fp32.
 - `tree_attention_backend` and `logging_dir` are ours: the spec has one attention kernel.
 - `weight_sync_verify_every` is ours: the spec does not check that a sync landed (verify_sync.py).
@@ -239,9 +239,8 @@ class AsyncGRPOConfig:
         need(self.temperature > 0, "temperature", "must be > 0")
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         need(self.top_k >= 0, "top_k", "must be >= 0 (0 disables top-k)")
-        truncated = self.top_p < 1 or self.min_p is not None
-        need(not truncated or self.top_k > 0, "top_k", "top_p < 1 and min_p also need top_k > 0: "
-             "vLLM bounds the returned candidate set by top_k")
+        need(not self.truncated_sampling or self.top_k > 0, "top_k", "top_p < 1 and min_p also "
+             "need top_k > 0: vLLM bounds the returned candidate set by top_k")
         need(self.min_p is None or 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         if self.repetition_penalty != 1.0:
             warnings.warn("AsyncGRPOConfig.repetition_penalty != 1: the server's processed "
@@ -322,6 +321,13 @@ class AsyncGRPOConfig:
         need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit",
              "must be >= 1")
 
+    @property
+    def truncated_sampling(self) -> bool:
+        """Whether top_k, top_p or min_p cut the sampler's distribution to a candidate set, which
+        log π_θ must then be normalised over (loss.py): without the server's candidate sets every
+        importance ratio is biased low (rollout/servers.py says so at start, with the remedy)."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p is not None
+
     def default_max_concurrent_rollouts(self, num_processes: int) -> int:
         """Spec: max(max_staleness, 1) × per_device_train_batch_size × gradient_accumulation_steps
         × num_processes, the most samples the trainer consumes before they go stale."""
@@ -380,6 +386,12 @@ class AsyncGRPOConfig:
         return int(value) if value >= 1 or value == 0 else max(1, round(value * self.max_steps))
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype, or vLLM's spelling of one in server_info ("torch.bfloat16"), as the dtype
+    field, vLLM's --dtype and its update_weights dtype_names spell it: "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def need(ok: bool, field: str, fix: str) -> None:
     """Refuse a bad value, naming the field and the fix."""
     if not ok:
@@ -391,110 +403,75 @@ def need(ok: bool, field: str, fix: str) -> None:
 # its default and refused at construction, in one line saying why and what to do instead, when set
 # to anything else. Never accepted and ignored. This table is the list of those departures.
 
-_HUB = ("no hub upload here: every checkpoint-N/ is a from_pretrained directory, so upload it "
-        "with the hub's own CLI (`hf upload <repo> <output_dir>/checkpoint-N`)")
-_EVAL = ("there is no evaluation loop: evaluate a checkpoint-N/ directory (from_pretrained) with "
-         "your own script, or serve it with vLLM")
-_LOADER = ("there is no DataLoader: the rollout process reads the prompts one at a time; set "
-           "max_concurrent_rollouts or queue_maxsize to change how far it reads ahead")
-_DDP = ("the model is sharded with FSDP2 (fully_shard per decoder layer, then the root), not "
-        "wrapped in DDP; fork train.py's shard() to change it")
-_COMPILE = ("packed rows change shape every step, so torch.compile would recompile each step; "
-            "fork train.py's Policy to try it")
-_TRACKIO_HUB = ("trackio logs to its local store here (report_to='trackio'); a hub Space or "
-                "bucket needs a hub connection: sync the local store with trackio's own CLI")
-_LIGER = ("loss.py computes the log-probs from the LM head in chunks itself, the memory saving "
-          "Liger's fused loss gives")
-_FSDP = ("FSDP2 is always on (fully_shard per decoder layer, then the root); fork train.py's "
-         "shard() for another wrapping")
-
-WHY = {
-    "optim_args": "only torch.optim.AdamW is built (optim); set adam_beta1/adam_beta2/"
-                  "adam_epsilon/weight_decay, or fork train.py's build_optimizer",
-    "optim_target_modules": "only torch.optim.AdamW over every trainable parameter is built; "
-                            "fork train.py's build_optimizer for GaLore-style optimizers",
-    "average_tokens_across_devices": "the loss is always a token mean over the whole optimizer "
-                                     "step, every micro-batch and rank (loss.py)",
-    "label_smoothing_factor": "the GRPO loss has no labels to smooth",
-    "bf16_full_eval": _EVAL,
-    "fp16_full_eval": _EVAL,
-    "torch_compile": _COMPILE,
-    "torch_compile_backend": _COMPILE,
-    "torch_compile_mode": _COMPILE,
-    "use_liger_kernel": _LIGER,
-    "liger_kernel_config": _LIGER,
-    "use_cache": "training forwards packed rows and never reads a KV cache; generation runs on "
-                 "the vLLM server",
-    "neftune_noise_alpha": "noise on the embeddings would make the trainer's log-probs differ "
-                           "from the sampler's, biasing every importance ratio",
-    "auto_find_batch_size": "a row's memory is bounded by token_budget (unique tokens a row): "
-                            "lower it instead",
-    "logging_nan_inf_filter": "a NaN is left out of a logging window's mean already; "
-                              "metrics.jsonl never holds one",
-    "include_num_input_tokens_seen": "num_tokens (forwarded tokens since the start) is always "
-                                     "logged",
-    "trackio_space_id": _TRACKIO_HUB,
-    "trackio_bucket_id": _TRACKIO_HUB,
-    "trackio_static_space_id": _TRACKIO_HUB,
-    "eval_strategy": _EVAL,
-    "eval_steps": _EVAL,
-    "eval_delay": _EVAL,
-    "per_device_eval_batch_size": _EVAL,
-    "prediction_loss_only": _EVAL,
-    "eval_on_start": _EVAL,
-    "eval_do_concat_batches": _EVAL,
-    "eval_use_gather_object": _EVAL,
-    "eval_accumulation_steps": _EVAL,
-    "include_for_metrics": _EVAL,
-    "batch_eval_metrics": _EVAL,
-    "save_on_each_node": "rank 0 writes the model files and every rank its own shard of fsdp/; "
-                         "put output_dir on a filesystem every node sees",
-    "enable_jit_checkpoint": "checkpoints are written every save_steps and at the end; lower "
-                             "save_steps to lose less on a preemption",
-    "push_to_hub": _HUB,
-    "hub_token": _HUB,
-    "hub_private_repo": _HUB,
-    "hub_model_id": _HUB,
-    "hub_strategy": _HUB,
-    "hub_always_push": _HUB,
-    "hub_revision": _HUB,
-    "load_best_model_at_end": _EVAL,
-    "metric_for_best_model": _EVAL,
-    "greater_is_better": _EVAL,
-    "ignore_data_skip": "there is no skip-and-replay: a resume restarts the rollout process at "
-                        "the first prompt not yet trained (rollout_state.json)",
-    "restore_callback_states_from_checkpoint": "callbacks keep no state in a checkpoint here",
-    "full_determinism": "the rollout process's timing decides which samples form a step, so no "
-                        "run is reproducible bit for bit; seed and data_seed fix what can be",
-    "use_cpu": "the trainer uses CUDA when it is visible: launch with CUDA_VISIBLE_DEVICES= to "
-               "train on the CPU",
-    "accelerator_config": "there is no accelerate: torchrun and FSDP2 (train.py)",
-    "parallelism_config": "data parallelism over torchrun ranks is the only parallelism "
-                          "(FSDP2 shards the model over them)",
-    "dataloader_drop_last": _LOADER,
-    "dataloader_num_workers": _LOADER,
-    "dataloader_persistent_workers": _LOADER,
-    "dataloader_prefetch_factor": _LOADER,
-    "dataloader_multiprocessing_context": _LOADER,
-    "dataloader_in_order": _LOADER,
-    "label_names": "the GRPO loss has no labels",
-    "length_column_name": "there is no length-grouped sampler: the planner packs rows by token "
-                          "count (token_budget)",
-    "ddp_find_unused_parameters": _DDP,
-    "ddp_bucket_cap_mb": _DDP,
-    "ddp_broadcast_buffers": _DDP,
-    "ddp_static_graph": _DDP,
-    "fsdp": _FSDP,
-    "fsdp_config": _FSDP,
-    "deepspeed": "DeepSpeed ZeRO is not supported (the spec: FSDP2 only)",
-    "debug": "no debug modes: run one rank on a CPU (CUDA_VISIBLE_DEVICES=) to debug the loop",
-    "skip_memory_metrics": "no memory metrics are collected; torch.cuda.max_memory_allocated() "
-                           "in a callback gives them",
-    "do_eval": _EVAL,
-    "do_predict": _EVAL,
-    "local_rank": "torchrun sets LOCAL_RANK in the environment, which the trainer reads; launch "
-                  "with torchrun rather than passing --local_rank",
+REFUSED = {   # why (and what to do instead): the fields refused for it, in the spec's order
+    "only torch.optim.AdamW is built (optim); set adam_beta1/adam_beta2/adam_epsilon/weight_decay, "
+    "or fork train.py's build_optimizer": "optim_args",
+    "only torch.optim.AdamW over every trainable parameter is built; fork train.py's "
+    "build_optimizer for GaLore-style optimizers": "optim_target_modules",
+    "the loss is always a token mean over the whole optimizer step, every micro-batch and rank "
+    "(loss.py)": "average_tokens_across_devices",
+    "the GRPO loss has no labels to smooth": "label_smoothing_factor",
+    "there is no evaluation loop: evaluate a checkpoint-N/ directory (from_pretrained) with your "
+    "own script, or serve it with vLLM":
+        "bf16_full_eval fp16_full_eval eval_strategy eval_steps eval_delay "
+        "per_device_eval_batch_size prediction_loss_only eval_on_start eval_do_concat_batches "
+        "eval_use_gather_object eval_accumulation_steps include_for_metrics batch_eval_metrics "
+        "load_best_model_at_end metric_for_best_model greater_is_better do_eval do_predict",
+    "packed rows change shape every step, so torch.compile would recompile each step; fork "
+    "train.py's Policy to try it": "torch_compile torch_compile_backend torch_compile_mode",
+    "loss.py computes the log-probs from the LM head in chunks itself, the memory saving Liger's "
+    "fused loss gives": "use_liger_kernel liger_kernel_config",
+    "training forwards packed rows and never reads a KV cache; generation runs on the vLLM server":
+        "use_cache",
+    "noise on the embeddings would make the trainer's log-probs differ from the sampler's, biasing "
+    "every importance ratio": "neftune_noise_alpha",
+    "a row's memory is bounded by token_budget (unique tokens a row): lower it instead":
+        "auto_find_batch_size",
+    "a NaN is left out of a logging window's mean already; metrics.jsonl never holds one":
+        "logging_nan_inf_filter",
+    "num_tokens (forwarded tokens since the start) is always logged":
+        "include_num_input_tokens_seen",
+    "trackio logs to its local store here (report_to='trackio'); a hub Space or bucket needs a hub "
+    "connection: sync the local store with trackio's own CLI":
+        "trackio_space_id trackio_bucket_id trackio_static_space_id",
+    "rank 0 writes the model files and every rank its own shard of fsdp/; put output_dir on a "
+    "filesystem every node sees": "save_on_each_node",
+    "checkpoints are written every save_steps and at the end; lower save_steps to lose less on a "
+    "preemption": "enable_jit_checkpoint",
+    "no hub upload here: every checkpoint-N/ is a from_pretrained directory, so upload it with the "
+    "hub's own CLI (`hf upload <repo> <output_dir>/checkpoint-N`)":
+        "push_to_hub hub_token hub_private_repo hub_model_id hub_strategy hub_always_push "
+        "hub_revision",
+    "there is no skip-and-replay: a resume restarts the rollout process at the first prompt not "
+    "yet trained (rollout_state.json)": "ignore_data_skip",
+    "callbacks keep no state in a checkpoint here": "restore_callback_states_from_checkpoint",
+    "the rollout process's timing decides which samples form a step, so no run is reproducible bit "
+    "for bit; seed and data_seed fix what can be": "full_determinism",
+    "the trainer uses CUDA when it is visible: launch with CUDA_VISIBLE_DEVICES= to train on the "
+    "CPU": "use_cpu",
+    "there is no accelerate: torchrun and FSDP2 (train.py)": "accelerator_config",
+    "data parallelism over torchrun ranks is the only parallelism (FSDP2 shards the model over "
+    "them)": "parallelism_config",
+    "there is no DataLoader: the rollout process reads the prompts one at a time; set "
+    "max_concurrent_rollouts or queue_maxsize to change how far it reads ahead":
+        "dataloader_drop_last dataloader_num_workers dataloader_persistent_workers "
+        "dataloader_prefetch_factor dataloader_multiprocessing_context dataloader_in_order",
+    "the GRPO loss has no labels": "label_names",
+    "there is no length-grouped sampler: the planner packs rows by token count (token_budget)":
+        "length_column_name",
+    "the model is sharded with FSDP2 (fully_shard per decoder layer, then the root), not wrapped "
+    "in DDP; fork train.py's shard() to change it":
+        "ddp_find_unused_parameters ddp_bucket_cap_mb ddp_broadcast_buffers ddp_static_graph",
+    "FSDP2 is always on (fully_shard per decoder layer, then the root); fork train.py's shard() "
+    "for another wrapping": "fsdp fsdp_config",
+    "DeepSpeed ZeRO is not supported (the spec: FSDP2 only)": "deepspeed",
+    "no debug modes: run one rank on a CPU (CUDA_VISIBLE_DEVICES=) to debug the loop": "debug",
+    "no memory metrics are collected; torch.cuda.max_memory_allocated() in a callback gives them":
+        "skip_memory_metrics",
+    "torchrun sets LOCAL_RANK in the environment, which the trainer reads; launch with torchrun "
+    "rather than passing --local_rank": "local_rank",
 }
+WHY = {name: why for why, names in REFUSED.items() for name in names.split()}   # field → why
 
 
 # Values that mean the default: transformers reads include_num_input_tokens_seen=False as "no"

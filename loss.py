@@ -27,16 +27,17 @@ Departures from the spec, one line each:
 - Centering subtracts w(y)·ĉ, not the paper's E_q[w s]: masked or clipped tokens give nothing.
 - Clipping applies to the centred term too (through w); ĉ accounts for it with the token's A.
 - Masked tokens stay in n: the count is known before the forward (ICE-POP style, no renorm).
-- Without the server's candidate sets, log π_θ is over the vocabulary, with a warning (biased).
+- Without the server's candidate sets, log π_θ is over the vocabulary: biased low (warned at start).
 - LM-head matmul in the weight's dtype; softmax and head gradients in >= fp32 (bf16: 0.5% off).
 - Final logit softcapping is applied here: loss.py takes hidden states, not the model's logits.
 """
 import functools
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from metrics import reduction
 
 MOE_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -324,15 +325,6 @@ def mismatch_metrics(log_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
             "sampling/mismatch_tokens": count}
 
 
-@functools.cache
-def _warn_biased_ratios():
-    warnings.warn("top_k > 0, top_p < 1 or min_p is set but the samples carry no candidate sets: "
-                  "log π_θ is normalised over the whole vocabulary, so every importance ratio is "
-                  "biased low. Start vLLM (>= 0.28, on a GPU) with --return-sampling-mask "
-                  "--enable-scale-out; on a CPU, sample with top_k=0 and top_p=1.",
-                  stacklevel=3)
-
-
 def compute_loss(hidden, weight, bias, row, config, num_tokens, chunk_size=None,
                  final_logit_softcapping=None, version=None):
     """(loss, metrics) of a packed row, from the final hidden states [N, H] and the LM head.
@@ -345,8 +337,6 @@ def compute_loss(hidden, weight, bias, row, config, num_tokens, chunk_size=None,
     top_ids = getattr(row, "top_ids", None)
     top_logprobs = getattr(row, "top_logprobs", None)
     candidate_ids = getattr(row, "candidate_ids", None)
-    if (config.top_k > 0 or config.top_p < 1 or config.min_p is not None) and candidate_ids is None:
-        _warn_biased_ratios()
     if config.score_centering and top_logprobs is None:
         raise ValueError("AsyncGRPOConfig.score_centering: the samples carry no sampler top "
                          "log-probs; set num_sampler_logprobs >= 1 or score_centering=False")
@@ -365,15 +355,13 @@ def compute_loss(hidden, weight, bias, row, config, num_tokens, chunk_size=None,
 def reduce_metrics(parts: list[dict]) -> dict:
     """Combine metrics of several micro-batches (or gathered ranks) exactly.
 
-    A mean is a [sum, count] pair: reduce with SUM, then divide (finalize_metrics); names ending
-    /min and /max (or _max) are scalars: reduce with MIN and MAX; other scalars are counts (SUM).
+    A mean is a [sum, count] pair: reduce with SUM, then divide (finalize_metrics); a min or max
+    by name (metrics.reduction) is a scalar: reduce with MIN or MAX; other scalars are counts (SUM).
     Across ranks, all_reduce with the same ops.
     """
-    def op(name):
-        if name.endswith("/min"):
-            return torch.minimum
-        return torch.maximum if name.endswith(("/max", "_max")) else torch.add
-    return {name: functools.reduce(op(name), [p[name] for p in parts]) for name in parts[0]}
+    ops = {"min": torch.minimum, "max": torch.maximum}
+    return {name: functools.reduce(ops.get(reduction(name), torch.add), [p[name] for p in parts])
+            for name in parts[0]}
 
 
 def finalize_metrics(metrics: dict) -> dict[str, float]:

@@ -16,14 +16,15 @@ writes one line of <output_dir>/metrics.jsonl:
 num_tokens and the trainer's *_total are the run's TrainState counters (checkpoint.py): a resume
 continues them.
 
-A window of several steps (or rollout emissions) reduces by name (reduce_window). Worked: two steps
+A window of several steps (or rollout emissions) reduces by name (reduction). Worked: two steps
 with sample/staleness_max 1 and 3, sample/dropped_stale_total 4 and 6, and perf/step_s 2.0 and 3.0
 log sample/staleness_max 3 (a max), sample/dropped_stale_total 6 (a running total: the last) and
 perf/step_s 2.5 (the mean).
 
-Sections below: the window reduction and the step's figures; MetricsLog (the JSONL line, the
+Sections below: the reduction by name and the step's figures; MetricsLog (the JSONL line, the
 progress bar, on_log); completions.jsonl (log_completions: what was trained); report_to's
-dashboards (tensorboard, wandb, trackio: the same line at the same step); plot (a run → PNG).
+dashboards (tensorboard, wandb, trackio: the same line at the same step). The figure of a run
+(a PNG) is drawn outside the trainer: `python -m tools.plot RUN_DIR`.
 
     completions.jsonl, one line per trained sample (a resume cuts it back to its checkpoint, and
     metrics.jsonl too: cut_back):
@@ -39,7 +40,6 @@ Departures from the spec, one line each:
 import contextlib
 import importlib.util
 import json
-import logging
 import math
 import os
 import time
@@ -51,8 +51,6 @@ import torch
 
 import tree_attention
 from config import DASHBOARDS
-
-log = logging.getLogger(__name__)
 
 COMPLETIONS = "completions.jsonl"                     # log_completions: every trained sample
 COLUMNS = ["step", "prompt", "completion", "reward"]  # the completions table on a dashboard
@@ -68,12 +66,27 @@ LATEST = ("rollout/kv_cache_usage",)            # spec: the value at the last po
 WAITING_LINE_S = 60.0   # while every group is dropped and the trainer waits: a line this often
 
 
+def reduction(name: str) -> str:
+    """How metric `name` combines, over a logging window (reduce_window) and over a step's rows and
+    ranks (loss.reduce_metrics): "sum" for SUMMED (rollout/vllm_preemptions_total: the spec's
+    count during the window), "last" for the other `*_total` and LATEST, "max" or "min" when its
+    last part has that word (sample/staleness_max, completions/min_length, .../ratio/max), else
+    "mean" (loss.py's means are [sum, count] pairs: rows and ranks add them up)."""
+    words = name.rsplit("/", 1)[-1].split("_")
+    if name in SUMMED:
+        return "sum"
+    if name.endswith("_total") or name in LATEST:
+        return "last"
+    return "max" if "max" in words else "min" if "min" in words else "mean"
+
+
+REDUCE = {"sum": sum, "last": lambda values: values[-1], "max": max, "min": min, "mean": np.mean}
+
+
 def reduce_window(records: list[dict]) -> dict[str, float]:
-    """Many metric dicts → one, by name: SUMMED the sum (rollout/vllm_preemptions_total: the
-    spec's count during the window), other `*_total` and LATEST the last value, a name
-    whose last part holds "max" the max, "min" the min, everything else the mean. None and
-    non-finite values are skipped; a name left with none logs None (JSON null) if one was None,
-    as a skipped step's loss and grad_norm, else nothing (module docstring: a worked example)."""
+    """Many metric dicts → one, each name by its reduction. None and non-finite values are
+    skipped; a name left with none logs None (JSON null) if one was None, as a skipped step's
+    loss and grad_norm, else nothing (module docstring: a worked example)."""
     out: dict[str, float] = {}
     for name in dict.fromkeys(k for r in records for k in r):
         values = [r[name] for r in records
@@ -82,16 +95,7 @@ def reduce_window(records: list[dict]) -> dict[str, float]:
             if any(name in r and r[name] is None for r in records):
                 out[name] = None
             continue
-        if name in SUMMED:
-            out[name] = float(sum(values))
-        elif name.endswith("_total") or name in LATEST:
-            out[name] = values[-1]
-        elif "max" in name.rsplit("/", 1)[-1]:
-            out[name] = float(max(values))
-        elif "min" in name.rsplit("/", 1)[-1]:
-            out[name] = float(min(values))
-        else:
-            out[name] = float(np.mean(values))
+        out[name] = float(REDUCE[reduction(name)](values))
     return out
 
 
@@ -205,8 +209,6 @@ class MetricsLog:
         self.every = config.every("logging_steps") if config.logging_strategy == "steps" else None
         self.on_log = on_log
         self.completions: list = []          # the samples trained in this logging window
-        # once, if truncated sampling's samples come without candidate sets
-        self.warn_bias = config.top_k > 0 or config.top_p < 1 or config.min_p is not None
         self.completions_file = (open(os.path.join(output_dir, COMPLETIONS), "a")
                                  if config.log_completions else None)
         self.dashboards = open_dashboards(config, output_dir)
@@ -240,9 +242,6 @@ class MetricsLog:
             self.prompted = {p for p in self.prompted if p >= state.prompt_index}   # done before
             if self.every is not None:                  # kept for the window's printout
                 self.completions += samples
-        if self.warn_bias and all(s.candidate_counts is None for s in samples):
-            self.warn_bias = False
-            warn_biased_ratios(record, state.global_step)
         self.bar.update(1)
         first = self.config.logging_first_step and state.global_step == 1
         if self.every is not None and (state.global_step % self.every == 0 or first):
@@ -261,7 +260,8 @@ class MetricsLog:
             rows = self.completion_rows()
             for prompt, completion, reward in rows:
                 self.bar.write(f"  reward {reward:+.2f}  {prompt!r} → {completion!r}")
-            log_table(self.dashboards, global_step, rows)
+            for board in self.dashboards:
+                board.table(global_step, rows)
         self.completions = []
 
     def write(self, global_step: int, metrics: dict) -> dict:
@@ -273,7 +273,9 @@ class MetricsLog:
         self.line_at = time.monotonic()
         self.file.write(json.dumps(line, allow_nan=False) + "\n")
         self.file.flush()
-        log_line(self.dashboards, line)
+        values = {k: v for k, v in line.items() if k not in ("step", "time") and v is not None}
+        for board in self.dashboards:                  # "step" and "time" are not metrics
+            board.log(values, global_step)
         if self.on_log is not None:
             self.on_log(line)
         return line
@@ -304,21 +306,8 @@ class MetricsLog:
         self.file.close()
         if self.completions_file is not None:
             self.completions_file.close()
-        close_dashboards(self.dashboards)
-
-
-def warn_biased_ratios(record: dict, step: int) -> None:
-    """Say how biased the importance ratios are when top_k/top_p/min_p sampled the samples but
-    they carry no candidate sets: log π_θ is then normalised over the vocabulary, and each
-    token's ratio is low by the π_θ mass of its candidate set, which the mean ratio shows."""
-    ratio = record.get("sampling/importance_sampling_ratio/mean", float("nan"))
-    masked = record.get("sampling/masked_mean", float("nan"))
-    log.warning("top_k/top_p/min_p sampled step %d's samples, but they carry no candidate sets "
-                "(the server returns none): sampling/importance_sampling_ratio/mean is %.3f, "
-                "biased low by %.1f%% (an unchanged policy gives 1), and sampling/masked_mean "
-                "%.3f of the tokens fall outside the IS bounds. Serve with "
-                "--return-sampling-mask --enable-scale-out, or sample with top_k=0, top_p=1",
-                step, ratio, 100 * (1 - ratio), masked)
+        for board in self.dashboards:
+            board.close()
 
 
 # ── completions.jsonl (log_completions) ──────────────────────────────────────────────────────
@@ -346,7 +335,7 @@ def cut_back(output_dir: str, step: int) -> set[int]:
     for name in ("metrics.jsonl", COMPLETIONS):
         path = os.path.join(output_dir, name)
         if os.path.exists(path):
-            kept[name] = [(text, r) for text, r in _whole_lines(path) if r["step"] <= step]
+            kept[name] = [(text, r) for text, r in whole_lines(path) if r["step"] <= step]
             with open(path + ".tmp", "w") as f:
                 f.writelines(text for text, _ in kept[name])     # as written
             os.replace(path + ".tmp", path)
@@ -370,32 +359,7 @@ def completion_records(step: int, version: int, samples: list, prompted: set[int
     return out
 
 
-def load_completions(run_dir: str) -> list[dict]:
-    """The lines of <run_dir>/completions.jsonl, each with its prompt text filled in."""
-    lines = _read_lines(os.path.join(run_dir, COMPLETIONS))
-    prompts = {r["prompt_index"]: r["prompt"] for r in lines if "prompt" in r}
-    return [r | {"prompt": prompts.get(r["prompt_index"], "")} for r in lines]
-
-
-def reward_by_prompt(lines: list[dict]) -> dict[int, float]:
-    """prompt_index → the mean reward of its trained samples."""
-    return mean_by(lines, "prompt_index", "reward")
-
-
-def mean_by(lines: list[dict], key: str, value: str) -> dict:
-    """Each line[key] (sorted) → the mean line[value] of its lines."""
-    groups: dict = {}
-    for r in lines:
-        groups.setdefault(r[key], []).append(r[value])
-    return {k: float(np.mean(v)) for k, v in sorted(groups.items())}
-
-
-def _read_lines(path: str) -> list[dict]:
-    """The records of the whole lines of `path` (_whole_lines)."""
-    return [record for _, record in _whole_lines(path)]
-
-
-def _whole_lines(path: str) -> list[tuple[str, dict]]:
+def whole_lines(path: str) -> list[tuple[str, dict]]:
     """(text, record) of each whole line: one a kill cut (no newline, or glued to the start of
     the next line by a later append) is left out."""
     out = []
@@ -436,23 +400,6 @@ def open_dashboards(config, output_dir: str) -> list[Dashboard]:
                               "is not installed: pip install -r requirements-dashboards.txt")
         boards.append(OPENERS[name](config, output_dir, run_name))
     return boards
-
-
-def log_line(boards: list[Dashboard], line: dict) -> None:
-    """One metrics.jsonl line (its "step" and "time" are not metrics) on every dashboard."""
-    metrics = {k: v for k, v in line.items() if k not in ("step", "time") and v is not None}
-    for board in boards:
-        board.log(metrics, line["step"])
-
-
-def log_table(boards: list[Dashboard], step: int, rows: list[tuple]) -> None:
-    for board in boards:
-        board.table(step, rows)
-
-
-def close_dashboards(boards: list[Dashboard]) -> None:
-    for board in boards:
-        board.close()
 
 
 def config_dict(config) -> dict:
@@ -513,69 +460,3 @@ OPENERS = {"tensorboard": open_tensorboard, "wandb": open_wandb, "trackio": open
 
 def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def smooth(values: list[float], weight: float = 0.6) -> list[float]:
-    """The dashboards' smoothing: an exponential moving average, debiased so the first points
-    are not pulled to 0. Worked, weight 0.5: [1, 3, 3] → EMAs 0.5, 1.75, 2.375 over debias
-    factors 0.5, 0.75, 0.875 → [1.0, 2.333, 2.714]."""
-    out, ema = [], 0.0
-    for i, v in enumerate(values):
-        ema = weight * ema + (1 - weight) * v
-        out.append(ema / (1 - weight ** (i + 1)))
-    return out
-
-
-def _curve(ax, x: list, y: list, label: str) -> None:
-    """The raw points faint, the smoothed line over them in the same colour."""
-    raw, = ax.plot(x, y, alpha=0.25, linewidth=1)
-    ax.plot(x, smooth(y), color=raw.get_color(), linewidth=1.8, label=label)
-
-
-def figure(run_dir: str):
-    """The figure `python train.py plot RUN` saves: reward, loss, staleness and throughput by
-    step from metrics.jsonl, each a smoothed line over its faint raw curve; with a
-    completions.jsonl (log_completions) also the mean reward of each prompt_index and the
-    completion length by step. Titled with the run's name (its directory's)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    lines = _read_lines(os.path.join(run_dir, "metrics.jsonl"))
-    panels = [("reward", ["reward", "reward_kept"]), ("loss", ["loss"]),
-              ("staleness (versions)", ["sample/staleness_mean", "sample/staleness_max"]),
-              ("throughput (tokens/s)",
-               ["perf/forwarded_tok_s_wall_clock", "perf/trained_tok_s_wall_clock"])]
-    trained = (load_completions(run_dir)
-               if os.path.exists(os.path.join(run_dir, COMPLETIONS)) else [])
-    fig, axes = plt.subplots(3 if trained else 2, 2, figsize=(11, 10 if trained else 7))
-    for ax, (title, names) in zip(axes.flat, panels):
-        for name in names:
-            points = [(r["step"], r[name]) for r in lines if name in r]
-            if points:
-                _curve(ax, *map(list, zip(*points)), name)
-        ax.set_title(title)
-    for ax in axes[1]:
-        ax.set_xlabel("optimizer step")
-    if trained:
-        by_prompt = reward_by_prompt(trained)
-        _curve(axes[2, 0], list(by_prompt), list(by_prompt.values()), "mean reward")
-        axes[2, 0].set(title="reward by prompt (completions.jsonl)", xlabel="prompt_index")
-        tokens = mean_by(trained, "step", "completion_tokens")
-        _curve(axes[2, 1], list(tokens), list(tokens.values()), "completion_tokens")
-        axes[2, 1].set(title="completion length (tokens)", xlabel="optimizer step")
-    for ax in axes.flat:
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.suptitle(os.path.basename(os.path.normpath(os.path.abspath(run_dir))))
-    fig.tight_layout()
-    return fig
-
-
-def plot(run_dir: str) -> str:
-    """<run_dir>/metrics.png of figure(run_dir); returns its path."""
-    import matplotlib.pyplot as plt
-    fig = figure(run_dir)
-    path = os.path.join(run_dir, "metrics.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

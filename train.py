@@ -5,7 +5,7 @@ process generates. train() is the whole loop; AsyncGRPOTrainer is the spec's cla
     python train.py                                       # the toy task, end to end, on a CPU
     torchrun --nproc_per_node 4 train.py --model Qwen/Qwen3-4B --dataset trl-lib/DeepMath-103K \\
         --reward my_rewards:accuracy --vllm_server_base_url http://gpu0:8000
-    python train.py plot runs/toy                         # reward, loss, staleness, speed → PNG
+    python -m tools.plot runs/toy                         # reward, loss, staleness, speed → PNG
 
 One optimizer step, top-down (each line names the file that does it):
 
@@ -58,7 +58,7 @@ import checkpoint
 import lora_sync
 import metrics
 import tree_attention
-from config import AsyncGRPOConfig        # the spec imports it from the trainer's module
+from config import AsyncGRPOConfig, dtype_name   # the spec imports the first from here
 from loss import (MOE_EXPERT_FIELDS, compute_loss, finalize_metrics, reduce_metrics,
                   router_aux_loss_coef)
 from rollout import (AsyncRolloutLoop, Rollout, RolloutGroup,  # noqa: F401 (the spec's records)
@@ -277,8 +277,7 @@ def load_model(model, config, processing_class=None, peft_config=None, device=No
     device = device or torch.device("cpu")
     backend, why = tree_attention.choose_backend(model, device, config.tree_attention_backend)
     tree_attention.install(model, backend)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"tree attention: {backend} ({why})", flush=True)
+    logging.getLogger(__name__).info("tree attention: %s (%s)", backend, why)
     if config.gradient_checkpointing:
         kwargs = {"use_reentrant": False} | (config.gradient_checkpointing_kwargs or {})
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
@@ -552,11 +551,10 @@ def say_skipped(in_a_row: int, step: int, rank: int) -> None:
 
 
 def rank_reduce_op(name: str) -> dist.ReduceOp:
-    """How a loss metric combines across ranks: /min and /max (_max) by MIN and MAX, the rest
-    (sums, counts and [sum, count] pairs) by SUM."""
-    if name.endswith("/min"):
-        return dist.ReduceOp.MIN
-    return dist.ReduceOp.MAX if name.endswith(("/max", "_max")) else dist.ReduceOp.SUM
+    """How a loss metric combines across ranks: a min or max by name (metrics.reduction) by MIN
+    or MAX, the rest (sums, counts and [sum, count] pairs) by SUM."""
+    ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    return ops.get(metrics.reduction(name), dist.ReduceOp.SUM)
 
 
 def moe_aux_loss(model, router_logits) -> torch.Tensor:
@@ -734,7 +732,7 @@ def local_server_args(config, peft_config=None) -> list[str]:
     args = ["--weight-transfer-config", '{"backend":"gloo"}',
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
             "--return-sampling-mask", "--enable-scale-out",
-            "--dtype", str(config.compute_dtype(device)).removeprefix("torch.")]
+            "--dtype", dtype_name(config.compute_dtype(device))]
     if peft_config is not None:
         rank = lora_sync.max_lora_rank(lora_sync.adapter_rank(peft_config))
         args += ["--enable-lora", "--max-lora-rank", str(rank),
@@ -821,12 +819,13 @@ def parse_cli(argv: list[str]) -> tuple[ScriptArguments, AsyncGRPOConfig]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python train.py [flags]` (module docstring); `python train.py plot RUN_DIR`."""
+    """`python train.py [flags]` (module docstring). Operator messages (logging) show on the
+    console: INFO and up on rank 0, WARNING and up elsewhere (log_level can change both)."""
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # run the finally
-    if argv[:1] == ["plot"]:
-        print(metrics.plot(argv[1] if len(argv) > 1 else "runs/toy"))
-        return
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     script, config = parse_cli(argv)
     peft_config = lora_config(script)
     dataset = load_prompts(script)
@@ -837,7 +836,7 @@ def main(argv: list[str] | None = None) -> None:
     rewards = [import_callable("toy:exact_reward" if r == "toy" else r) for r in reward.split(",")]
     output_dir = config.output_dir or "trainer_output"
     server = None
-    if script.serve_local and int(os.environ.get("RANK", "0")) == 0:   # rank 0 talks to servers
+    if script.serve_local and rank0:               # rank 0 talks to servers
         import toy
         path = toy.ensure_saved() if script.model == "toy" else script.model
         os.makedirs(output_dir, exist_ok=True)

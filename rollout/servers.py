@@ -213,12 +213,14 @@ async def connect(replica: Replica, config, num_top: int | None, probe_token: in
                          f"{'; '.join(problems)}. Restart it with `{' '.join(flags)}`")
     served = (await asyncio.to_thread(client.models))["data"][0]["id"]
     replica.max_model_len = await asyncio.to_thread(client.max_model_len)
-    if config.top_k > 0 or config.top_p < 1 or config.min_p is not None:
+    if config.truncated_sampling:
         replica.use_generate = await returns_candidates(client, served, config, probe_token)
         if not replica.use_generate:
-            log.warning("top_p/top_k/min_p are set but the vLLM server at %s returns no candidate "
-                        "sets, so the trainer normalises over the whole vocabulary and importance "
-                        "ratios are biased: %s", url, candidates_remedy(info))
+            log.warning("top_k/top_p/min_p truncate sampling, but the vLLM server at %s returns no "
+                        "candidate sets: the trainer normalises log π_θ over the whole vocabulary, "
+                        "so every importance ratio is biased low (by the π_θ mass outside the "
+                        "token's set: see sampling/importance_sampling_ratio/mean). %s", url,
+                        candidates_remedy(info))
     cache = info.get("cache_config") or {}
     blocks = (cache.get("num_gpu_blocks") or 0) * (cache.get("block_size") or 0)
     kv_tokens = cache.get("kv_cache_size_tokens") or blocks
@@ -307,8 +309,9 @@ def candidates_remedy(info: dict) -> str:
     """How this server could return candidate sets: the flags, where its hardware allows them."""
     if (info.get("device_config") or {}).get("device") == "cpu":
         return ("vLLM on a CPU cannot return them (sampling masks need its Model Runner V2, which "
-                "needs Triton's GPU backend); sample with top_k=0, top_p=1 and min_p=None instead")
-    return "restart it with `--return-sampling-mask --enable-scale-out` (vLLM >= 0.28)"
+                "needs Triton's GPU backend): sample with top_k=0, top_p=1 and min_p=None instead")
+    return ("Restart it with `--return-sampling-mask --enable-scale-out` (vLLM >= 0.28, on a GPU), "
+            "or sample with top_k=0, top_p=1 and min_p=None")
 
 
 async def returns_candidates(client: VLLMClient, model: str, config, token: int) -> bool:

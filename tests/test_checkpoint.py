@@ -20,6 +20,7 @@ import checkpoint
 import toy
 import metrics
 import train
+from tools import plot
 from local_vllm.launch import LocalServer
 from train_helpers import SERVER_ARGS, SMALL, cli, lines, newest_checkpoint
 
@@ -137,7 +138,7 @@ def test_every_prompt_is_trained_exactly_once_across_kills_mid_generation_step_a
         assert proc.poll() is None, proc.stdout.read()
         os.killpg(proc.pid, signal.SIGKILL)    # the trainer and its rollout process
         proc.wait()
-        steps = [r["step"] for r in metrics.load_completions(out)]
+        steps = [r["step"] for r in plot.load_completions(out)]
         seen.append((moment.__name__, newest_checkpoint(out), max(steps, default=0)))
 
     def mid_save(proc, start):                 # a checkpoint half written after a complete one
@@ -170,7 +171,7 @@ def test_every_prompt_is_trained_exactly_once_across_kills_mid_generation_step_a
     assert proc.returncode == 0, (seen, log[-5000:])
     printed = [x for x in log.splitlines() if x.startswith("  reward ")]
     assert len(printed) == 64 - seen[-1][1], log[-3000:]     # num_completions_to_print a step
-    trained = metrics.load_completions(out)
+    trained = plot.load_completions(out)
     counts = {p: 0 for p in range(48)}
     for r in trained:
         counts[r["prompt_index"]] += 1
@@ -349,9 +350,9 @@ def test_a_resume_after_a_cut_metrics_line_cuts_both_files_back_and_plots(saved_
         with open(os.path.join(out, name), "a") as f:       # step 5 whole, step 6 cut
             f.write(json.dumps(last | {"step": 5, "lost": True}) + "\n")
             f.write(json.dumps(last | {"step": 6})[:20])
-    logged = metrics._read_lines(os.path.join(out, "metrics.jsonl"))
+    logged = plot.read_lines(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in logged][-2:] == [4, 5]
-    assert os.path.isfile(metrics.plot(out))           # `python train.py plot` on the cut files
+    assert os.path.isfile(plot.plot(out))              # `python -m tools.plot` on the cut files
     train.train(resume_config(server, out), toy.make_dataset(64), [toy.sum_reward],
                 model=toy_dir)
     assert [r["step"] for r in lines(out)] == [1, 2, 3, 4, 5, 6]     # every line whole JSON
@@ -359,11 +360,11 @@ def test_a_resume_after_a_cut_metrics_line_cuts_both_files_back_and_plots(saved_
         trained = [json.loads(line) for line in f]
     assert sorted({r["step"] for r in trained}) == [1, 2, 3, 4, 5, 6]
     assert not any("lost" in r for r in lines(out) + trained)
-    assert os.path.isfile(metrics.plot(out))
+    assert os.path.isfile(plot.plot(out))
 
 
 def test_the_reader_skips_a_cut_line_glued_to_the_next(tmp_path):
     """A cut line that a later append glued to a whole one: both are left out, the rest read."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "lo{"step": 3}\n{"step": 4}\n{"step": 5')
-    assert [r["step"] for r in metrics._read_lines(str(path))] == [1, 4]
+    assert [r["step"] for _, r in metrics.whole_lines(str(path))] == [1, 4]

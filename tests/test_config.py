@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+import config
 import rollout_helpers as h
 from config import AsyncGRPOConfig
 
@@ -122,3 +123,25 @@ def test_a_subclass_adds_its_own_field():
         pass_rate_cap: float = 0.9
 
     assert CurriculumConfig(top_k=10, top_p=0.95).pass_rate_cap == 0.9
+
+
+def test_the_refusal_table_lists_each_field_under_one_reason():
+    """REFUSED is keyed by reason: a field listed under two reasons would keep the last silently,
+    so each is listed once, and each is a declared field whose refusal gives its reason."""
+    listed = [name for names in config.REFUSED.values() for name in names.split()]
+    assert len(listed) == len(set(listed)) == len(config.WHY) == 68
+    declared = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+    assert set(listed) <= declared, set(listed) - declared
+    for why, names in config.REFUSED.items():
+        name = names.split()[-1]
+        with pytest.raises(ValueError) as refused:
+            AsyncGRPOConfig(**{name: "other"})
+        assert str(refused.value) == f"AsyncGRPOConfig.{name}='other': {why}"
+
+
+def test_one_predicate_says_whether_sampling_is_truncated_and_one_helper_names_a_dtype():
+    assert not AsyncGRPOConfig().truncated_sampling
+    for kwargs in ({"top_k": 5}, {"top_k": 5, "top_p": 0.9}, {"top_k": 5, "min_p": 0.1}):
+        assert AsyncGRPOConfig(**kwargs).truncated_sampling, kwargs
+    assert [config.dtype_name(d) for d in (torch.bfloat16, "torch.float16", "float32")] == [
+        "bfloat16", "float16", "float32"]

@@ -2,9 +2,6 @@
 centering, candidate-set renormalisation, step-wide normalisation, metrics and the MoE router
 loss."""
 import math
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -330,32 +327,7 @@ def test_loss_is_a_token_mean_over_the_step_whatever_the_micro_batches():
         assert m == pytest.approx(metrics[0], rel=1e-6)
 
 
-WARN_ONCE = """
-import warnings
-from types import SimpleNamespace
-import torch
-import loss
-from config import AsyncGRPOConfig
-row = SimpleNamespace(token_index=torch.arange(2), targets=torch.tensor([1, 2]),
-                      sampler_logprobs=torch.tensor([-4.0, -4.0]), advantages=torch.ones(2))
-cfg = AsyncGRPOConfig(top_k=50, score_centering=False)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    for _ in range(3):
-        loss.compute_loss(torch.randn(2, 16), torch.randn(105, 16), None, row, cfg, 2)
-print(len(caught), *(str(w.message) for w in caught))
-"""
-
-
-def test_vocabulary_normalisation_warns_once_with_the_server_flags():
-    """top_k without the samples' candidate sets: one warning per process (a fresh one here) that
-    names the server flags which send them."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", WARN_ONCE], cwd=root, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    count, message = run.stdout.split(" ", 1)
-    assert count == "1" and "--return-sampling-mask --enable-scale-out" in message
+def test_score_centering_without_sampler_top_logprobs_is_refused_naming_the_fix():
     hidden, weight, _ = leaves(2)
     row = row_for(hidden, weight, torch.tensor([1, 2]), torch.tensor([-4.0, -4.0]), torch.ones(2))
     with pytest.raises(ValueError, match="score_centering"):

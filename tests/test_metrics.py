@@ -1,5 +1,6 @@
 """metrics.py: every metric the spec names in the session's shared run
-(train_fixtures.train_run), the plot of that run, and the window reduction by name."""
+(train_fixtures.train_run), completions.jsonl, the one reduction rule by name, and the importance
+ratios with and without the server's candidate sets (the hazard said once, at start)."""
 import json
 import logging
 import math
@@ -7,10 +8,14 @@ import os
 import shutil
 
 import pytest
+import torch
+import torch.distributed as dist
 
+import loss
 import toy
 import train
 import metrics
+from tools.plot import load_completions
 from train_helpers import SERVER_ARGS, SMALL, lines
 
 pytest_plugins = ["train_fixtures"]
@@ -61,42 +66,11 @@ def test_the_served_policy_is_the_trained_one_at_every_step(train_run):
         assert r["sampling/logprob_diff_max"] <= 1e-3, r["step"]
 
 
-def test_plot_draws_the_run(train_run):
-    path = metrics.plot(train_run[0])
-    with open(path, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert os.path.getsize(path) > 10_000
-
-
-def test_the_plot_is_smoothed_over_faint_raw_curves_and_titled_with_the_runs_name(train_run):
-    """Each curve is drawn twice: the raw points faint, the smoothed line (smooth) over them; the
-    title is the run directory's name, not its path; reward by prompt index is a panel."""
-    import matplotlib.pyplot as plt
-    out = train_run[0]
-    fig = metrics.figure(out)
-    try:
-        assert fig._suptitle.get_text() == os.path.basename(out)
-        reward = fig.axes[0]
-        raw, smoothed = reward.lines[0], reward.lines[1]
-        assert raw.get_alpha() < 0.5 and smoothed.get_alpha() is None
-        rewards = [r["reward"] for r in lines(out) if "reward" in r]
-        assert list(raw.get_ydata()) == rewards
-        assert list(smoothed.get_ydata()) == pytest.approx(metrics.smooth(rewards))
-        titles = [ax.get_title() for ax in fig.axes]
-        assert "reward by prompt (completions.jsonl)" in titles
-    finally:
-        plt.close(fig)
-
-
-def test_smooth_replays_its_worked_example():
-    assert metrics.smooth([1, 3, 3], weight=0.5) == pytest.approx([1.0, 7 / 3, 2.375 / 0.875])
-
-
 def test_completions_jsonl_holds_one_line_per_trained_sample(train_run, tmp_path):
     """log_completions: each step's trained samples (batch/samples_per_step of them), the prompt
     text once per prompt_index; a resume's truncation keeps the checkpoint's steps."""
     out = train_run[0]
-    trained = metrics.load_completions(out)
+    trained = load_completions(out)
     per_step = {r["step"]: r["batch/samples_per_step"] for r in lines(out)}
     assert {s: sum(r["step"] == s for r in trained) for s in per_step} == per_step
     for r in trained:
@@ -105,14 +79,12 @@ def test_completions_jsonl_holds_one_line_per_trained_sample(train_run, tmp_path
         assert {"reward", "advantage", "prompt_index"} <= set(r)
     raw = [json.loads(x) for x in open(os.path.join(out, metrics.COMPLETIONS))]
     assert len([r for r in raw if "prompt" in r]) == len({r["prompt_index"] for r in raw})
-    by_prompt = metrics.reward_by_prompt(trained)
-    assert sorted(by_prompt) == sorted({r["prompt_index"] for r in trained})
     shutil.copy(os.path.join(out, metrics.COMPLETIONS), tmp_path)
     with open(tmp_path / metrics.COMPLETIONS, "a") as f:
         f.write('{"step": 5, "prompt_in')                       # a kill mid-write
     assert metrics.cut_back(str(tmp_path), 2) == {
         r["prompt_index"] for r in raw if "prompt" in r and r["step"] <= 2}
-    assert [r["step"] for r in metrics.load_completions(str(tmp_path))] == [
+    assert [r["step"] for r in load_completions(str(tmp_path))] == [
         r["step"] for r in trained if r["step"] <= 2]
 
 
@@ -133,6 +105,28 @@ def test_a_window_reduces_by_name_as_the_module_docstring_works_it():
         "loss": None}                         # none finite, one None (a skipped step): null
 
 
+@pytest.mark.parametrize("name, how", [
+    ("sample/staleness_max", "max"), ("completions/max_length", "max"),
+    ("sampling/logprob_diff_max", "max"), ("sampling/importance_sampling_ratio/min", "min"),
+    ("completions/min_length", "min"),
+    ("rollout/admission_wait_s", "sum"),          # "min" inside a word: not a min
+    ("rollout/vllm_preemptions_total", "sum"), ("sample/dropped_stale_total", "last"),
+    ("rollout/kv_cache_usage", "last"), ("sampling/mismatch_tokens", "mean"),
+    ("rewards/max_len/mean", "mean"),             # a reward function's name: not the last part
+])
+def test_one_rule_reduces_a_metric_by_name_over_windows_rows_and_ranks(name, how):
+    """metrics.reduction decides the logging window's reduction, the rows' (loss.reduce_metrics)
+    and the ranks' (train.rank_reduce_op): a min or max there too, the rest adds up there (means
+    are [sum, count] pairs)."""
+    assert metrics.reduction(name) == how
+    window = {"sum": 7.0, "last": 5.0, "max": 5.0, "min": 2.0, "mean": 3.5}[how]
+    assert metrics.reduce_window([{name: 2.0}, {name: 5.0}]) == {name: window}
+    rows = loss.reduce_metrics([{name: torch.tensor(2.0)}, {name: torch.tensor(5.0)}])
+    assert float(rows[name]) == {"max": 5.0, "min": 2.0}.get(how, 7.0)
+    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    assert train.rank_reduce_op(name) == ops.get(how, dist.ReduceOp.SUM)
+
+
 @pytest.mark.parametrize("sampling", [dict(top_p=0.9, top_k=50), dict(top_k=5)],
                          ids=["top_p 0.9", "top_k 5"])
 def test_importance_ratios_of_an_unchanged_policy_are_one_with_candidate_sets(
@@ -149,20 +143,22 @@ def test_importance_ratios_of_an_unchanged_policy_are_one_with_candidate_sets(
         assert r["sampling/masked_mean"] == 0
 
 
-def test_without_candidate_sets_the_warning_says_how_biased_the_ratios_are(
-        start_server, toy_dir, tmp_path, caplog):
+def test_without_candidate_sets_the_hazard_is_said_once_at_start_with_the_remedy(
+        start_server, toy_dir, tmp_path, capfd, caplog, recwarn):
     """The same run against a server that returns no candidate sets: the ratios fall (by the π_θ
-    mass outside each top-5 set) and the trainer's warning gives the measured mean."""
+    mass outside each top-5 set), and the rollout process says why once, at start, naming the
+    server and the remedy; neither the loss nor the metrics say it again, in any channel."""
     server = start_server(*SERVER_ARGS)
     config = train.AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=server.url,
                                    max_steps=2, save_strategy="no",
                                    **(SMALL | dict(learning_rate=0.0, top_k=5)))
-    with caplog.at_level(logging.WARNING, logger="metrics"):
+    with caplog.at_level(logging.INFO):
         train.train(config, toy.make_dataset(16), [toy.sum_reward], model=toy_dir)
-    first = lines(str(tmp_path))[0]
-    ratio = first["sampling/importance_sampling_ratio/mean"]
-    assert ratio < 0.9
-    warned = [r.getMessage() for r in caplog.records if r.name == "metrics"]
-    assert len(warned) == 1, warned
-    assert f"is {ratio:.3f}, biased low by {100 * (1 - ratio):.1f}%" in warned[0]
-    assert "--return-sampling-mask --enable-scale-out" in warned[0]
+    assert lines(str(tmp_path))[0]["sampling/importance_sampling_ratio/mean"] < 0.9
+    said = [line for line in capfd.readouterr().err.splitlines() if "candidate sets" in line]
+    assert len(said) == 1, said                                # the rollout process's log
+    assert f"the vLLM server at {server.url} returns no candidate sets" in said[0]
+    assert "every importance ratio is biased low" in said[0]
+    assert "--return-sampling-mask --enable-scale-out" in said[0] and "top_k=0" in said[0]
+    assert not [r for r in caplog.records if "candidate sets" in r.getMessage()]
+    assert not [w for w in recwarn if "candidate sets" in str(w.message)]

@@ -27,6 +27,7 @@ import train
 from config import AsyncGRPOConfig
 from rollout import AsyncRolloutLoop
 from rollout_worker import RolloutProcessError, RolloutWorker, check_picklable
+from tools.plot import load_completions
 from train_helpers import ROOT, recorded_reward
 from trie_pack import Planner
 
@@ -241,7 +242,7 @@ def test_rank_0_keeps_the_state_of_the_prompts_in_flight_only_and_stops_at_once(
     in_flight = (config.queue_maxsize + worker.bound) // config.num_generations + 16
     assert len(kept) > 200 and max(kept) <= in_flight, (max(kept), in_flight)
     assert stopped < 2.0
-    assert len(metrics.load_completions(str(tmp_path))) == 16 * len(kept)
+    assert len(load_completions(str(tmp_path))) == 16 * len(kept)
 
 
 def stat(pid) -> tuple[str, int] | None:

@@ -15,11 +15,11 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file
 
-import metrics
 import rollout_helpers as h
 import toy
 import train
 from rollout import AsyncRolloutLoop
+from tools.plot import load_completions
 from train_helpers import ROOT, SERVER_ARGS, SMALL
 from weight_sync import free_port
 
@@ -159,7 +159,7 @@ def test_forked_rollouts_train_every_group_of_each_epoch(start_server, toy_dir, 
         log_completions=True)
     records = strict_lines(out)
     assert {r.get("rollout/samples_per_rollout", 3.0) for r in records} == {3.0}
-    assert {r["prompt_index"] for r in metrics.load_completions(str(out))} == set(range(34))
+    assert {r["prompt_index"] for r in load_completions(str(out))} == set(range(34))
     assert records[-1]["sample/dropped_stale_total"] < 0.05 * 34 * 2 * 3
 
 

@@ -1,6 +1,7 @@
 """tree_attention.py: one packed forward equals every sample forwarded alone (log-probs and
 gradients), on every backend; install() refuses what it cannot compute exactly."""
 import dataclasses
+import logging
 import sys
 import types
 
@@ -259,13 +260,14 @@ def test_the_backend_is_chosen_for_the_training_device(device, repo, family, cho
     assert tree_attention.choose_backend(net, torch.device(device), "sdpa", kernel)[0] == "sdpa"
 
 
-def test_the_trainer_says_its_backend_once(capsys, tmp_path):
-    """load_model decides for the training device and prints the choice once (CPU: sdpa)."""
+def test_the_trainer_says_its_backend_once(caplog, tmp_path):
+    """load_model decides for the training device and logs the choice once (CPU: sdpa)."""
     import train
     from config import AsyncGRPOConfig
-    train.load_model("toy", AsyncGRPOConfig(), device=torch.device("cpu"))
-    out = capsys.readouterr().out
-    assert out.count("tree attention: sdpa (cpu: the exact dense-mask reference)") == 1, out
+    with caplog.at_level(logging.INFO, logger="train"):
+        train.load_model("toy", AsyncGRPOConfig(), device=torch.device("cpu"))
+    said = [r.getMessage() for r in caplog.records if r.name == "train"]
+    assert said == ["tree attention: sdpa (cpu: the exact dense-mask reference)"], said
 
 
 def test_flash_kernel_comes_from_the_hub_repo_of_the_device(monkeypatch):
