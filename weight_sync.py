@@ -181,7 +181,7 @@ class FullSync:
         so its generation never holds up a step."""
         if self.asked:
             self.asked = False
-            found = on_rank0(self.asking.result, FAILED)   # ask is bounded: Members.call
+            found = on_rank0(lambda: self.asking.result(), FAILED)   # bounded: Members.call
             self.parity = parity(probe(self.policy, found), self.weights.members.clients)
 
     def _verify(self, check: Fingerprints, version: int) -> int:
