@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 import tree_attention
+from config import dtype_name
 from loss import k3, token_logprobs
 from rollout.samples import RolloutSample
 from trie_pack import build_row
@@ -64,7 +65,7 @@ ENABLE = (f"start vLLM with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {E
 PROBE_LENGTH = 16         # the probe's prompt tokens
 PROBE_TOKENS = 8          # tokens the server samples after them (32 at start: the run's noise)
 PROBE_SEED = 27
-MARGIN = 3.0              # served this many times nearer a failed delivery than the trained: refused
+MARGIN = 3.0              # served this many times nearer a failed delivery than trained: refused
 GAP = 20.0                # served this many times the run's noise off the trained: refused
 NOISE_FLOOR = 1e-4        # the least noise assumed (fp32 servers agree to ~1e-6)
 BASE_KL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}   # k3 a served base may differ by
@@ -189,16 +190,16 @@ def check_served(specs: list[tuple[str, torch.Size]], model: str, url: str) -> N
 
 
 def served_dtype(info: dict) -> str | None:
-    """The server's dtype without the "torch." prefix ("bfloat16"), or None if it is not said."""
+    """The server's dtype ("bfloat16"), or None if it is not said."""
     dtype = (info.get("model_config") or {}).get("dtype")
-    return str(dtype).removeprefix("torch.") if dtype else None
+    return dtype_name(dtype) if dtype else None
 
 
 def dtype_warning(url: str, info: dict, compute_dtype) -> str | None:
     """Why the trainer's and the server's log-probs differ in precision, with the fix; None when
     they agree (or the server does not say)."""
     served = served_dtype(info)
-    ours = str(compute_dtype).removeprefix("torch.")
+    ours = dtype_name(compute_dtype)
     if served is None or served == ours:
         return None
     return (f"the vLLM server at {url} serves {served} but the trainer computes in {ours}, so "

@@ -53,9 +53,11 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from verify_sync import (ENABLE, PROBE_TOKENS, VERIFY_EVERY, Fingerprints, Probe, base_card, cannot_show,
-                         check_served, check_vocab, chosen, dtype_warning, mismatches, served_dtype,
-                         policy_logprobs, probe_prompt, served_digests, served_logprobs)
+from config import dtype_name
+from verify_sync import (ENABLE, PROBE_TOKENS, VERIFY_EVERY, Fingerprints, Probe, base_card,
+                         cannot_show, check_served, check_vocab, chosen, dtype_warning, mismatches,
+                         served_dtype, policy_logprobs, probe_prompt, served_digests,
+                         served_logprobs)
 from vllm_client import UNVERIFIED, VLLMClient, VLLMError
 
 log = logging.getLogger(__name__)
@@ -587,8 +589,8 @@ class WeightSync:
         self.members.call(lambda c: begin_update(c, resend))
         if self.grouped != self.members.live:
             self._regroup()
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        info = {"names": [n for n, _ in specs], "dtype_names": [dtype_name] * len(specs),
+        info = {"names": [n for n, _ in specs],
+                "dtype_names": [dtype_name(self.dtype)] * len(specs),
                 "shapes": [list(s) for _, s in specs]}
         pool = ThreadPoolExecutor(len(self.grouped))
         update = [pool.submit(c.update_weights, info) for c in self.grouped]

@@ -9,9 +9,9 @@ Spec claims measured (the spec states them; these cases measure our code against
 
     python -m tools.bench CASE [args]      # CASE --help lists its options
 
-Cases here: planner, packing, logprobs, fingerprint; the trainer's runs (learn, overlap, sync, servers) and
-its step (step) in bench_train.py; the rollout process against an instant server (rollout) in
-bench_rollout.py.
+Cases here: planner, packing, logprobs, fingerprint; the trainer's runs (learn, overlap, sync,
+servers) and its step (step) in bench_train.py; the rollout process against an instant server
+(rollout) in bench_rollout.py.
 
     case      code measured          the summary line it prints (README and gpu_check.py grep it)
     planner   trie_pack.py           planner unique_tokens_per_s=... packing_ratio=...

@@ -132,7 +132,7 @@ class WeightDigests:
     """The worker extension: vLLM makes it a base class of its worker, so `self` is the worker."""
 
     def weight_digests(self, names: str) -> dict:
-        """{"digests": {name: fingerprint}, "excluded": {name: why}} of the HF tensors named in `names`
+        """{"digests": {name: fingerprint}, "excluded": {name: why}} of the HF tensors in `names`
         (a JSON list), as this worker's model holds them now; {"unsupported": why} under TP or
         PP > 1."""
         parallel = self.vllm_config.parallel_config
