@@ -37,11 +37,11 @@ Departures from the spec, one line each:
 import contextlib
 import dataclasses
 import fcntl
+import logging
 import os
 import secrets
 import shutil
 import time
-import warnings
 from typing import Iterator
 
 import torch
@@ -55,6 +55,8 @@ from weight_sync import (FAILED, FullSync, Members, SyncStats, ask, full_tensor,
 PREFIX = "policy"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values
 
+log = logging.getLogger(__name__)
+
 
 def max_lora_rank(r: int) -> int:
     """The smallest --max-lora-rank vLLM accepts that serves an adapter of rank r (r=4 → 8)."""
@@ -62,6 +64,14 @@ def max_lora_rank(r: int) -> int:
 
 
 VLLM_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")   # init_lora_weights it loads
+VLLM_REFUSES = {                                   # LoraConfig fields whose adapter vLLM refuses
+    "use_dora": "DoRA adapters have no runtime-LoRA form in vLLM",
+    "lora_bias": "vLLM refuses adapters with lora_bias (a bias on lora_B)",
+    "modules_to_save": "modules_to_save trains whole modules, which an adapter load cannot carry",
+    "alora_invocation_tokens": "vLLM does not serve activated LoRA (alora_invocation_tokens)",
+    "layer_replication": "vLLM does not serve layer_replication",
+    "use_bdlora": "vLLM does not serve block-diagonal LoRA (use_bdlora)",
+    "use_qalora": "vLLM does not serve QALoRA (use_qalora)"}
 
 
 def adapter_rank(peft_config) -> int:
@@ -82,21 +92,11 @@ def vllm_refusal(peft_config) -> str | None:
         return getattr(peft_config, field, None)
 
     init, bias = given("init_lora_weights"), given("bias") or "none"
-    refused = [
-        (given("use_dora"), "DoRA adapters have no runtime-LoRA form in vLLM"),
-        (given("lora_bias"), "vLLM refuses adapters with lora_bias (a bias on lora_B)"),
-        (given("modules_to_save"),
-         "modules_to_save trains whole modules, which an adapter load cannot carry"),
+    refused = [(given(f), why) for f, why in VLLM_REFUSES.items()] + [
         (bias != "none", f"vLLM refuses adapters that train base biases (bias={bias!r})"),
         (isinstance(init, str) and init.lower() not in VLLM_INITS,
          f"init_lora_weights={init!r} changes the base weights, which an adapter load cannot "
-         "carry"),
-        (given("alora_invocation_tokens"),
-         "vLLM does not serve activated LoRA (alora_invocation_tokens)"),
-        (given("layer_replication"), "vLLM does not serve layer_replication"),
-        (given("use_bdlora"), "vLLM does not serve block-diagonal LoRA (use_bdlora)"),
-        (given("use_qalora"), "vLLM does not serve QALoRA (use_qalora)"),
-    ]
+         "carry")]
     refused += [(given(f.name), f"vLLM would serve {f.name} as plain LoRA, which it is not")
                 for f in dataclasses.fields(peft_config) if f.metadata.get("is_lora_variant")]
     return next((why for bad, why in refused if bad), None)
@@ -138,11 +138,10 @@ def choose(policy, clients, config, peft_config, output_dir: str):
         why = adapter_refusal(infos, [c.base_url for c in clients], peft_config,
                               config.max_staleness)
         if why is None:
-            print(f"LoRA sync: adapter only ({PREFIX}-<run>-v<N> under {output_dir}/.vllm_lora/, "
-                  f"{len(clients)} server(s))", flush=True)
+            log.info("LoRA sync: adapter only (%s-<run>-v<N> under %s/.vllm_lora/, %d server(s))",
+                     PREFIX, output_dir, len(clients))
         else:
-            warnings.warn(f"LoRA sync: merged weights (the full model every sync), "
-                          f"because {why}", stacklevel=2)
+            log.warning("LoRA sync: merged weights (the full model every sync), because %s", why)
     if shared(why) is None:
         return AdapterSync(policy, clients, config, output_dir)
     return MergedSync(policy, clients, config)
@@ -319,8 +318,8 @@ class AdapterSync:
             try:
                 unload(c, name)
             except (VLLMError, TimeoutError) as e:     # out of the syncs already: said, not raised
-                warnings.warn(f"LoRA sync: {c.base_url} keeps {name} loaded ({e}): the rollout "
-                              f"process may still generate from it", stacklevel=2)
+                log.warning("LoRA sync: %s keeps %s loaded (%s): the rollout process may still "
+                            "generate from it", c.base_url, name, e)
 
     def _retire(self) -> None:
         """Rank 0: unload the versions that left the staleness window (the new one is in)."""
@@ -341,7 +340,7 @@ class AdapterSync:
             try:
                 self._unload(version)
             except RuntimeError as e:
-                warnings.warn(str(e), stacklevel=2)
+                log.warning("%s", e)
         self.loaded = []
 
 

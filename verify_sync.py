@@ -39,9 +39,9 @@ Departures, one line each:
 """
 import glob
 import json
+import logging
 import os
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -55,6 +55,7 @@ from trie_pack import build_row
 from vllm_client import VLLMError
 from vllm_plugin.weight_digests import fingerprint
 
+log = logging.getLogger(__name__)
 VERIFY_EVERY = 16         # every tensor verified at least every N syncs (the arithmetic above)
 EXTENSION = "weight_digests.WeightDigests"       # vllm serve --worker-extension-cls (vllm_plugin/)
 METHOD = "weight_digests"                        # its method, called through POST /collective_rpc
@@ -175,8 +176,8 @@ def check_served(specs: list[tuple[str, torch.Size]], model: str, url: str) -> N
     machine cannot read is only warned about (vLLM checks while loading)."""
     served = served_shapes(model)
     if served is None:
-        warnings.warn(f"{url} serves {model!r}, which this machine cannot read: a sync's names "
-                      f"and shapes are not checked before they are sent", stacklevel=3)
+        log.warning("%s serves %r, which this machine cannot read: a sync's names and shapes are "
+                    "not checked before they are sent", url, model)
         return
     unknown = [n for n, _ in specs if n not in served]
     wrong = [f"{n} {list(s)} (served {served[n]})" for n, s in specs

@@ -44,7 +44,6 @@ import logging
 import math
 import socket
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -55,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from verify_sync import (ENABLE, PROBE_TOKENS, VERIFY_EVERY, Fingerprints, Probe, base_card, cannot_show,
-                         check_served, check_vocab, chosen, dtype_warning, mismatches,
+                         check_served, check_vocab, chosen, dtype_warning, mismatches, served_dtype,
                          policy_logprobs, probe_prompt, served_digests, served_logprobs)
 from vllm_client import UNVERIFIED, VLLMClient, VLLMError
 
@@ -147,8 +146,8 @@ class FullSync:
         self.weights.connect(self.specs())
         for c in self.weights.members.clients if self.weights.rank == 0 and self.every else []:
             if why := cannot_show(c):
-                warnings.warn(f"weight sync: {c.base_url} cannot show the weights it holds ({why}),"
-                              f" so syncs to it are not verified; {ENABLE}", stacklevel=3)
+                log.warning("weight sync: %s cannot show the weights it holds (%s), so syncs to it "
+                            "are not verified; %s", c.base_url, why, ENABLE)
             else:
                 self.showing.add(c.base_url)
 
@@ -182,7 +181,7 @@ class FullSync:
         so its generation never holds up a step."""
         if self.asked:
             self.asked = False
-            found = on_rank0(self.asking.result, FAILED)   # ask is bounded: Members.call
+            found = on_rank0(lambda: self.asking.result(), FAILED)   # bounded: Members.call
             self.parity = parity(probe(self.policy, found), self.weights.members.clients)
 
     def _verify(self, check: Fingerprints, version: int) -> int:
@@ -207,8 +206,8 @@ class FullSync:
             served, excluded = shown[c.base_url]
             if excluded and c.base_url not in self.unreadable:
                 self.unreadable.add(c.base_url)
-                warnings.warn(f"weight sync: {c.base_url} cannot read back {len(excluded)} "
-                              f"tensor(s) exactly, which are not verified: {excluded}")
+                log.warning("weight sync: %s cannot read back %d tensor(s) exactly, which are "
+                            "not verified: %s", c.base_url, len(excluded), excluded)
             if wrong := mismatches(check.sent, served, excluded):
                 bad.append((c, f"it holds other bytes than were sent in {len(wrong)} of "
                                f"{len(asked)} verified tensors: {'; '.join(wrong[:3])}"))
@@ -220,7 +219,7 @@ class FullSync:
         for c, _ in bad:
             _attempt(lambda: c.update_weight_version(f"{UNVERIFIED}{version}"))  # out of routing
             if still := c.resume_confirmed():      # out of the syncs, not left paused
-                warnings.warn(f"weight sync: {still}")
+                log.warning("weight sync: %s", still)
         return min(verified, default=0)
 
 
@@ -285,22 +284,21 @@ def transfer_flags() -> str:
                                    "environment with our gloo backend)")
 
 
-def resume_leftover_pause(client) -> bool:
-    """Resume a server that is paused before this run paused it, with a warning; True if it was.
+def resume_leftover_pause(client) -> None:
+    """Resume a server that is paused before this run paused it, with a warning.
     A run killed between /pause and /resume (SIGKILL, OOM, a lost node) leaves its servers paused:
     in keep mode every request waits, forever, including this run's first one. A server without
     the RL routes (no VLLM_SERVER_DEV_MODE: a LoRA-only run's) cannot have been paused by a run."""
     try:
         if not client.is_paused():
-            return False
+            return
     except VLLMError as e:
         if e.status == 404:
-            return False
+            return
         raise
     log.warning("the vLLM server at %s was paused before this run started (a run that stopped "
                 "during a weight sync leaves it so): resuming it", client.base_url)
     client.resume()
-    return True
 
 
 def check_servers(clients, config, tokenizer, device) -> None:
@@ -432,23 +430,18 @@ class WeightSync:
         will send) against what it serves, then join one group with all their workers."""
         if self.rank != 0:
             return
-        infos = [c.server_info() for c in self.members.clients]
-        backends = {(i.get("weight_transfer_config") or {}).get("backend") for i in infos}
-        if None in backends:
-            bad = [c.base_url for c, i in zip(self.members.clients, infos)
-                   if not i.get("weight_transfer_config")]
+        infos = {c.base_url: c.server_info() for c in self.members.clients}
+        if bad := [url for url, i in infos.items() if not i.get("weight_transfer_config")]:
             raise ValueError(f"the vLLM server(s) {bad} have no weight transfer: restart them "
                              f"with {transfer_flags()}")
-        if specs is not None:
-            for c, info in zip(self.members.clients, infos):
-                check_served(specs, info["model_config"]["model"], c.base_url)
-        if len(backends) > 1:
-            raise ValueError(f"the servers use different weight-transfer backends "
-                             f"{sorted(backends)}")
+        for url, info in infos.items() if specs is not None else ():
+            check_served(specs, info["model_config"]["model"], url)
+        backends = {i["weight_transfer_config"]["backend"] for i in infos.values()}
+        dtypes = {served_dtype(i) for i in infos.values()}
+        for what, found in (("weight-transfer backends", backends), ("dtypes", dtypes)):
+            if len(found) > 1:
+                raise ValueError(f"the servers use different {what} {sorted(found)}")
         self.backend = backends.pop()
-        dtypes = {i["model_config"]["dtype"].removeprefix("torch.") for i in infos}
-        if len(dtypes) > 1:
-            raise ValueError(f"the servers serve different dtypes {sorted(dtypes)}")
         self.dtype = getattr(torch, dtypes.pop())
         self.vllm_group = self.backend == "nccl" and importlib.util.find_spec("vllm") is not None
         if self.backend == "nccl":
@@ -663,14 +656,13 @@ class Members:
         back = [c for c in self.clients if c.base_url in self.out and c.healthy()]
         for c in back:
             del self.out[c.base_url]
-            warnings.warn(f"{self.what}: {c.base_url} answers again; it rejoins with this sync",
-                          stacklevel=3)
+            log.warning("%s: %s answers again; it rejoins with this sync", self.what, c.base_url)
 
     def take_out(self, client: VLLMClient, why: str, failure: str = "stopped answering") -> None:
         """Out of the syncs, with a warning naming it, what it did (`failure`) and why."""
         self.out[client.base_url] = why
-        warnings.warn(f"{self.what}: {client.base_url} {failure} and is taken out (the run goes "
-                      f"on with {len(self.live)} of {len(self.clients)}); {why}", stacklevel=4)
+        log.warning("%s: %s %s and is taken out (the run goes on with %d of %d); %s", self.what,
+                    client.base_url, failure, len(self.live), len(self.clients), why)
 
     def take_out_failed(self, failed: list[tuple[VLLMClient, str]], failure: str,
                         last: str) -> None:
@@ -720,8 +712,8 @@ def begin_update(client: VLLMClient, resend: bool = False) -> None:
         if e.status != 409 and "already active" not in e.message:
             raise
         if not resend:
-            warnings.warn(f"{client.base_url} holds a weight update another run began and never "
-                          f"finished: finishing it before this run's")
+            log.warning("%s holds a weight update another run began and never finished: "
+                        "finishing it before this run's", client.base_url)
         client.finish_weight_update()
         client.start_weight_update()
 

@@ -95,6 +95,20 @@ def losses(out: str) -> list[tuple[int, float]]:
     return [(line["step"], line["loss"]) for line in lines(out)]
 
 
+def test_two_ranks_sync_and_score_every_probe_together(start_server, indexed, tmp_path):
+    """torchrun with two ranks, a full sync after every step: each sync's parity probe is asked
+    by rank 0 alone and scored by both ranks' one forward before the next step (settle), so a
+    run of STEPS steps exits 0 and logs sync/probe_kl on every step."""
+    server = start_server(*SERVER_ARGS)
+    node = Node("two ranks", torchrun(1, 2, 0, free_port()), str(tmp_path / "out"), server.url,
+                indexed, "--max_steps", str(STEPS), "--weight_sync_steps", "1",
+                pids=str(tmp_path / "pids"), log_dir=str(tmp_path))
+    run_nodes([node], timeout=300)
+    records = lines(str(tmp_path / "out"))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["sync/probe_kl"] >= 0 for r in records[1:])
+
+
 @pytest.mark.slow
 def test_two_nodes_train_as_one_node_of_two_ranks(start_server, indexed, tmp_path):
     """Two torchrun agents of one rank each (node_rank 0 and 1, LOCAL_RANK 0 on both) train

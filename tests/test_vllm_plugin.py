@@ -90,13 +90,13 @@ class Server:
     def update_weights(self, update_info: dict) -> None:
         self.update = update_info
 
-    def pause(self, mode: str = "keep") -> None:
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
         pass
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         pass
 
-    start_weight_update = resume = pause                  # calls that only need an answer
+    start_weight_update = resume = reset_prefix_cache = pause   # calls that need only an answer
 
 
 class Group:

@@ -182,9 +182,10 @@ def test_a_trainer_killed_mid_sync_leaves_a_server_the_next_run_can_use(any_serv
         client.resume()
         assert error_to(server, base) <= TOL   # it generates, with the weights it had
         client.pause(mode="keep")              # as the dead trainer left it
-        with caplog.at_level("WARNING"), pytest.warns(UserWarning, match="never finished"):
+        with caplog.at_level("WARNING"):
             last = run([server], toy_dir, tmp_path, steps=2, max_staleness=0)
         assert "was paused before this run started" in caplog.text
+        assert "never finished" in caplog.text
         assert last["perf/weight_sync_bytes"] > 1e6
         assert requests.get(server.url + "/is_paused").json() == {"is_paused": False}
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-2").eval()
@@ -296,7 +297,7 @@ def test_resume_sends_the_saved_weights_before_generating(vllm_servers, toy_dir,
 @vllm
 def test_a_replica_killed_mid_sync_is_routed_around_then_alone_it_stops_a_run(vllm_servers,
                                                                            toy_dir, tmp_path,
-                                                                           monkeypatch):
+                                                                           monkeypatch, caplog):
     """Last: the second server is SIGKILLed as step 2's sync posts its /update_weights, while the
     first is already inside the receive: the sync is sent once more to the first alone, the
     rollouts in flight on the second run on the first, and the run finishes its 5 steps; the first
@@ -315,12 +316,11 @@ def test_a_replica_killed_mid_sync_is_routed_around_then_alone_it_stops_a_run(vl
         return update(client, info)
     monkeypatch.setattr(VLLMClient, "update_weights", dies_at_step_2)
     try:
-        with pytest.warns(UserWarning, match=f"{second.url} stopped answering and is taken out"
-                          ) as warned:
-            last = run(vllm_servers, toy_dir, tmp_path / "both", steps=5, max_staleness=4,
-                       vllm_server_timeout=30.0)
+        last = run(vllm_servers, toy_dir, tmp_path / "both", steps=5, max_staleness=4,
+                   vllm_server_timeout=30.0)
+        assert f"{second.url} stopped answering and is taken out" in caplog.text
         assert last["step"] == 5 and len(posted) == 3
-        assert not [w for w in warned if "another run" in str(w.message)]   # the resend's own
+        assert "another run" not in caplog.text                       # the resend's own
         assert requests.get(first.url + "/weight_info").json() == {"weight_version": "5"}
     finally:
         monkeypatch.undo()
@@ -361,20 +361,16 @@ def test_a_full_sync_is_verified_by_reading_back_what_the_model_holds(vllm_serve
 
 
 @vllm
-def test_an_adapter_load_is_proven_by_its_probe(vllm_servers, toy_dir, tmp_path):
+def test_an_adapter_load_is_proven_by_its_probe(vllm_servers, toy_dir, tmp_path, caplog):
     """A LoRA run on real vLLM finishes, so each load's probe showed the trained adapter (one that
     does not is loaded again, then stops a run on one server), and every step's parity figure,
     the probe's KL against the policy's own forward, is at fp32's floor."""
-    import warnings
-
     from train_helpers import lines
     server = vllm_servers[0]
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        last = run([server], toy_dir, tmp_path, peft_config=peft_config, learning_rate=1e-2)
+    last = run([server], toy_dir, tmp_path, peft_config=peft_config, learning_rate=1e-2)
     assert last["sync/verify_s"] > 0
-    assert not [w for w in caught if "failed the probe" in str(w.message)]
+    assert "failed the probe" not in caplog.text
     assert all(0 <= r["sync/probe_kl"] <= 1e-6 for r in lines(str(tmp_path)))
 
 

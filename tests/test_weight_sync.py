@@ -152,7 +152,7 @@ def test_only_rank_zero_talks_to_the_servers(monkeypatch):
 
 
 def test_a_server_that_dies_mid_transfer_is_taken_out_and_the_sync_lands_on_the_others(
-        start_server, weights):
+        start_server, weights, caplog):
     """Two servers; one is killed as its /update_weights is sent: the transfer fails, the dead
     one is taken out (a warning), and the sync is sent once more to the other, which ends at the
     version; the next sync reaches it alone."""
@@ -167,9 +167,9 @@ def test_a_server_that_dies_mid_transfer_is_taken_out_and_the_sync_lands_on_the_
                        DiesAtUpdate(b.url, timeout=20.0, max_retries=1)], 20.0)
     sync.connect()
     specs = [(n, t.shape) for n, t in weights]
-    with pytest.warns(UserWarning, match=f"{b.url} stopped answering and is taken out") as warned:
-        sync.push(specs, lambda: (t for _, t in weights), version=1)
-    assert not [w for w in warned if "another run" in str(w.message)]   # the resend's own session
+    sync.push(specs, lambda: (t for _, t in weights), version=1)
+    assert f"{b.url} stopped answering and is taken out" in caplog.text
+    assert "another run" not in caplog.text                       # the resend's own session
     assert requests.get(a.url + "/weight_info").json() == {"weight_version": "1"}
     assert requests.get(a.url + "/is_paused").json() == {"is_paused": False}
     sync.push(specs, lambda: (t for _, t in weights), version=2)
@@ -201,7 +201,7 @@ def test_a_sync_leaves_no_kv_of_the_old_weights_running(start_server, weights):
     assert metric("vllm:num_preemptions_total") >= before + 4    # every sequence recomputed
 
 
-def test_a_session_another_run_left_open_is_finished_first_also_on_a_409(start_server):
+def test_a_session_another_run_left_open_is_finished_first_also_on_a_409(start_server, caplog):
     """A run killed between /start_weight_update and /update_weights leaves the session open:
     vLLM 0.33 answers "already active" (a 500), a later revision 409 "already in progress"; both
     are finished with a warning, then the update starts."""
@@ -209,8 +209,8 @@ def test_a_session_another_run_left_open_is_finished_first_also_on_a_409(start_s
     client = VLLMClient(server.url, timeout=10, max_retries=0)
     WeightSync([client], 10.0).connect()
     client.start_weight_update()                                # the dead run's open session
-    with pytest.warns(UserWarning, match="another run began and never finished"):
-        begin_update(client)
+    begin_update(client)
+    assert caplog.text.count("another run began and never finished") == 1
 
     class Answers409(VLLMClient):             # the revision's answer, on the same open session
         def start_weight_update(self):
@@ -218,6 +218,6 @@ def test_a_session_another_run_left_open_is_finished_first_also_on_a_409(start_s
                 self.said = True
                 raise VLLMError("weight update already in progress", self.base_url, 409)
             super().start_weight_update()
-    with pytest.warns(UserWarning, match="another run began and never finished"):
-        begin_update(Answers409(server.url, timeout=10, max_retries=0))
+    begin_update(Answers409(server.url, timeout=10, max_retries=0))
+    assert caplog.text.count("another run began and never finished") == 2
     client.finish_weight_update()
