@@ -9,7 +9,7 @@ process generates. train() is the whole loop; AsyncGRPOTrainer is the spec's cla
 
 One optimizer step, top-down (each line names the file that does it):
 
-    rank 0  samples ← RolloutWorker.get()       rollout_worker.py ← rollout/ (the child process)
+    rank 0  samples ← RolloutWorker.get()       rollout/worker.py ← rollout/loop.py (the child)
             drop the stale (staleness > max_staleness) and oversize ones, feed the Planner
             until gradient_accumulation_steps micro-batches of world_size rows are planned,
             pack every row as a prefix trie (Feed.next_step)                        trie_pack.py
@@ -35,7 +35,8 @@ Departures from the spec, one line each:
 - Rollouts request the server's base model card by name: the id a trainer loads need not match it.
 - callbacks: five events on rank 0 (Hooks); optimizers: only (None, None).
 - The flags are ours (HfArgumentParser's): the spec's scripts build AsyncGRPOConfig themselves.
-- A script calls the trainer under `if __name__ == "__main__":` (rollout_worker.check_main_guard).
+- A script that hands the trainer a function or class it defines calls it under the guard
+  `if __name__ == "__main__":` (rollout.worker.check_main_guard); others need none.
 """
 import argparse
 import importlib
@@ -64,8 +65,7 @@ from loss import (MOE_EXPERT_FIELDS, compute_loss, finalize_metrics, reduce_metr
 from rollout import (AsyncRolloutLoop, Rollout, RolloutGroup,  # noqa: F401 (the spec's records)
                      TurnRecord)
 from rollout.prompts import check_prompt_source
-import rollout_worker
-from rollout_worker import RolloutWorker
+from rollout.worker import RolloutWorker, check_main_guard
 from trie_pack import Planner
 from vllm_client import VLLMClient, server_urls
 from weight_sync import FullSync, check_servers, full_tensor, language_parameters, on_rank0
@@ -79,7 +79,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     """Train `model` with asynchronous GRPO until the prompts run out (num_train_epochs) or
     max_steps; every rank calls it (torchrun). `hooks`: the callbacks and the TrainerState they
     see (Hooks). Returns the last logged metrics (rank 0; {} on the other ranks)."""
-    rollout_worker.check_main_guard()
+    check_main_guard(config, dataset, reward_funcs, processing_class, tools, environment_factory,
+                     loop_cls)                  # what the rollout process will be handed
     output_dir = config.output_dir or "trainer_output"
     resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
     state = checkpoint.TrainState(settings=checkpoint.settings(config, dataset))

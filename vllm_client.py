@@ -22,7 +22,7 @@ plain http to a host that is not loopback, a warning says so).
                      POST /start_weight_update             start_weight_update
                      POST /update_weights                  update_weights              (collective)
                      POST /finish_weight_update            finish_weight_update
-                     GET  /weight_info, POST /weight_checker  weight_info, weight_checker
+                     GET  /weight_info                     weight_info
                      POST /update_weight_version           update_weight_version
     workers          POST /collective_rpc                  collective_rpc  (a worker extension's)
     LoRA             POST /v1/load_lora_adapter            load_lora_adapter    (plain-text reply)
@@ -31,22 +31,17 @@ plain http to a host that is not loopback, a warning says so).
 What a server must be started with for a route to exist is ENABLED_BY; a 404 from one names it.
 Retries (spec: vllm_server_timeout bounds every wait and call): the table is on _next_delay.
 
-    trainer: sync calls ── a requests.Session ───────────┐
-                                                         ├─ one retry policy ─► one vLLM server
-    rollout: async calls ── an aiohttp session per loop ─┘  (_next_delay)
-
 Departures from TRL's client (reference/trl_async_grpo_notes.md §2, §6.6), one line each:
 - 4xx is never retried: a bad request stays bad, and its message reaches the user at once.
-- HTTP through libraries: requests for control calls, aiohttp for the rollout's async requests;
-  one retry policy over both (their errors mapped to its words by _failure), no nested loops.
+- HTTP through libraries: a requests.Session for the trainer's control calls, an aiohttp session
+  per event loop for the rollout's; one retry policy over both (errors mapped by _failure).
 - wait_for_health caps each probe at the time left, so a short deadline is met to within a poll.
 - A collective call is retried only if refused: the server may already wait inside NCCL for it.
 - The async pool holds `max_connections` (the rollout passes its concurrency cap, + 1 for the
   /metrics poll); an idle connection the server closed (uvicorn: after 5 s) is replaced.
 - `timeout` bounds a call with its retries, each attempt getting what is left: a generation that
   times out has spent it and fails naming the server (the spec retries it, each time in full).
-- https:// is the libraries' own TLS, certificates verified: a private CA's bundle goes in
-  REQUESTS_CA_BUNDLE (requests) and SSL_CERT_FILE (aiohttp: Python's ssl reads it).
+- https:// is the libraries' TLS, verified: a private CA in REQUESTS_CA_BUNDLE and SSL_CERT_FILE.
 """
 import asyncio
 import ipaddress

@@ -1,7 +1,8 @@
-"""The rollout process: everything the spawned child runs, above the spec's process line
-(概要 (Overview): the rollout worker; ロールアウトループのカスタマイズ (Customising the rollout loop)).
-It imports nothing of the top level but vllm_client.py; the trainer's handle on it is
-rollout_worker.py, on the other side of the line.
+"""The rollout, both ends of the spec's process line (概要 (Overview): the rollout worker;
+ロールアウトループのカスタマイズ (Customising the rollout loop)): worker.py is the trainer's side,
+the rest is what the spawned child runs. The child never imports worker.py, so neither does this
+map (`from rollout.worker import RolloutWorker`). One folder, not one rollout.py: that file would
+be ~2,000 lines over six spec sections. It imports nothing of the top level but vllm_client.py.
 
     trainer, rank 0                       spawned child (CUDA_VISIBLE_DEVICES="", one asyncio loop)
     ───────────────                       ──────────────────────────────────────────────────────────
@@ -18,8 +19,10 @@ rollout_worker.py, on the other side of the line.
     drain_metrics() ◄── metrics ────────── per group, and every metrics_interval_s (_metrics_loop)
     get() checks health ◄── heartbeat, failed + traceback;  stop() ── stop ──► run() returns
 
-    loop.py        AsyncRolloutLoop: the spec's hooks, the generate and score loops; child_main
-    channels.py    the one record both processes share (who writes and reads each channel)
+    worker.py      the trainer's side (rank 0): RolloutWorker spawns the child, takes its samples,
+                   publishes versions, watches its health; the main-script hazard
+    loop.py        AsyncRolloutLoop: the spec's hooks, the generate and score loops; child_main;
+                   Channels, the one record both processes share
     staleness.py   admission by staleness: Window (published by the parent), admits (the child)
     prompts.py     the prompt stream, filter_prompt's epochs, ResumeIndex (rollout_state.json)
     samples.py     TurnRecord → reconcile → Rollout → RolloutGroup → RolloutSample

@@ -5,7 +5,9 @@ rollout/, completions/, tools/ and env/ rows).
 `AsyncRolloutLoop` shows the spec's hooks, then its two loops: `_generate_loop` starts rollouts,
 `_score_loop` turns finished groups into samples; `child_main` is the spawned process's entry
 point. The pieces it calls live beside it in rollout/ (the package docstring maps them, and the
-process line).
+process line). `Channels`, the record both processes share, is the loop's: it is the loop's
+arguments (the spec's six primitives, with ours beside them), and the child, which never imports
+worker.py (the trainer's side), builds its loop from it; worker.py only fills one.
 
 Departures from the spec, one line each (the why is on the code named):
 - A group starts only if its samples are consumed before they go stale (staleness.admits).
@@ -27,15 +29,16 @@ import logging
 import multiprocessing
 import os
 import queue
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
 
-from rollout.channels import Channels, spec_channels
 from rollout.prompts import check_prompt_source, filtered_stream, prompt_stream
 from rollout.samples import (FinishedRollout, PendingGroup, Rollout, RolloutGroup, RolloutSample,
                              ToolCall, TurnRecord, check_turn, parse_completion, parse_generate,
@@ -43,7 +46,7 @@ from rollout.samples import (FinishedRollout, PendingGroup, Rollout, RolloutGrou
 from rollout.scoring import add_totals, score_group
 from rollout.servers import (NoReplicaLeft, Replica, connect_all, drop_unverified, make_replicas,
                              move, pick, poll_all, readmit, take_out)
-from rollout.staleness import admits
+from rollout.staleness import admits, prior_rate
 from rollout.tool_calls import (CallTimeout, EnvironmentPool, environment_reward,
                                 environment_tools, parse_turn, run_tool_calls, start_environment,
                                 tool_call_format, tool_schemas)
@@ -104,6 +107,45 @@ class SinceEmit:
         out["rollout/generated_tok_s"] = self.generated_tokens / max(seconds, 1e-9)
         self.__init__()
         return out
+
+
+@dataclass
+class Channels:
+    """Everything the trainer (worker.py) and the child share, all from one spawn context. The
+    spec's loop takes six of them as arguments (marked spec, with its name where it differs); the
+    rest are ours: resume progress, the staleness window (staleness.py), stop and ready."""
+    rollout_buffer: Any     # spec. Queue: RolloutSample child → parent; None once prompts run out
+    metrics: Any            # spec metrics_queue. Queue: metric dicts child → parent; None ends
+    progress: Any           # ours. Queue: (prompt_index, samples queued) per finished prompt
+    exception_info: Any     # spec exception_info_queue. Queue: (type, message, traceback)
+    model_version: Any      # spec model_version_value. Value('q'), set after each weight sync
+    version_start: Any      # ours. Value('q'): C_v, samples consumed when the version began
+    rate: Any               # ours. Value('d'): R, samples the trainer consumes per version
+    consumed: Any           # ours. Value('q'): samples the parent has handed to the trainer
+    heartbeat: Any          # spec heartbeat_value. Value('d'): time.time() of the child's beat
+    stop: Any               # ours. Event parent → child
+    ready: Any              # ours. Event child → parent: connected and set up
+    failed: Any             # spec failed_event. Event child → parent: see exception_info
+
+
+def spec_channels(config, rollout_buffer, model_version_value, heartbeat_value, failed_event,
+                  exception_info_queue, metrics_queue) -> Channels:
+    """Channels from the spec's six primitives; ours are in-process stand-ins (no trainer
+    publishes a staleness window: the prior rate of one process holds)."""
+    missing = [name for name, v in [("rollout_buffer", rollout_buffer),
+                                    ("model_version_value", model_version_value),
+                                    ("heartbeat_value", heartbeat_value),
+                                    ("failed_event", failed_event),
+                                    ("exception_info_queue", exception_info_queue),
+                                    ("metrics_queue", metrics_queue)] if v is None]
+    if missing:
+        raise TypeError(f"AsyncRolloutLoop needs {', '.join(missing)} (or one `channels` record)")
+    return Channels(rollout_buffer=rollout_buffer, metrics=metrics_queue, progress=queue.Queue(),
+                    exception_info=exception_info_queue, model_version=model_version_value,
+                    version_start=SimpleNamespace(value=0),
+                    rate=SimpleNamespace(value=prior_rate(config, 1)),
+                    consumed=SimpleNamespace(value=0), heartbeat=heartbeat_value,
+                    stop=threading.Event(), ready=threading.Event(), failed=failed_event)
 
 
 # ── the loop ─────────────────────────────────────────────────────────────────────────────────

@@ -5,7 +5,7 @@ The whole protocol between the two processes, in plain numbers: the trainer publ
 current version began and how fast it consumes; the rollout process admits a group only if every
 sample it will yield is consumed before it goes stale.
 
-    trainer (rollout_worker.py)                    rollout process (rollout/loop.py)
+    trainer (rollout/worker.py)                    rollout process (rollout/loop.py)
     ───────────────────────────                    ────────────────────────────
     get(): consumed += 1          ── consumed ──►  admits(queued, pending, consumed, version_start,
     set_model_version(v):                                 rate, G, max_staleness, per_rollout)

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer  # noqa: E402
 import openenv_helpers as oe  # noqa: E402
 import rollout_helpers as h  # noqa: E402
 from rollout.tool_calls import environment_tools, tool_schemas  # noqa: E402
-from rollout_worker import RolloutWorker  # noqa: E402
+from rollout.worker import RolloutWorker  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Play the number game."}]
 

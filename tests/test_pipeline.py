@@ -15,7 +15,7 @@ import rollout_helpers as h
 import toy
 import tree_attention
 from loss import compute_loss, finalize_metrics, reduce_metrics
-from rollout_worker import RolloutWorker
+from rollout.worker import RolloutWorker
 from trie_pack import Planner
 
 

@@ -1,11 +1,13 @@
-"""rollout/loop.py: the AsyncRolloutLoop's hooks called directly (a fake server reply), then the
-spawned rollout process against local_vllm: tools, forks, environments, candidate sets, admission
-by staleness, filtering, resume, failed rollouts, retries, the adapter of each policy version;
-rewards, replies and limits that misbehave (a proxy fakes what the stand-in cannot), tool rates."""
+"""rollout/loop.py: the AsyncRolloutLoop's hooks called directly (a fake server reply), the
+Channels record from the spec's six primitives (spec_channels), then the spawned rollout process
+against local_vllm: tools, forks, environments, candidate sets, admission by staleness, filtering,
+resume, failed rollouts, retries, the adapter of each policy version; rewards, replies and limits
+that misbehave (a proxy fakes what the stand-in cannot), tool rates."""
 import asyncio
 import json
 import logging
 import math
+import multiprocessing as mp
 import queue
 import re
 import threading
@@ -22,7 +24,9 @@ import rollout_helpers as h
 import toy
 from config import AsyncGRPOConfig
 from rollout import AsyncRolloutLoop
-from rollout_worker import RolloutWorker
+from rollout.loop import Channels, spec_channels
+from rollout.staleness import prior_rate
+from rollout.worker import RolloutWorker
 from test_rollout_tool_calls import MISTRAL_LIKE
 from test_serve_local import make_adapter
 from metrics import reduce_window
@@ -135,6 +139,39 @@ def test_no_dataset_is_refused_at_start_naming_the_fix(tokenizer, factory, max_s
     with pytest.raises(ValueError, match=fix):
         AsyncRolloutLoop(AsyncGRPOConfig(max_steps=max_steps), "toy", None, [], tokenizer, [2],
                          channels=None, max_concurrent_rollouts=2, environment_factory=factory)
+
+
+SPEC_SIX = ("rollout_buffer", "model_version_value", "heartbeat_value", "failed_event",
+            "exception_info_queue", "metrics_queue")
+
+
+def six():
+    ctx = mp.get_context("spawn")
+    return dict(rollout_buffer=ctx.Queue(), model_version_value=ctx.Value("q", 3),
+                heartbeat_value=ctx.Value("d", 0.0), failed_event=ctx.Event(),
+                exception_info_queue=ctx.Queue(1), metrics_queue=ctx.Queue())
+
+
+def test_the_spec_six_are_the_records_channels_and_ours_are_stand_ins():
+    config = AsyncGRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    given = six()
+    channels = spec_channels(config, **given)
+    assert isinstance(channels, Channels)
+    assert channels.rollout_buffer is given["rollout_buffer"]
+    assert channels.metrics is given["metrics_queue"]
+    assert channels.exception_info is given["exception_info_queue"]
+    assert channels.model_version.value == 3 and channels.failed is given["failed_event"]
+    assert isinstance(channels.progress, queue.Queue)            # nobody reads resume progress
+    assert isinstance(channels.stop, threading.Event) and not channels.stop.is_set()
+    assert channels.rate.value == prior_rate(config, 1) == 8     # no trainer publishes a window
+    assert (channels.version_start.value, channels.consumed.value) == (0, 0)
+
+
+@pytest.mark.parametrize("missing", SPEC_SIX)
+def test_a_missing_primitive_is_named(missing):
+    given = six() | {missing: None}
+    with pytest.raises(TypeError, match=rf"AsyncRolloutLoop needs {missing} \(or one `channels`"):
+        spec_channels(AsyncGRPOConfig(), **given)
 
 
 # ── the process against local_vllm ──────────────────────────────────────────────────────

@@ -12,7 +12,7 @@ from datasets import Dataset
 import rollout_helpers as h
 import toy
 from rollout.servers import ConcurrencyCap, Replica, pick
-from rollout_worker import RolloutWorker
+from rollout.worker import RolloutWorker
 
 FLAGS = h.SERVER_FLAGS
 

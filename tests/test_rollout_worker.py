@@ -1,7 +1,8 @@
-"""rollout_worker.py: the trainer's handle on the rollout process: the spec's TypeError before
-anything is spawned, a child that imports nothing of the trainer, failures and hangs of the child
-reaching the trainer, nothing left behind (also when the trainer is SIGKILLed), rank 0's state
-bounded however long the run."""
+"""rollout/worker.py: the trainer's handle on the rollout process: the spec's TypeError before
+anything is spawned, a child that imports nothing of the trainer, the main script run again only
+when the child needs it (the spec's quickstart unguarded; a script's own reward refused without the
+guard), failures and hangs of the child reaching the trainer, nothing left behind (also when the
+trainer is SIGKILLed), rank 0's state bounded however long the run."""
 import functools
 import ipaddress
 import os
@@ -26,9 +27,9 @@ import toy
 import train
 from config import AsyncGRPOConfig
 from rollout import AsyncRolloutLoop
-from rollout_worker import RolloutProcessError, RolloutWorker, check_picklable
+from rollout.worker import RolloutProcessError, RolloutWorker, check_picklable
 from tools.plot import load_completions
-from train_helpers import ROOT, recorded_reward
+from train_helpers import ROOT, SMALL, lines, recorded_reward
 from trie_pack import Planner
 
 
@@ -91,7 +92,7 @@ def test_the_rollout_process_imports_nothing_of_the_trainer(monkeypatch, script)
     fake_main(monkeypatch, script)
     modules = child_modules(toy.exact_reward)
     assert {"rollout.loop", "toy", "transformers"} <= modules     # the loop, the reward, tokenizer
-    leaked = {"train", "checkpoint", "weight_sync", "lora_sync", "metrics", "rollout_worker",
+    leaked = {"train", "checkpoint", "weight_sync", "lora_sync", "metrics", "rollout.worker",
               "peft", "torch.distributed.fsdp", "local_vllm.engine"} & modules
     assert not leaked, leaked
 
@@ -102,6 +103,81 @@ def test_a_reward_defined_in_the_main_script_still_reaches_the_child(monkeypatch
     main.recorded_reward = types.FunctionType(recorded_reward.__code__, vars(main),
                                               "recorded_reward")
     assert "rollout_helpers" in child_modules(main.recorded_reward)   # the loop was built
+
+
+def test_what_names_main_is_found_precisely():
+    """The child runs the main script only for what is looked up in __main__: a function, a
+    class, an instance's class, inside any container; never for the text "__main__" in data."""
+    main = types.ModuleType("__main__")
+    exec("def reward(p, c, **k): return [0.0]\nclass Scorer:\n    def __call__(self): pass",
+         vars(main))
+    for obj, found in [(main.reward, "reward"), ({"rewards": [main.Scorer()]}, "Scorer"),
+                       (functools.partial(main.reward), "reward"), (toy.sum_reward, None),
+                       (Dataset.from_list([{"prompt": 'if __name__ == "__main__":'}]), None)]:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(sys.modules, "__main__", main)
+            assert check_picklable(obj, "rollout argument") == found
+
+
+QUICKSTART = """\
+print("the script runs")
+from toy import make_dataset, sum_reward
+from train import AsyncGRPOConfig, AsyncGRPOTrainer      # trl.experimental.async_grpo in the spec
+{defines}
+dataset = make_dataset(16)
+
+trainer = AsyncGRPOTrainer(
+    model={model!r},
+    reward_funcs={reward},
+    train_dataset=dataset,
+    args=AsyncGRPOConfig(**{config!r}),
+)
+{call}
+"""
+SCRIPT_REWARD = ("def script_reward(prompts, completions, **kwargs):\n"
+                 "    return sum_reward(prompts, completions, **kwargs)\n")
+
+
+def run_script(tmp_path, server, toy_dir, reward: str, guarded: bool):
+    """The spec's quickstart as a script (its import line ours, a small config against `server`),
+    run by `python quickstart.py`: its output, output_dir and text."""
+    out = str(tmp_path / "run")
+    config = dict(vllm_server_base_url=server.url, output_dir=out, max_steps=2,
+                  save_strategy="no", **SMALL)
+    call = 'if __name__ == "__main__":\n    trainer.train()' if guarded else "trainer.train()"
+    text = QUICKSTART.format(defines=SCRIPT_REWARD if reward == "script_reward" else "",
+                             model=toy_dir, reward=reward, config=config, call=call)
+    script = tmp_path / "quickstart.py"
+    script.write_text(text)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=600, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    return run, out, text
+
+
+@pytest.mark.parametrize("reward, guarded, runs", [("sum_reward", False, 1),
+                                                   ("script_reward", True, 2)])
+def test_a_script_trains_unguarded_unless_it_hands_over_what_it_defines(
+        tmp_path, server, toy_dir, reward, guarded, runs):
+    """The spec's quickstart (a reward imported from a module, no guard) trains, and the child
+    never runs the script (it prints once); a script's own reward under the guard trains too, the
+    child running the script again (as __mp_main__) to find it."""
+    run, out, _ = run_script(tmp_path, server, toy_dir, reward, guarded)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [line["step"] for line in lines(out)] == [1, 2]
+    assert run.stdout.count("the script runs") == runs, run.stdout
+
+
+def test_a_script_that_hands_over_its_own_reward_unguarded_is_refused_at_once(
+        tmp_path, server, toy_dir):
+    """Without the guard, the child would start a second trainer: refused before any trainer
+    work (no output_dir), naming the script's line, the reward and the guard."""
+    run, out, text = run_script(tmp_path, server, toy_dir, "script_reward", guarded=False)
+    line = text.splitlines().index("trainer.train()") + 1
+    assert run.returncode != 0
+    assert (f"quickstart.py:{line} starts the trainer at the script's top level and hands the "
+            "rollout process script_reward, defined in the script") in run.stderr, run.stderr
+    assert 'if __name__ == "__main__":\n        trainer.train()' in run.stderr
+    assert not os.path.exists(out) and run.stdout.count("the script runs") == 1
 
 
 def test_a_process_that_cannot_start_raises_its_own_error(monkeypatch):

@@ -24,7 +24,7 @@ import rollout_helpers as h
 import toy
 import train
 from rollout.servers import candidates_remedy
-from rollout_worker import RolloutWorker
+from rollout.worker import RolloutWorker
 from test_lora_sync import TARGETS, adapter_cards, served_at_close
 from test_serve_local import PROMPT, reference_logprobs
 from train import AsyncGRPOConfig

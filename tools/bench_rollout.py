@@ -235,7 +235,7 @@ def rollout(argv):
 
     import toy
     from config import AsyncGRPOConfig
-    from rollout_worker import RolloutWorker
+    from rollout.worker import RolloutWorker
 
     parser = argparse.ArgumentParser(prog="python -m tools.bench rollout")
     parser.add_argument("--groups", type=int, default=400, help="prompts, each one group")

@@ -169,7 +169,7 @@ def _generation_only(samples: int, per_step: float, cores: tuple[int, int], args
     import toy
     import train
     from local_vllm.launch import LocalServer
-    from rollout_worker import RolloutWorker
+    from rollout.worker import RolloutWorker
     from train import load_model, stop_token_ids
 
     os.sched_setaffinity(0, {cores[0]})

@@ -1,14 +1,16 @@
-"""The trainer's handle on the rollout process (spec: 概要 (Overview): the rollout worker, a separate
-process; チェックポイントと再開 (Checkpoints and resuming): rollout_state.json).
+"""The trainer's side of the process line: its handle on the rollout process (spec: 概要
+(Overview): the rollout worker, a separate process; チェックポイントと再開 (Checkpoints and
+resuming): rollout_state.json).
 
-rollout/ is what runs inside the spawned process; this file runs in the trainer (rank 0) to start
-it, feed it the policy version, take its samples and watch its health.
+The rest of rollout/ is what runs inside the spawned process; this file runs in the trainer (rank
+0) to start it, feed it the policy version, take its samples and watch its health. The child never
+imports it.
 
     RolloutWorker(config, dataset, reward_funcs, tokenizer, tools=..., loop_cls=...)
       .start()   pickle checks (the spec's TypeError names the object and the fix) → spawn
-                 rollout.loop.child_main (CUDA_VISIBLE_DEVICES="", torchrun's variables removed,
-                 the trainer's script not imported again: spawn()) → wait for `ready`, or raise
-                 the child's traceback
+                 loop.child_main (CUDA_VISIBLE_DEVICES="", torchrun's variables removed, the main
+                 script run again only if what the child is handed needs it: check_main_guard) →
+                 wait for `ready`, or raise the child's traceback
       .get()     the next RolloutSample; while waiting, a `failed` child raises RuntimeError chained
                  with its traceback, a silent heartbeat (rollout_worker_timeout) too; an empty
                  queue means a starved trainer (staleness.Window.starved)
@@ -19,11 +21,11 @@ it, feed it the policy version, take its samples and watch its health.
                  samples of later prompts trained already; resumed with it (trained=), get()
                  drops what the checkpoint trained, so every sample is trained exactly once
       .drain_metrics(), .qsize(), .stop()   stop: event → join (STOP_GRACE_S) → terminate → kill
-    The child exits when the trainer dies without a stop (rollout/loop.py, _wait_for_stop).
+    The child exits when the trainer dies without a stop (loop.py, _wait_for_stop).
 
 Departures from the spec:
-- The six inter-process primitives travel as one `channels.Channels` record, not six.
-- The trainer also publishes C_v and R (rollout/staleness.py): the child admits groups by staleness.
+- The six inter-process primitives travel as one `loop.Channels` record, not six.
+- The trainer also publishes C_v and R (staleness.py): the child admits groups by staleness.
 - A prompt partly or wholly trained past the resume index is generated again after a resume, and
   get() drops the samples of it the checkpoint already trained (ResumeIndex.handed_out).
 """
@@ -35,11 +37,11 @@ import pickle
 import queue
 import sys
 import time
+import traceback
 import types
 from typing import Callable
 
-from rollout.loop import AsyncRolloutLoop, child_main
-from rollout.channels import Channels
+from rollout.loop import AsyncRolloutLoop, Channels, child_main
 from rollout.prompts import ResumeIndex, first_prompt_index
 from rollout.samples import RolloutSample
 from rollout.tool_calls import check_tools
@@ -52,27 +54,38 @@ class RolloutProcessError(Exception):
     """The rollout process's traceback text, chained under the RuntimeError the trainer sees."""
 
 
-def check_picklable(obj, what: str) -> bytes:
-    """`obj` pickled, or the spec's TypeError for anything that cannot cross to the spawned
-    process."""
-    try:
-        return pickle.dumps(obj)
-    except Exception as e:
-        name = getattr(obj, "__qualname__", None) or type(obj).__name__
-        raise TypeError(f"{what} {name} cannot be pickled for the rollout process "
-                        f"({type(e).__name__}: {e}); the rollout process is spawned, so use a "
-                        "module-level function, a functools.partial of one, or a callable class "
-                        "instance instead of a lambda or a closure") from e
+class _FindMain(pickle.Pickler):
+    """Pickles, noting the first object the pickle names in __main__ (a function or class, an
+    instance's class): one that unpickles only where the main script has run."""
+    found: str | None = None
+
+    def reducer_override(self, obj):
+        if self.found is None and getattr(obj, "__module__", None) == "__main__":
+            self.found = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+        return NotImplemented                   # pickled as usual
 
 
-def spawn(process, pickled: bytes) -> None:
-    """Start `process`. Spawn runs the parent's main script again in the child (as __mp_main__) so
-    that what it defines unpickles there; under `python train.py`, or a script that imports train,
-    that is the whole trainer side (FSDP, checkpoint, the weight syncs) for a child that needs none
-    of it. So unless the pickled arguments name __main__ (a reward defined in the script), the
-    child starts from a blank main module instead (spawn prepares the child from sys.modules)."""
+def check_picklable(obj, what: str) -> str | None:
+    """The first object `obj` names in __main__ (None if none: check_main_guard), or the spec's
+    TypeError for anything that cannot cross to the spawned process."""
+    with open(os.devnull, "wb") as sink:
+        pickler = _FindMain(sink)
+        try:
+            pickler.dump(obj)
+        except Exception as e:
+            name = getattr(obj, "__qualname__", None) or type(obj).__name__
+            raise TypeError(f"{what} {name} cannot be pickled for the rollout process "
+                            f"({type(e).__name__}: {e}); the rollout process is spawned, so use a "
+                            "module-level function, a functools.partial of one, or a callable "
+                            "class instance instead of a lambda or a closure") from e
+    return pickler.found
+
+
+def spawn(process, needs_main: bool) -> None:
+    """Start `process`, from a blank main module unless what it is handed `needs_main`
+    (check_main_guard: spawn prepares the child from sys.modules["__main__"])."""
     main = sys.modules["__main__"]
-    if b"__main__" not in pickled:      # a false match only costs the re-run
+    if not needs_main:
         sys.modules["__main__"] = types.ModuleType("__main__")
     try:
         process.start()
@@ -131,8 +144,8 @@ class RolloutWorker:
             factories = {"": factories} if factories else {}
         for f in factories.values():
             check_picklable(f, "environment_factory")
-        pickled = check_picklable(self.loop_cls, "loop_cls")
-        pickled += check_picklable(self.kwargs, "rollout argument")  # dataset, tokenizer, config
+        in_main = [check_picklable(self.loop_cls, "loop_cls"),
+                   check_picklable(self.kwargs, "rollout argument")]  # dataset, tokenizer, config
         ctx = mp.get_context("spawn")
         self.channels = Channels(
             rollout_buffer=ctx.Queue(self.config.queue_maxsize),
@@ -147,7 +160,7 @@ class RolloutWorker:
             stop=ctx.Event(), ready=ctx.Event(), failed=ctx.Event())
         process = ctx.Process(target=child_main, name="rollout", daemon=True,
                               args=(self.loop_cls, self.kwargs, self.channels))
-        spawn(process, pickled)
+        spawn(process, any(in_main))
         self.process = process          # started (a failed start leaves stop() nothing to join)
         deadline = time.monotonic() + ready_timeout
         try:
@@ -211,17 +224,12 @@ class RolloutWorker:
     def drain_metrics(self) -> list[dict[str, float]]:
         """Metric dicts from the rollout process since the last drain (all of them once get()
         returned None)."""
-        out = self.received
-        self.received = []
         while True:
             try:
-                metrics = self.channels.metrics.get_nowait()
+                self._keep(self.channels.metrics.get_nowait())
             except queue.Empty:
+                out, self.received = self.received, []
                 return out
-            if metrics is None:
-                self.metrics_ended = True
-            else:
-                out.append(metrics)
 
     def _receive_metrics_until_end(self) -> None:
         """The child ends the metrics queue with None before it ends the samples, but two queues
@@ -229,14 +237,16 @@ class RolloutWorker:
         A drain_metrics() may have read it already (then the wait would never end)."""
         while not self.metrics_ended:
             try:
-                metrics = self.channels.metrics.get(timeout=1.0)
+                self._keep(self.channels.metrics.get(timeout=1.0))
             except queue.Empty:
                 self.check_health()
-                continue
-            if metrics is None:
-                self.metrics_ended = True
-            else:
-                self.received.append(metrics)
+
+    def _keep(self, metrics: dict[str, float] | None) -> None:
+        """A metrics item read: a dict is kept for the next drain; None is the end marker."""
+        if metrics is None:
+            self.metrics_ended = True
+        else:
+            self.received.append(metrics)
 
     def resume_index(self) -> int:
         """The first prompt index whose samples have not all been handed out (dropped or filtered
@@ -292,25 +302,34 @@ class RolloutWorker:
         self.process = None
 
 
-def check_main_guard() -> None:
-    """RuntimeError when a script calls the trainer at its top level, outside an
-    `if __name__ == "__main__":` block: the spawned rollout process imports the script again
-    (spawn re-runs the main module to unpickle what it defines), and would start a second trainer.
-    Checked from the call stack: a frame running the main script's module code, at a line that no
-    such `if` holds."""
+def check_main_guard(*handed) -> None:
+    """The main-script hazard, and the one mechanism for it. A spawned process runs the parent's
+    main script again (as __mp_main__) before it unpickles its arguments, so that what the script
+    defines is found there. A script that calls the trainer outside `if __name__ == "__main__":`
+    would then start a second trainer inside the rollout process; and under `python train.py` the
+    child would import the whole trainer side (FSDP, checkpoints, the syncs) for nothing.
+
+    The child needs the script only if what it is handed names __main__ (a reward function, tool,
+    environment or loop_cls defined in the script: check_picklable finds it). Otherwise spawn()
+    starts it from a blank main module, and the script is not run again, guarded or not: the
+    spec's quickstart runs as written. train() calls this first, before any work, with everything
+    it hands the rollout process: RuntimeError when that names __main__ and the trainer is called
+    from the script's top level, at a line no such `if` holds (found on the call stack)."""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if (code.co_name == "<module>" and main_file is not None
-                and os.path.abspath(code.co_filename) == os.path.abspath(main_file)
-                and not _under_main_guard(code.co_filename, frame.f_lineno)):
-            raise RuntimeError(
-                f"{code.co_filename}:{frame.f_lineno} starts the trainer at the script's top "
-                "level. The rollout process is spawned and imports this script again, which "
-                "would start another trainer: put the training code under the guard\n\n"
-                "    if __name__ == \"__main__\":\n        trainer.train()\n")
-        frame = frame.f_back
+    for call in traceback.extract_stack():
+        if (main_file and call.name == "<module>"
+                and os.path.abspath(call.filename) == os.path.abspath(main_file)
+                and not _under_main_guard(call.filename, call.lineno)):
+            name = check_picklable(handed, "rollout argument")
+            if name is not None:
+                raise RuntimeError(
+                    f"{call.filename}:{call.lineno} starts the trainer at the script's top "
+                    f"level and hands the rollout process {name}, defined in the script. The "
+                    "rollout process is spawned and imports this script again to find it, which "
+                    "would start another trainer: put the training code under the guard\n\n"
+                    "    if __name__ == \"__main__\":\n        trainer.train()\n\n"
+                    f"or define {name} in a module the script imports.")
+            return
 
 
 def _under_main_guard(path: str, line: int) -> bool:
@@ -320,11 +339,6 @@ def _under_main_guard(path: str, line: int) -> bool:
             tree = ast.parse(f.read())
     except (OSError, SyntaxError):
         return True                             # no source to read: nothing to say
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-                and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
-                and any(isinstance(c, ast.Constant) and c.value == "__main__"
-                        for c in node.test.comparators)
-                and node.body[0].lineno <= line <= node.body[-1].end_lineno):
-            return True
-    return False
+    return any(isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"
+               and node.body[0].lineno <= line <= node.body[-1].end_lineno
+               for node in ast.walk(tree))
