@@ -49,7 +49,6 @@ import itertools
 import logging
 import os
 import random
-import re
 import ssl
 import time
 import urllib.parse
@@ -58,6 +57,7 @@ import aiohttp
 import orjson
 import requests
 import urllib3
+from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger(__name__)
 
@@ -181,37 +181,18 @@ def _failure(error: Exception) -> str:
     return "other"
 
 
-_SAMPLE = re.compile(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_]\w*)\s*=\s*"((?:[^"\\]|\\.)*)"')
-_ESCAPE = re.compile(r"\\(.)")
-
-
-def _unescape(m: re.Match) -> str:
-    """A label value's escape: \\n is a newline, \\x is x."""
-    return "\n" if m[1] == "n" else m[1]
-
-
 def parse_prometheus(text: str) -> Samples:
-    """Prometheus text exposition -> {metric name: [(labels, value), ...]}; comments and odd
-    lines skipped.
+    """Prometheus text exposition (prometheus_client's parser, what vLLM serves /metrics with) ->
+    {sample name: [(labels, value), ...]}; ValueError on text that is not one.
 
     >>> parse_prometheus('# TYPE vllm:num_requests_running gauge\\n'
     ...                  'vllm:num_requests_running{engine="0",model_name="toy"} 3.0\\n')
     {'vllm:num_requests_running': [({'engine': '0', 'model_name': 'toy'}, 3.0)]}
     """
     samples: Samples = {}
-    for line in text.splitlines():
-        line = line.strip()
-        match = None if line.startswith("#") else _SAMPLE.match(line)  # a timestamp may follow
-        if match is None:
-            continue
-        name, labels, value = match.groups()
-        try:
-            number = float(value)  # accepts NaN, +Inf, -Inf
-        except ValueError:
-            continue
-        parsed = {k: _ESCAPE.sub(_unescape, v) for k, v in _LABEL.findall(labels or "")}
-        samples.setdefault(name, []).append((parsed, number))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
     return samples
 
 
@@ -562,7 +543,10 @@ class VLLMClient:
             if e.status == 404:
                 return None
             raise
-        return parse_prometheus(body.decode("utf-8", "replace"))
+        try:
+            return parse_prometheus(body.decode("utf-8", "replace"))
+        except ValueError as e:
+            raise VLLMError(f"/metrics is not Prometheus text: {e}", self.base_url) from e
 
     async def aclose(self) -> None:
         """Close this loop's session (one left by an earlier, closed loop is dropped)."""

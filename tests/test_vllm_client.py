@@ -341,6 +341,15 @@ def test_parse_prometheus_realistic_text():
     assert "vllm:num_preemptions" not in m  # comment lines are not samples
 
 
+def test_metrics_that_are_not_prometheus_text_fail_naming_the_server(serve):
+    """A proxy's HTML page at /metrics is not read as zero load: a VLLMError names the server
+    (rollout/servers.py then says the cap stays where it is)."""
+    server = serve([(200, "<html><body>Login</body></html>")])
+    client = VLLMClient(server.url, max_retries=0)
+    with pytest.raises(VLLMError, match=f"{server.url}: /metrics is not Prometheus text"):
+        run_async(client, lambda c: c.ametrics())
+
+
 def test_async_methods_share_the_policy(serve):
     retried = serve([(503, {"error": {"message": "paused"}}), (200, COMPLETION),
                      (200, PROMETHEUS)])
