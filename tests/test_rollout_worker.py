@@ -29,7 +29,7 @@ from config import AsyncGRPOConfig
 from rollout import AsyncRolloutLoop
 from rollout.worker import RolloutProcessError, RolloutWorker, check_picklable
 from tools.plot import load_completions
-from train_helpers import ROOT, SMALL, lines, recorded_reward
+from train_helpers import ROOT, SERVER_ARGS, SMALL, lines, recorded_reward
 from trie_pack import Planner
 
 
@@ -157,10 +157,11 @@ def run_script(tmp_path, server, toy_dir, reward: str, guarded: bool):
 @pytest.mark.parametrize("reward, guarded, runs", [("sum_reward", False, 1),
                                                    ("script_reward", True, 2)])
 def test_a_script_trains_unguarded_unless_it_hands_over_what_it_defines(
-        tmp_path, server, toy_dir, reward, guarded, runs):
+        tmp_path, start_server, toy_dir, reward, guarded, runs):
     """The spec's quickstart (a reward imported from a module, no guard) trains, and the child
     never runs the script (it prints once); a script's own reward under the guard trains too, the
     child running the script again (as __mp_main__) to find it."""
+    server = start_server(*SERVER_ARGS)     # its own: training changes the served weights
     run, out, _ = run_script(tmp_path, server, toy_dir, reward, guarded)
     assert run.returncode == 0, run.stderr[-3000:]
     assert [line["step"] for line in lines(out)] == [1, 2]
@@ -306,8 +307,8 @@ def test_rank_0_keeps_the_state_of_the_prompts_in_flight_only_and_stops_at_once(
             worker.set_model_version(state.model_version)
             log.step(state, {"perf/fwd_bwd_s": 0.01, "perf/step_s": 0.01}, step)
             index = worker.resume
-            kept.append(max(len(index.trained), len(index.left), len(index.announced),
-                            len(index.skip), len(log.prompted), len(log.completions)))
+            kept.append((len(index.trained), len(index.left), len(index.announced),
+                         len(index.skip), len(log.prompted), len(log.completions)))
         start = time.monotonic()
         worker.stop()
         stopped = time.monotonic() - start
@@ -316,7 +317,9 @@ def test_rank_0_keeps_the_state_of_the_prompts_in_flight_only_and_stops_at_once(
         log.close()
         dist.destroy_process_group()
     in_flight = (config.queue_maxsize + worker.bound) // config.num_generations + 16
-    assert len(kept) > 200 and max(kept) <= in_flight, (max(kept), in_flight)
+    held = dict(zip(("trained", "left", "announced", "skip", "prompted", "completions"),
+                    map(max, zip(*kept))))
+    assert len(kept) > 200 and max(held.values()) <= in_flight, (held, in_flight)
     assert stopped < 2.0
     assert len(load_completions(str(tmp_path))) == 16 * len(kept)
 
