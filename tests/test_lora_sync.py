@@ -21,7 +21,7 @@ import lora_sync
 import toy
 import train
 from lora_sync import adapter_refusal, max_lora_rank, merge_plan, merged
-from test_serve_local import PROMPT, reference_logprobs
+from local_vllm_helpers import PROMPT, reference_logprobs
 from train import AsyncGRPOConfig
 from train_helpers import SERVER_ARGS, SMALL
 

@@ -26,7 +26,7 @@ import train
 from rollout.servers import candidates_remedy
 from rollout.worker import RolloutWorker
 from test_lora_sync import TARGETS, adapter_cards, served_at_close
-from test_serve_local import PROMPT, reference_logprobs
+from local_vllm_helpers import PROMPT, reference_logprobs
 from train import AsyncGRPOConfig
 from train_helpers import ROOT, SMALL
 from vllm_client import VLLMClient
