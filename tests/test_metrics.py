@@ -176,10 +176,11 @@ from config import AsyncGRPOConfig
 config = AsyncGRPOConfig(report_to=[sys.argv[2]], run_name="surface-run", project="surface")
 boards = metrics.open_dashboards(config, sys.argv[1])
 for step in (1, 2):
-    metrics.log_line(boards, {"step": step, "time": 0.0, "reward": 0.25 * step,
-                                       "rollout/backpressure_s": 1.5})
-metrics.log_table(boards, 2, [("1+1=", "2", 1.0)])
-metrics.close_dashboards(boards)
+    for board in boards:
+        board.log({"reward": 0.25 * step, "rollout/backpressure_s": 1.5}, step)
+for board in boards:
+    board.table(2, [("1+1=", "2", 1.0)])
+    board.close()
 """
 
 
