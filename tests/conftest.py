@@ -1,6 +1,10 @@
 """Shared fixtures: the offline toy model directory, its tokenizer, local vLLM-compatible servers
 (local_vllm) in subprocesses, and (marker `vllm`, with VLLM_PYTHON set) two real `vllm serve`
-servers for the whole session."""
+servers for the whole session. The trainer's: `train_server`, a toy server, and `train_run`, one
+short training run against it that the trainer's test files read (session-scoped: it runs once
+however many files ask for it).
+Plain helper functions live in train_helpers.py, rollout_helpers.py and local_vllm_helpers.py."""
+import json
 import os
 import sys
 
@@ -12,8 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import toy  # noqa: E402
+import train  # noqa: E402
 from local_vllm.launch import LocalServer, VLLMServe  # noqa: E402
-from train_helpers import kill_launched  # noqa: E402
+from train_helpers import SERVER_ARGS, SMALL, kill_launched  # noqa: E402
 
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON")   # the interpreter of a venv that runs `vllm serve`
 # The toy model on real vLLM: what SERVER_ARGS give local_vllm, plus LoRA slots for
@@ -85,6 +90,26 @@ def small_kv_server(toy_dir):
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def plain_server(toy_dir):
+    """No optional features, raw log-probs, and a KV budget of one full-length sequence."""
+    s = LocalServer(toy_dir, "--max-model-len", "128", "--kv-cache-tokens", "128")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def srv(toy_dir):
+    """A module's own server for requests that may fail (test_local_vllm_requests.py, and the
+    engine's poisoned request): LoRA with 2 slots, any number of processed log-probs, the token
+    endpoint."""
+    s = LocalServer(toy_dir, "--max-model-len", "256", "--enable-lora",
+                    "--max-lora-rank", "8", "--max-loras", "2", "--max-logprobs", "-1",
+                    "--logprobs-mode", "processed_logprobs", "--enable-scale-out")
+    yield s
+    s.stop()
+
+
 @pytest.fixture(scope="session")
 def vllm_servers(toy_dir):
     """Two real vLLM servers on the toy model (gloo weight transfer, runtime LoRA), started once
@@ -114,3 +139,33 @@ def any_server(request):
 def tokenizer(toy_dir):
     """The toy tokenizer, loaded fresh for each test (some tests change its templates)."""
     return AutoTokenizer.from_pretrained(toy_dir)
+
+
+@pytest.fixture(scope="session")
+def train_server(toy_dir):
+    """A toy server with gloo weight transfer and processed log-probs (SERVER_ARGS)."""
+    server = LocalServer(toy_dir, *SERVER_ARGS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def train_run(train_server, toy_dir, tmp_path_factory):
+    """(output_dir, last metrics) of 4 steps with a sync after each, checkpoints at 2 and 4
+    (limit 1 kept), max_staleness 0, a token budget, and log_completions (2 printed per step)."""
+    out = str(tmp_path_factory.mktemp("run"))
+    config = train.AsyncGRPOConfig(output_dir=out, vllm_server_base_url=train_server.url,
+                                   max_steps=4, save_steps=2, save_total_limit=1, max_staleness=0,
+                                   log_completions=True, num_completions_to_print=2, **SMALL)
+    last = train.train(config, toy.make_dataset(64), [toy.sum_reward], model=toy_dir)
+    return out, last
+
+
+@pytest.fixture
+def indexed(tmp_path, toy_dir) -> str:
+    """A prompt file with an `index` column, and the toy model beside it (for cli)."""
+    os.symlink(toy_dir, tmp_path / "model")
+    rows = [dict(r, index=i) for i, r in enumerate(toy.make_dataset(200))]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)

@@ -1,4 +1,4 @@
-"""checkpoint.py: what the session's shared run (train_fixtures.train_run) left on disk, a killed
+"""checkpoint.py: what the session's shared run (conftest.train_run) left on disk, a killed
 trainer resumed from it, and the choice of checkpoint to resume from; one run per output_dir, what
 a resume checks, loads and cuts back, and the order in which a checkpoint reaches the disk (this
 module's own run, saved_run)."""
@@ -23,8 +23,6 @@ import train
 from tools import plot
 from local_vllm.launch import LocalServer
 from train_helpers import SERVER_ARGS, SMALL, cli, lines, newest_checkpoint
-
-pytest_plugins = ["train_fixtures"]
 
 
 def test_checkpoints_are_complete_pruned_and_load_with_from_pretrained(train_run, toy_dir):

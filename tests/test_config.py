@@ -1,6 +1,11 @@
-"""AsyncGRPOConfig: the spec's defaults, the derived values of the module docstring's worked
-example, and bad values refused with the field and the fix."""
+"""config.py: AsyncGRPOConfig's spec defaults, the derived values of the module docstring's worked
+example, and bad values refused with the field and the fix. Every field of the spec's signature
+(141, in its order, then ours) is declared with its default; a changed value works or is refused
+naming the field; nothing is accepted and ignored; refusals say why and the fix."""
 import dataclasses
+import glob
+import os
+import re
 import warnings
 
 import pytest
@@ -9,6 +14,7 @@ import torch
 import config
 import rollout_helpers as h
 from config import AsyncGRPOConfig
+from conftest import ROOT
 
 
 def test_spec_defaults():
@@ -145,3 +151,137 @@ def test_one_predicate_says_whether_sampling_is_truncated_and_one_helper_names_a
         assert AsyncGRPOConfig(**kwargs).truncated_sampling, kwargs
     assert [config.dtype_name(d) for d in (torch.bfloat16, "torch.float16", "float32")] == [
         "bfloat16", "float16", "float32"]
+
+
+# ── every field of the spec's signature has an answer ─────────────────────────────────────
+
+# the spec's AsyncGRPOConfig signature (設定クラス, "AsyncGRPOConfig", S:471), in its order: 141
+# fields and their defaults
+SPEC_DEFAULTS = {
+    "output_dir": None, "per_device_train_batch_size": 8, "num_train_epochs": 3.0,
+    "max_steps": -1, "learning_rate": 1e-06, "lr_scheduler_type": "constant",
+    "lr_scheduler_kwargs": None, "warmup_steps": 0, "optim": "adamw_torch_fused",
+    "optim_args": None, "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999,
+    "adam_epsilon": 1e-08, "optim_target_modules": None, "gradient_accumulation_steps": 1,
+    "average_tokens_across_devices": True, "max_grad_norm": 1.0, "label_smoothing_factor": 0.0,
+    "bf16": None, "fp16": False, "bf16_full_eval": False, "fp16_full_eval": False, "tf32": None,
+    "gradient_checkpointing": True, "gradient_checkpointing_kwargs": None, "torch_compile": False,
+    "torch_compile_backend": None, "torch_compile_mode": None, "use_liger_kernel": False,
+    "liger_kernel_config": None, "use_cache": False, "neftune_noise_alpha": None,
+    "torch_empty_cache_steps": None, "auto_find_batch_size": False, "logging_strategy": "steps",
+    "logging_steps": 1, "logging_first_step": False, "log_on_each_node": True,
+    "logging_nan_inf_filter": True, "include_num_input_tokens_seen": "no", "log_level": "passive",
+    "log_level_replica": "warning", "disable_tqdm": None, "report_to": "none", "run_name": None,
+    "project": "huggingface", "trackio_space_id": None, "trackio_bucket_id": None,
+    "trackio_static_space_id": None, "eval_strategy": "no", "eval_steps": None, "eval_delay": 0,
+    "per_device_eval_batch_size": 8, "prediction_loss_only": False, "eval_on_start": False,
+    "eval_do_concat_batches": True, "eval_use_gather_object": False,
+    "eval_accumulation_steps": None, "include_for_metrics": [], "batch_eval_metrics": False,
+    "save_only_model": False, "save_strategy": "steps", "save_steps": 500,
+    "save_on_each_node": False, "save_total_limit": None, "enable_jit_checkpoint": False,
+    "push_to_hub": False, "hub_token": None, "hub_private_repo": None, "hub_model_id": None,
+    "hub_strategy": "every_save", "hub_always_push": False, "hub_revision": None,
+    "load_best_model_at_end": False, "metric_for_best_model": None, "greater_is_better": None,
+    "ignore_data_skip": True, "restore_callback_states_from_checkpoint": False,
+    "full_determinism": False, "seed": 42, "data_seed": None, "use_cpu": False,
+    "accelerator_config": None, "parallelism_config": None, "dataloader_drop_last": False,
+    "dataloader_num_workers": 0, "dataloader_pin_memory": True,
+    "dataloader_persistent_workers": False, "dataloader_prefetch_factor": None,
+    "dataloader_multiprocessing_context": None, "dataloader_in_order": True,
+    "remove_unused_columns": True, "label_names": None, "train_sampling_strategy": "random",
+    "length_column_name": "length", "ddp_find_unused_parameters": None, "ddp_bucket_cap_mb": None,
+    "ddp_broadcast_buffers": None, "ddp_static_graph": None, "ddp_backend": None,
+    "ddp_timeout": 1800, "fsdp": None, "fsdp_config": None, "deepspeed": None, "debug": "",
+    "skip_memory_metrics": True, "do_train": False, "do_eval": False, "do_predict": False,
+    "resume_from_checkpoint": None, "local_rank": -1, "model_init_kwargs": None,
+    "dtype": "float32", "trust_remote_code": False, "router_aux_loss_coef": None,
+    "num_generations": 8, "max_completion_length": 2048, "temperature": 1.0, "top_p": 1.0,
+    "top_k": 0, "min_p": None, "repetition_penalty": 1.0, "chat_template_kwargs": None,
+    "max_tool_calling_iterations": None, "vllm_server_base_url": "http://localhost:8000",
+    "vllm_server_timeout": 1800.0, "epsilon": 0.2, "epsilon_high": None, "score_centering": True,
+    "vllm_importance_sampling_clip_min": 0.5, "vllm_importance_sampling_clip_max": 5.0,
+    "num_sampler_logprobs": 8, "token_budget": None, "max_concurrent_rollouts": None,
+    "max_staleness": 4, "queue_maxsize": 1024, "weight_sync_steps": 1,
+    "rollout_worker_timeout": 300.0, "log_completions": False, "num_completions_to_print": None,}
+
+
+def changed(name: str, default):
+    """A value other than the default, of the field's kind."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)):
+        return default + 1
+    if isinstance(default, str):
+        return "other"
+    if isinstance(default, list):
+        return ["other"]
+    return 1
+
+
+def test_the_spec_lists_141_fields_and_each_is_declared_with_its_default():
+    declared = {f.name: f for f in dataclasses.fields(AsyncGRPOConfig)}
+    assert len(SPEC_DEFAULTS) == 141
+    for name, default in SPEC_DEFAULTS.items():
+        assert name in declared, name
+        f = declared[name]
+        ours = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        assert ours == default, (name, ours, default)
+        AsyncGRPOConfig(**{name: default})                # accepted at its default
+
+
+def test_positional_arguments_follow_the_spec_signature():
+    """The fields are declared in the signature's order, then ours: AsyncGRPOConfig("out", 16) is
+    per_device_train_batch_size=16, as in TRL, not seed=16."""
+    names = [f.name for f in dataclasses.fields(AsyncGRPOConfig)]
+    assert names[:len(SPEC_DEFAULTS)] == list(SPEC_DEFAULTS)
+    assert names[len(SPEC_DEFAULTS):] == ["tree_attention_backend", "logging_dir",
+                                         "weight_sync_verify_every", "overwrite_output_dir",
+                                         "reward_tool_timeout",
+                                         "untrained_warning_s"]
+    config = AsyncGRPOConfig("out", 16, 2.0, 5)
+    assert (config.output_dir, config.per_device_train_batch_size) == ("out", 16)
+    assert (config.num_train_epochs, config.max_steps, config.seed) == (2.0, 5, 42)
+
+
+@pytest.mark.parametrize("name", list(SPEC_DEFAULTS))
+def test_a_changed_field_works_or_is_refused_naming_it(name):
+    value = changed(name, SPEC_DEFAULTS[name])
+    if name in config.WHY:
+        with pytest.raises(ValueError, match=rf"^AsyncGRPOConfig\.{name}="):
+            AsyncGRPOConfig(**{name: value})
+        return
+    try:
+        AsyncGRPOConfig(**{name: value})
+    except ValueError as e:                               # a bad value: the message names it
+        assert name in str(e), (name, str(e))
+
+
+def test_every_accepted_field_is_read_by_the_code():
+    """Nothing accepted and ignored: a field that is not refused is read outside its declaration."""
+    source = ""
+    core = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "rollout", "*.py"))
+    for path in core:
+        with open(path) as f:
+            text = f.read().split("# ── the refused fields")[0]     # config.py's WHY table
+        source += "".join(line for line in text.splitlines(True)
+                          if not re.match(r"    \w+: .+ = ", line))
+    unread = ("do_train",                 # a flag for scripts
+              "remove_unused_columns",    # either value: every column reaches the rewards
+              "dataloader_pin_memory")    # either value: nothing is pinned (no DataLoader)
+    for name in SPEC_DEFAULTS:
+        if name not in config.WHY and name not in unread:
+            assert re.search(rf"[.\"']{name}\b", source), name
+
+
+def test_refusals_say_why_and_the_fix():
+    with pytest.raises(ValueError, match="hf upload"):
+        AsyncGRPOConfig(push_to_hub=True)
+    with pytest.raises(ValueError, match="no evaluation loop"):
+        AsyncGRPOConfig(eval_strategy="steps")
+    with pytest.raises(ValueError, match="AsyncGRPOConfig.fp16: fp16 and bf16 are both set"):
+        AsyncGRPOConfig(fp16=True, bf16=True)
+    with pytest.raises(ValueError, match="report_to"):
+        AsyncGRPOConfig(report_to="mlflow")
+    assert AsyncGRPOConfig(report_to="wandb,tensorboard").dashboards() == ["wandb", "tensorboard"]
+    assert AsyncGRPOConfig(report_to=["none"]).dashboards() == []
+    assert AsyncGRPOConfig(report_to="all").dashboards(["trackio"]) == ["trackio"]

@@ -1,4 +1,4 @@
-"""gpu_check.py: its CPU-safe parts run (CI smoke test); benchmark lines are judged against the
+"""tools/gpu_check.py: its CPU-safe parts run (CI smoke test); benchmark lines are judged against the
 targets."""
 import os
 import subprocess

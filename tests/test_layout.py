@@ -1,8 +1,8 @@
-"""The layout's boundaries (README, "Files and the spec sections they implement"): the algorithm
-at the top never imports the stand-in's server (it runs as a process; only its launcher is
-imported), the stand-in imports nothing of the trainer side, rollout/ (the spawned child's code)
-imports nothing of the top but vllm_client.py, no module imports itself back through others, and
-the scripts live in tools/."""
+"""Every module's imports, read from the source: the layout's boundaries (README, "Files and the
+spec sections they implement"). The algorithm at the top never imports the stand-in's server (it
+runs as a process; only its launcher is imported), the stand-in imports nothing of the trainer
+side, rollout/ (the spawned child's code) imports nothing of the top but vllm_client.py, no
+module imports itself back through others, and the scripts live in tools/."""
 import ast
 import glob
 import os

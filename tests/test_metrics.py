@@ -1,11 +1,15 @@
 """metrics.py: every metric the spec names in the session's shared run
-(train_fixtures.train_run), completions.jsonl, the one reduction rule by name, and the importance
-ratios with and without the server's candidate sets (the hazard said once, at start)."""
+(conftest.train_run), completions.jsonl, the one reduction rule by name, and the importance
+ratios with and without the server's candidate sets (the hazard said once, at start); last,
+report_to's dashboards offline (tensorboard, wandb, trackio), each run in a subprocess."""
+import glob
 import json
 import logging
 import math
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,10 +19,9 @@ import loss
 import toy
 import train
 import metrics
+from conftest import ROOT
 from tools.plot import load_completions
 from train_helpers import SERVER_ARGS, SMALL, lines
-
-pytest_plugins = ["train_fixtures"]
 
 SPEC_NAMES = {  # 記録されたメトリクス (Logged metrics): the trainer's side (no MFU on a CPU)
     "sample/forwarded_tokens_mean", "sample/forwarded_tokens_max", "sample/trained_tokens_mean",
@@ -162,3 +165,67 @@ def test_without_candidate_sets_the_hazard_is_said_once_at_start_with_the_remedy
     assert "--return-sampling-mask --enable-scale-out" in said[0] and "top_k=0" in said[0]
     assert not [r for r in caplog.records if "candidate sets" in r.getMessage()]
     assert not [w for w in recwarn if "candidate sets" in str(w.message)]
+
+
+# ── dashboards, offline ──────────────────────────────────────────────────────────────────────
+
+DASHBOARD_SCRIPT = """
+import sys
+import metrics
+from config import AsyncGRPOConfig
+config = AsyncGRPOConfig(report_to=[sys.argv[2]], run_name="surface-run", project="surface")
+boards = metrics.open_dashboards(config, sys.argv[1])
+for step in (1, 2):
+    for board in boards:
+        board.log({"reward": 0.25 * step, "rollout/backpressure_s": 1.5}, step)
+for board in boards:
+    board.table(2, [("1+1=", "2", 1.0)])
+    board.close()
+"""
+
+
+def log_offline(tmp_path, name: str) -> None:
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true",
+               TRACKIO_DIR=str(tmp_path / "trackio"), PYTHONPATH=ROOT)
+    subprocess.run([sys.executable, "-c", DASHBOARD_SCRIPT, str(tmp_path), name], check=True,
+                   env=env, cwd=ROOT, timeout=240)
+
+
+def test_tensorboard_gets_the_metrics_names_steps_and_completions(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    log_offline(tmp_path, "tensorboard")
+    events = EventAccumulator(str(tmp_path / "runs" / "surface-run"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward")] == [(1, 0.25), (2, 0.5)]
+    assert "rollout/backpressure_s" in events.Tags()["scalars"]
+    texts = events.Tags()["tensors"]
+    assert any("completions" in t for t in texts) and any("config" in t for t in texts)
+
+
+def test_wandb_offline_run_holds_the_metrics_config_and_table(tmp_path):
+    """The offline run's record log (run-*.wandb, protobuf records) holds the metric names, the run
+    name and the config; the completions table is written as its media file."""
+    pytest.importorskip("wandb", reason="wandb is not installed")
+    log_offline(tmp_path, "wandb")
+    run_dir, = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    record, = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+    data = open(record, "rb").read()
+    for text in (b"reward", b"rollout/backpressure_s", b"surface-run", b"max_staleness"):
+        assert text in data, text
+    table, = glob.glob(os.path.join(run_dir, "files", "media", "table", "completions_2_*.json"))
+    with open(table) as f:
+        assert json.load(f)["data"] == [[2, "1+1=", "2", 1.0]]
+
+
+def test_trackio_local_store_holds_the_metrics(tmp_path):
+    pytest.importorskip("trackio", reason="trackio is not installed")
+    log_offline(tmp_path, "trackio")
+    script = ("from trackio.sqlite_storage import SQLiteStorage; import json; "
+              "print(json.dumps(SQLiteStorage.get_logs('surface', 'surface-run'), default=str))")
+    env = dict(os.environ, TRACKIO_DIR=str(tmp_path / "trackio"))
+    out = subprocess.run([sys.executable, "-c", script], check=True, env=env,
+                         capture_output=True, text=True, timeout=120).stdout
+    logs = json.loads(out.strip().splitlines()[-1])
+    assert [row["reward"] for row in logs if "reward" in row] == [0.25, 0.5]
+    assert any("completions" in row for row in logs)

@@ -1,7 +1,8 @@
-"""Mixed precision through FSDP2's MixedPrecisionPolicy with every tree-attention backend, on a
-CPU in a process group of one: each decoder layer's forward kwargs go through FSDP2's input cast,
-and the row's masks (sdpa, flex), flash's segment tensors and the Gated DeltaNet layout must come
-out as they went in (tree_attention's docstring). Runs through train() are test_train.py's."""
+"""train.py's mixed precision with tree_attention.py and tree_gated_delta_rule.py, end to end
+below train(): FSDP2's MixedPrecisionPolicy with every tree-attention backend, on a CPU in a
+process group of one: each decoder layer's forward kwargs go through FSDP2's input cast, and the
+row's masks (sdpa, flex), flash's segment tensors and the Gated DeltaNet layout must come out as
+they went in (tree_attention's docstring). Runs through train() are test_train.py's."""
 import math
 
 import pytest

@@ -1,7 +1,8 @@
-"""environment_factory with an OpenEnv environment (the spec's pointer to TRL's OpenEnv guide), run
-offline: openenv-core's own server (create_app, uvicorn on 127.0.0.1) serves a tiny game
-(tests/openenv_helpers.py), openenv's WebSocket client talks to it, and a wrapper written as the
-guide writes them is the environment_factory of a real rollout process.
+"""rollout/tool_calls.py's environments through the rollout process (rollout/worker.py, loop.py)
+end to end: environment_factory with an OpenEnv environment (the spec's pointer to TRL's OpenEnv
+guide), run offline: openenv-core's own server (create_app, uvicorn on 127.0.0.1) serves a tiny
+game (tests/openenv_helpers.py), openenv's WebSocket client talks to it, and a wrapper written as
+the guide writes them is the environment_factory of a real rollout process.
 
 Covered: the wrapper against the server alone (tools from its public methods, schema from the
 docstring, a raised exception as the tool's answer); then the rollout process end to end: reset()'s
@@ -9,8 +10,7 @@ observation reaches the prompt, every tool call that passes the wrapper is a ste
 server, get_reward() scores from the environment's state, and the env/* and tools/* metrics are
 logged; reward functions receive `environments`, and instances are reused ("construct once, reset
 often": rollout/tool_calls.EnvironmentPool) so that the server's sessions stay bounded. Skipped
-without openenv-core
-(pip install -r requirements-openenv.txt).
+without openenv-core (pip install -r requirements-openenv.txt).
 """
 import functools
 import time

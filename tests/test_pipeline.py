@@ -1,5 +1,6 @@
-"""The four pieces together on CPU: samples from the real rollout process against local_vllm
-are planned into rows, packed as tries, forwarded with tree attention and scored by the loss.
+"""rollout/, trie_pack.py, tree_attention.py and loss.py end to end, the four pieces together on
+CPU: samples from the real rollout process against local_vllm are planned into rows, packed as
+tries, forwarded with tree attention and scored by the loss.
 
 The server and the trainer hold the same weights in fp32, so every importance ratio must be 1 up to
 float error. That one number checks that the server's processed log-probs, the sample layout (entry

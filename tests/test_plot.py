@@ -1,5 +1,5 @@
 """tools/plot.py: the README's `python -m tools.plot RUN` on the session's shared run
-(train_fixtures.train_run), the figure's curves and panels, and the smoothing's worked example."""
+(conftest.train_run), the figure's curves and panels, and the smoothing's worked example."""
 import json
 import os
 import subprocess
@@ -10,8 +10,6 @@ import pytest
 from conftest import ROOT
 from tools import plot
 from train_helpers import lines
-
-pytest_plugins = ["train_fixtures"]
 
 
 def test_python_m_tools_plot_draws_the_run(train_run):

@@ -1,7 +1,8 @@
-"""README.md's commands work as written: every `python train.py` / `torchrun ... train.py` line
-parses with the trainer's own CLI (a flag renamed or removed fails here), every `python -m X`
-names a module that exists (and a bench case that exists), every script it runs is there, and
-every path of the file table exists."""
+"""README.md against the code (train.parse_cli, tools.bench's cases, the files): its commands
+work as written: every `python train.py` / `torchrun ... train.py` line parses with the
+trainer's own CLI (a flag renamed or removed fails here), every `python -m X` names a module
+that exists (and a bench case that exists), every script it runs is there, and every path of the
+file table exists."""
 import importlib.util
 import os
 import re

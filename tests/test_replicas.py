@@ -1,5 +1,6 @@
-"""Replicas can die (weight_sync.Members, servers.take_out/readmit): train() against two
-local replicas, one killed mid-run and restarted, or both killed; and one that hangs."""
+"""weight_sync.py's Members and rollout/servers.py (take_out/readmit) end to end through
+train(): replicas can die. train() against two local replicas, one killed mid-run and restarted,
+or both killed; and one that hangs."""
 import os
 import signal
 import time

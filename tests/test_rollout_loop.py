@@ -2,7 +2,8 @@
 Channels record from the spec's six primitives (spec_channels), then the spawned rollout process
 against local_vllm: tools, forks, environments, candidate sets, admission by staleness, filtering,
 resume, failed rollouts, retries, the adapter of each policy version; rewards, replies and limits
-that misbehave (a proxy fakes what the stand-in cannot), tool rates."""
+that misbehave (a proxy fakes what the stand-in cannot), tool rates; last, the spec's arguments
+(AsyncRolloutLoop's signature, the six primitives or none)."""
 import asyncio
 import json
 import logging
@@ -28,7 +29,7 @@ from rollout.loop import Channels, spec_channels
 from rollout.staleness import prior_rate
 from rollout.worker import RolloutWorker
 from test_rollout_tool_calls import MISTRAL_LIKE
-from test_serve_local import make_adapter
+from local_vllm_helpers import make_adapter
 from metrics import reduce_window
 from vllm_client import VLLMClient, VLLMError
 
@@ -639,3 +640,25 @@ def test_tool_rates_are_over_every_group(long_server, tokenizer):
     window = reduce_window(groups)
     assert len(groups) == 4 and window["tools/call_frequency"] == 0.25
     assert window["tools/loop_exhausted_frac"] == 0.0
+
+
+# ── the spec's arguments ──────────────────────────────────────────────────────────────────
+
+
+def test_the_loop_takes_the_spec_arguments():
+    from rollout import AsyncRolloutLoop
+    ctx = mp.get_context("spawn")
+    config = AsyncGRPOConfig(max_steps=1)
+    loop = AsyncRolloutLoop(config=config, model_name=None, dataset=toy.make_dataset(4),
+                            reward_funcs=[toy.sum_reward], processing_class=toy.build_tokenizer(),
+                            eos_token_ids=[0], rollout_buffer=ctx.Queue(),
+                            model_version_value=ctx.Value("q", 0), heartbeat_value=ctx.Value("d"),
+                            failed_event=ctx.Event(), exception_info_queue=ctx.Queue(),
+                            metrics_queue=ctx.Queue(), score_queue_maxsize=4)
+    assert loop.channels.model_version.value == 0 and loop.score_queue.maxsize == 4
+    with pytest.raises(TypeError, match="needs model_version_value, heartbeat_value"):
+        AsyncRolloutLoop(config, None, toy.make_dataset(4), [toy.sum_reward],
+                         toy.build_tokenizer(), [0], rollout_buffer=ctx.Queue())
+    hooks_only = AsyncRolloutLoop(config, None, toy.make_dataset(4), [toy.sum_reward],
+                                  toy.build_tokenizer(), [0])           # none: for its hooks
+    assert hooks_only.channels is None

@@ -217,7 +217,7 @@ def test_a_replica_whose_adapter_failed_its_probe_leaves_routing_until_a_later_o
 
     import lora_sync
     from rollout.servers import drop_unverified, make_replicas, readmit
-    from test_serve_local import make_adapter
+    from local_vllm_helpers import make_adapter
     from vllm_client import VLLMClient
     server = start_server(*h.SERVER_FLAGS, "--enable-lora", "--max-lora-rank", "8",
                           "--max-loras", "3")

@@ -1,9 +1,10 @@
 """train.py end to end on CPU, against local_vllm: in this process, as a CLI, and on two ranks.
 
-The stale-drop test reads the session's shared run (train_fixtures.train_run, also read by
+The stale-drop test reads the session's shared run (conftest.train_run, also read by
 test_checkpoint.py, test_metrics.py and test_weight_sync.py); the other tests train against
 servers of their own (a sync changes a server's weights), and the two-rank and failure tests start
-processes of their own. Last, the command line (parse_cli).
+processes of their own. Then the command line (parse_cli); last, the trainer's surface: the
+spec's positional order and refusals, callbacks, trainer.state and save_model.
 """
 import math
 import os
@@ -24,8 +25,6 @@ from train import AsyncGRPOTrainer
 from train_helpers import ROOT, SERVER_ARGS, SMALL, cli, lines, newest_checkpoint
 from trie_pack import Planner
 from weight_sync import free_port, full_tensor, language_parameters
-
-pytest_plugins = ["train_fixtures"]
 
 
 def test_stale_samples_are_dropped_and_counted(train_run):
@@ -362,3 +361,81 @@ def test_a_reward_module_in_the_current_directory_is_found(start_server, indexed
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (work / "scored").read_text().count("group") >= 1
     assert [r["step"] for r in lines(str(tmp_path / "out"))] == [1]
+
+
+# ── the trainer's surface ────────────────────────────────────────────────────────────────────
+
+
+def test_the_spec_positional_order_and_refusals():
+    config = AsyncGRPOConfig(max_steps=1)
+    dataset = toy.make_dataset(4)
+    trainer = train.AsyncGRPOTrainer("toy", toy.sum_reward, config, dataset)
+    assert trainer.args is config and trainer.train_dataset is dataset
+    with pytest.raises(TypeError, match="spec's order"):
+        train.AsyncGRPOTrainer("toy", toy.sum_reward, dataset, config)
+    with pytest.raises(ValueError, match="optimizers: only"):
+        train.AsyncGRPOTrainer("toy", toy.sum_reward, config, dataset, optimizers=(object(), None))
+    from train import Rollout, RolloutGroup, TurnRecord                # the spec's records
+    from rollout import Rollout as R, RolloutGroup as G, TurnRecord as T
+    assert (Rollout, RolloutGroup, TurnRecord) == (R, G, T)
+
+
+class StopAfterTwo:
+    """A TrainerCallback in its minimal form: the events it sees, and a stop."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.events.append(("begin", state.global_step))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(("log", logs["step"]))
+        if logs["step"] >= 2:
+            control.should_training_stop = True
+
+    def on_save(self, args, state, control, **kwargs):
+        self.events.append(("save", state.global_step))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.events.append(("end", state.global_step))
+
+
+def test_callbacks_state_dashboard_and_save_model(start_server, toy_dir, tmp_path):
+    """One short run: logging_first_step with logging_steps 2, a callback that stops after step
+    2, tensorboard with completions, save_only_model, then trainer.state, save_model, model. Its
+    own server: the session's train_server must keep the shared run's weights."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from train_helpers import SERVER_ARGS, SMALL
+    server = start_server(*SERVER_ARGS)
+    out = str(tmp_path / "run")
+    config = AsyncGRPOConfig(output_dir=out, vllm_server_base_url=server.url, max_steps=10,
+                             logging_steps=2, logging_first_step=True, report_to="tensorboard",
+                             run_name="cb", log_completions=True, num_completions_to_print=2,
+                             save_only_model=True, save_steps=100, data_seed=3,
+                             gradient_checkpointing_kwargs={"use_reentrant": False},
+                             **SMALL)
+    callback = StopAfterTwo()
+    trainer = train.AsyncGRPOTrainer(toy_dir, toy.sum_reward, config, toy.make_dataset(64),
+                                     callbacks=[callback])
+    trainer.train()
+    assert callback.events == [("begin", 0), ("log", 1), ("log", 2), ("save", 2), ("end", 2)]
+    assert trainer.state.global_step == 2
+    assert [line["step"] for line in trainer.state.log_history] == [1, 2]
+    events = EventAccumulator(os.path.join(out, "runs", "cb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2]
+    # reward comes from groups scored in the window: one the rollout process scored ahead may
+    # leave the second line without it; the dashboard has it exactly where the log has it
+    rewarded = [line["step"] for line in trainer.state.log_history if "reward" in line]
+    assert rewarded and [e.step for e in events.Scalars("reward")] == rewarded
+    assert any("completions" in t for t in events.Tags()["tensors"])
+    assert not os.path.exists(os.path.join(out, "checkpoint-2", "fsdp"))    # save_only_model
+    with pytest.raises(ValueError, match="save_only_model=True"):
+        AsyncGRPOConfig(output_dir=out, resume_from_checkpoint="true", **SMALL)
+        train.checkpoint.load(os.path.join(out, "checkpoint-2"), None, None, None)
+    saved = trainer.save_model(str(tmp_path / "final"))
+    assert os.path.isfile(os.path.join(saved, "config.json"))
+    assert not os.path.exists(os.path.join(saved, "trainer_state.json"))
+    assert trainer.model.config.vocab_size == len(toy.build_tokenizer())

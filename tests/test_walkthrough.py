@@ -1,4 +1,4 @@
-"""walkthrough.py and WALKTHROUGH.md (概要 (overview), one prompt end to end): the script runs, and
+"""tools/walkthrough.py and WALKTHROUGH.md (概要 (overview), one prompt end to end): the script runs, and
 every output block of the document is exactly what it prints now (`--check`)."""
 import os
 import subprocess

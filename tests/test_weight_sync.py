@@ -1,5 +1,5 @@
 """weight_sync.py against local_vllm: vLLM's bucket layout, a full sync that lands exactly (the
-session's shared run, train_fixtures.train_run), no KV of old weights kept after it, and failures
+session's shared run, conftest.train_run), no KV of old weights kept after it, and failures
 that end in a clear error with the server resumed, never a hang. (Syncs to several replicas:
 test_lora_sync.py; their verification and the probe: test_verify_sync.py.)"""
 import hashlib
@@ -15,8 +15,6 @@ import torch
 import toy
 from vllm_client import VLLMClient, VLLMError
 from weight_sync import WeightSync, begin_update, buckets
-
-pytest_plugins = ["train_fixtures"]
 
 ARGS = ("--max-model-len", "64", "--weight-transfer-config", '{"backend":"gloo"}')
 

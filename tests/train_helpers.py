@@ -1,5 +1,5 @@
 """What the trainer tests share (test_train.py, test_checkpoint.py, test_metrics.py,
-test_weight_sync.py, test_lora_sync.py), besides the fixtures in train_fixtures.py.
+test_weight_sync.py, test_lora_sync.py), besides the fixtures in conftest.py.
 
 - recorded_reward: a module-level reward the rollout process imports by name (--reward
   train_helpers:recorded_reward), so this module imports nothing heavy.

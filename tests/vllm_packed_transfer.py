@@ -1,5 +1,5 @@
 """vLLM's own packed NCCL weight transfer, both ends, run without a GPU on what
-test_vllm_plugin.py hands it (in vLLM's venv: VLLM_PYTHON):
+test_vllm_plugin_gloo_weight_transfer.py hands it (in vLLM's venv: VLLM_PYTHON):
 
     $VLLM_PYTHON tests/vllm_packed_transfer.py CASES.pt OUT.pt
 

@@ -1,15 +1,16 @@
-"""serve_local.py against the contract in reference/vllm_api.md, and against the model itself.
-
-Log-probs are checked against an independent recomputation: the same model directory loaded with
-transformers, prompt + generated tokens forwarded in one go, and the sampler's processing
-(repetition penalty, temperature, min-p, top-k, top-p) written again here the way vLLM writes it
-(ascending sort for top-p). The weight-update test plays trainer rank 0 itself.
+"""local_vllm/engine.py, mostly through the server's routes (one test drives an Engine
+directly): sampling (log-probs against an independent recomputation,
+local_vllm_helpers.reference_logprobs; seeds; stop ids and EOS; any valid parameter stays
+finite), continuous batching (requests share engine steps), KV capacity (admission waits,
+preemption when running sequences grow, a step never seen half ended), receiving weights (the
+test plays trainer rank 0), LoRA adapters (load, use, unload, the least recently used forgotten),
+a poisoned request that fails alone, pause and resume in their three modes, an unknown model.
 """
 import hashlib
 import math
-import subprocess
-import sys
+import threading
 import time
+from argparse import Namespace
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -17,163 +18,18 @@ import pytest
 import requests
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import toy
-from conftest import ROOT
-from local_vllm.launch import LocalServer
+from local_vllm.engine import Engine, SamplingParams
+from local_vllm_helpers import (PROMPT, TARGETS, assert_error, complete, get, make_adapter,
+                                metrics, post, reference_logprobs, wait_for)
 from weight_sync import free_port
-
-PROMPT = [5, 17, 33, 8, 40, 41, 60]
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def post(server, path, body=None, **kw) -> requests.Response:
-    return requests.post(server.url + path, json=body, timeout=120, **kw)
-
-
-def get(server, path) -> requests.Response:
-    return requests.get(server.url + path, timeout=30)
-
-
-def complete(server, **body) -> dict:
-    r = post(server, "/v1/completions", {"prompt": PROMPT, "return_token_ids": True, **body})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def metrics(server) -> dict[str, float]:
-    """Prometheus text → {name: value} (labels dropped; one series per name here)."""
-    out = {}
-    for line in get(server, "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            out[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def wait_for(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
-
-
-def assert_error(r: requests.Response, status: int) -> None:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == status and err["message"]
 
 
 @pytest.fixture(scope="module")
 def ref_model(toy_dir):
     return AutoModelForCausalLM.from_pretrained(toy_dir).eval()
-
-
-@pytest.fixture(scope="module")
-def plain_server(toy_dir):
-    """No optional features, raw log-probs, and a KV budget of one full-length sequence."""
-    s = LocalServer(toy_dir, "--max-model-len", "128", "--kv-cache-tokens", "128")
-    yield s
-    s.stop()
-
-
-def reference_logprobs(model, prompt, output, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
-                       repetition_penalty=1.0, processed=True) -> torch.Tensor:
-    """(T, V) log-probs of the distribution each output token was drawn from."""
-    with torch.no_grad():
-        out = model(torch.tensor([prompt + output]), use_cache=False)
-        logits = out.logits[0, len(prompt) - 1:-1].float()                   # (T, V)
-    rows = []
-    for j, x in enumerate(logits):
-        if processed:
-            x = x.clone()
-            for t in set(prompt + output[:j]):
-                x[t] = x[t] / repetition_penalty if x[t] > 0 else x[t] * repetition_penalty
-            x = x / temperature
-            if min_p > 0:
-                p = x.softmax(-1)
-                x[p < min_p * p.max()] = -math.inf
-            if top_k > 0:
-                x[x < x.sort(descending=True).values[top_k - 1]] = -math.inf
-            if top_p < 1:
-                ascending, order = x.sort()
-                drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
-                drop[-1] = False
-                x[order[drop]] = -math.inf
-        rows.append(x.log_softmax(-1))
-    return torch.stack(rows)
-
-
-# ── shapes ────────────────────────────────────────────────────────────────────────────────
-
-
-def test_every_endpoint_has_the_documented_shape(server):
-    r = get(server, "/health")
-    assert r.status_code == 200 and r.content == b""
-    models = get(server, "/v1/models").json()
-    assert models["object"] == "list"
-    base = models["data"][0]
-    assert set(base) == {"id", "object", "created", "owned_by", "root", "parent", "max_model_len",
-                         "permission"}
-    assert base["max_model_len"] == 256 and base["object"] == "model"
-
-    info = get(server, "/server_info?config_format=json").json()
-    assert set(info) == {"vllm_config", "vllm_env", "system_env"}
-    cfg = info["vllm_config"]
-    model_config = cfg["model_config"]
-    assert model_config["dtype"] == "torch.float32" and model_config["max_model_len"] == 256
-    assert model_config["logprobs_mode"] == "processed_logprobs"
-    assert model_config["return_sampling_mask"] is True and model_config["max_logprobs"] == -1
-    assert cfg["cache_config"]["kv_cache_size_tokens"] == 16 * 256
-    assert cfg["cache_config"]["num_gpu_blocks"] * cfg["cache_config"]["block_size"] == 16 * 256
-    assert cfg["parallel_config"] == {"data_parallel_size": 1, "tensor_parallel_size": 1,
-                                      "pipeline_parallel_size": 1}
-    assert cfg["lora_config"] == {"max_lora_rank": 8, "max_loras": 6}
-    assert cfg["weight_transfer_config"] == {"backend": "gloo"} and cfg["enable_scale_out"] is True
-
-    assert get(server, "/get_world_size").json() == {"world_size": 1}
-    text = get(server, "/metrics").text
-    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
-                 "vllm:cache_config_info"]:
-        assert f'{name}{{' in text
-    assert 'kv_cache_size_tokens="4096"' in text and 'engine="0"' in text
-    assert isinstance(get(server, "/weight_info").json()["weight_version"], str)
-    assert get(server, "/is_paused").json() == {"is_paused": False}
-    reset = post(server, "/reset_prefix_cache?reset_running_requests=false")
-    assert reset.json() == {"success": True}
-
-    c = complete(server, max_tokens=4, logprobs=2, n=2)
-    assert set(c) == {"id", "object", "created", "model", "choices", "usage"}
-    assert c["object"] == "text_completion"
-    assert set(c["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
-    assert [ch["index"] for ch in c["choices"]] == [0, 1]
-    for ch in c["choices"]:
-        assert set(ch) == {"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
-                           "prompt_token_ids"}
-        assert set(ch["logprobs"]) == {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
-        assert ch["prompt_token_ids"] == PROMPT and ch["finish_reason"] in ("stop", "length")
-        assert (len(ch["logprobs"]["tokens"]) == len(ch["token_ids"])
-                == len(ch["logprobs"]["top_logprobs"]))
-    strings = {"prompt": ["3+4=", "1+1="], "max_tokens": 2}            # strings: tokenized
-    text = post(server, "/v1/completions", strings).json()
-    assert [c["index"] for c in text["choices"]] == [0, 1] and text["usage"]["prompt_tokens"] == 8
-    assert complete(server, max_tokens=2)["choices"][0]["logprobs"] is None
-
-    g = post(server, "/inference/v1/generate", {"token_ids": PROMPT, "request_id": "r1",
-                                                "sampling_params": {"max_tokens": 3, "top_k": 5,
-                                                                    "logprobs": 2, "n": 2}}).json()
-    assert set(g) == {"request_id", "model", "prompt_token_ids", "choices", "usage"}
-    assert g["request_id"] == "r1"
-    for ch in g["choices"]:
-        assert set(ch) == {"index", "finish_reason", "stop_reason", "token_ids", "logprobs",
-                           "sampling_mask"}
-        for entry in ch["logprobs"]["content"]:
-            assert set(entry) == {"token_id", "logprob", "rank", "top_logprobs"}
-            assert len(entry["top_logprobs"]) == 2
-            assert all(set(t) == {"token_id", "logprob", "rank"} for t in entry["top_logprobs"])
-        assert len(ch["sampling_mask"]) == len(ch["token_ids"])
 
 
 # ── log-probs and sampling ────────────────────────────────────────────────────────────────
@@ -247,6 +103,108 @@ def test_stop_token_ids_and_eos(server, toy_dir):
     assert any(c["token_ids"][-1] == eos and c["finish_reason"] == "stop"
                and c["stop_reason"] is None for c in stopped)
     assert all(eos not in c["token_ids"][:-1] for c in stopped)
+
+
+# ── continuous batching and KV capacity ───────────────────────────────────────────────────
+
+
+def test_concurrent_requests_share_engine_steps(server):
+    """8 requests of 10 tokens queued together take 10 engine steps, not 80."""
+    steps = metrics(server)["serve_local:engine_steps_total"]
+    assert post(server, "/pause?mode=keep&clear_cache=false").json() == {"status": "paused"}
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(complete, server, max_tokens=10, ignore_eos=True, seed=i)
+                   for i in range(8)]
+        wait_for(lambda: metrics(server)["vllm:num_requests_waiting"] == 8)
+        assert post(server, "/resume").json() == {"status": "resumed"}
+        assert all(len(f.result()["choices"][0]["token_ids"]) == 10 for f in futures)
+    m = metrics(server)
+    assert m["serve_local:engine_steps_total"] - steps == 10
+    assert m["serve_local:max_batch_size"] >= 8
+
+
+def test_kv_capacity_limits_admission_and_preempts(start_server):
+    """Budget 128 tokens; 6 sequences of 16 + 80 tokens cannot all run: some wait, some are
+    preempted."""
+    plain_server = start_server("--max-model-len", "128", "--kv-cache-tokens", "128")
+    seen = []
+    with ThreadPoolExecutor(6) as pool:
+        post(plain_server, "/pause?mode=keep")
+        futures = [pool.submit(post, plain_server, "/v1/completions", {
+            "prompt": PROMPT + [i] * 9, "max_tokens": 80, "ignore_eos": True,
+            "return_token_ids": True}) for i in range(6)]
+        wait_for(lambda: metrics(plain_server)["vllm:num_requests_waiting"] == 6)
+        post(plain_server, "/resume")
+        while not all(f.done() for f in futures):
+            seen.append(metrics(plain_server))
+            time.sleep(0.01)
+        replies = [f.result().json() for f in futures]
+    assert all(len(r["choices"][0]["token_ids"]) == 80 for r in replies)
+    assert any(m["vllm:num_requests_running"] > 0 and m["vllm:num_requests_waiting"] > 0
+               for m in seen)
+    assert all(m["vllm:kv_cache_usage_perc"] <= 1.0 for m in seen)
+    assert max(m["vllm:kv_cache_usage_perc"] for m in seen) >= 0.75
+    assert metrics(plain_server)["vllm:num_preemptions_total"] > 0
+
+
+class WatchedEngine(Engine):
+    """An Engine whose lock records every moment the engine thread lets other threads (/metrics,
+    /pause) take it while `running` holds a finished sequence or more tokens than the KV
+    capacity."""
+
+    def __init__(self, model, tokenizer, kv_tokens):
+        self.seen: list[str] = []
+        args = Namespace(model="toy", seed=0, kv_cache_tokens=kv_tokens,
+                         logprobs_mode="processed_logprobs", return_sampling_mask=False,
+                         max_model_len=128)
+        super().__init__(model, tokenizer, args)
+
+    @property
+    def cond(self):
+        return self.watched_cond
+
+    @cond.setter
+    def cond(self, value):
+        engine = self
+
+        class Cond(type(value)):
+            def __exit__(self, *exc):
+                if threading.current_thread().name == "engine":
+                    engine.check()
+                return super().__exit__(*exc)
+        self.watched_cond = Cond()
+
+    def check(self) -> None:
+        finished = [s for s in self.running if s.finish_reason]
+        overfull = self.held() > self.args.kv_cache_tokens and len(self.running) > 1
+        if finished or overfull:
+            self.seen.append(f"{len(finished)} finished of {len(self.running)} running, "
+                             f"{self.held()} tokens held")
+
+
+def test_metrics_never_see_a_step_half_ended(toy_dir):
+    """Between sampling and the end of a step the lock must not be released: a /metrics reader
+    would count finished requests as running and KV usage above 1.0."""
+    model = AutoModelForCausalLM.from_pretrained(toy_dir).eval()
+    engine = WatchedEngine(model, AutoTokenizer.from_pretrained(toy_dir), kv_tokens=40)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, n=4, seed=1)
+    [r] = engine.generate([PROMPT], params, None)
+    assert [len(s.token_ids) for s in r.seqs] == [6] * 4 and engine.preemptions > 0
+    assert engine.seen == []
+
+
+def test_any_valid_sampling_parameter_gives_a_reply_never_a_server_error(server):
+    """A tiny repetition_penalty (> 0, so valid) or temperature pushes logits past fp32's range;
+    the stand-in keeps them finite and answers 200, where it answered 500 ("probability tensor
+    contains inf, nan or element < 0")."""
+    for params in (dict(repetition_penalty=1e-40), dict(repetition_penalty=1e-40,
+                                                        temperature=1e-6),
+                   dict(repetition_penalty=1e40, top_p=0.5), dict(temperature=1e-30)):
+        reply = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3,
+                                                 "return_token_ids": True, "logprobs": 1,
+                                                 **params})
+        assert reply.status_code == 200, (params, reply.text)
+        assert len(reply.json()["choices"][0]["token_ids"]) >= 1, params
 
 
 # ── weight transfer ───────────────────────────────────────────────────────────────────────
@@ -344,15 +302,6 @@ def test_weight_update_changes_outputs_and_checksums(server, toy_dir):
 # ── LoRA ──────────────────────────────────────────────────────────────────────────────────
 
 
-def make_adapter(toy_dir, path, r=4):
-    from peft import LoraConfig, get_peft_model
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(toy_dir),
-                           LoraConfig(r=r, lora_alpha=8, target_modules=TARGETS,
-                                      init_lora_weights=False))
-    model.save_pretrained(path)
-    return model.eval()
-
-
 def load(server, name: str, path: str, **fields) -> requests.Response:
     return post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, **fields})
 
@@ -406,6 +355,49 @@ def test_lora_adapter_load_use_unload(server, toy_dir, tmp_path):
 
 def server_name(server) -> str:
     return get(server, "/v1/models").json()["data"][0]["id"]
+
+
+# ── one request never hurts another ───────────────────────────────────────────────────────────
+
+
+def nan_adapter(toy_dir, path):
+    """A peft LoRA adapter with NaN weights, as a diverged run would push: valid files, poisoned
+    output."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(toy_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                      init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(math.nan)
+    model.save_pretrained(path)
+
+
+def test_a_poisoned_request_fails_alone(srv, toy_dir, tmp_path):
+    nan_adapter(toy_dir, str(tmp_path / "nan"))
+    r = post(srv, "/v1/load_lora_adapter", {"lora_name": "nan", "lora_path": str(tmp_path / "nan")})
+    assert r.status_code == 200
+    long = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "n": 2, "seed": 3,
+            "return_token_ids": True, "logprobs": 0}
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(post, srv, "/v1/completions", long)
+        wait_for(lambda: metrics(srv)["vllm:num_requests_running"] == 2)
+        poisoned = post(srv, "/v1/completions", {"prompt": PROMPT, "model": "nan",
+                                                 "max_tokens": 5})
+        assert not running.done()                      # failed while the long one still runs
+        result = running.result()
+    assert_error(poisoned, 500)
+    assert "NaN" in poisoned.json()["error"]["message"]
+    assert result.status_code == 200
+    choices = result.json()["choices"]
+    assert [len(c["token_ids"]) for c in choices] == [200, 200]
+    alone = post(srv, "/v1/completions", long).json()["choices"]   # now without a neighbour
+    assert [c["token_ids"] for c in alone] == [c["token_ids"] for c in choices]
+    assert ([c["logprobs"]["token_logprobs"] for c in alone]
+            == [c["logprobs"]["token_logprobs"] for c in choices])
+    post(srv, "/v1/unload_lora_adapter", {"lora_name": "nan"})
 
 
 # ── pause / resume ────────────────────────────────────────────────────────────────────────
@@ -477,101 +469,5 @@ def test_pause_keep_queues_and_clear_cache_preempts(server):
         assert queued.result()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_pause_bad_mode(server):
-    r = post(server, "/pause?mode=later")
-    assert r.status_code == 400 and isinstance(r.json()["error"], str)
-    assert get(server, "/is_paused").json() == {"is_paused": False}
-
-
-# ── bad input ─────────────────────────────────────────────────────────────────────────────
-
-
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": PROMPT, "max_tokns": 4}),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": -1}),
-    ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}),
-    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": 106}),          # the vocab (105) at most
-    ("/v1/completions", {"prompt": [1, 2, 105]}),
-    ("/v1/completions", {"prompt": []}),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 250}),         # 7 + 250 > 256 positions
-    ("/v1/completions", {"prompt": [[1, 2], [3, -1]]}),
-    ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"top_k": 0}}),  # top_k > 0
-    ("/inference/v1/generate", {"token_ids": PROMPT,
-                                "sampling_params": {"top_k": 2, "temperature": 0}}),
-    ("/inference/v1/generate", {"token_ids": PROMPT,
-                                "sampling_params": {"top_k": 2, "best_of": 2}}),
-    ("/weight_checker", {"action": "explode"}),
-])
-def test_bad_input_is_a_400_and_the_server_keeps_serving(server, path, body):
-    assert_error(post(server, path, body), 400)
-    assert complete(server, max_tokens=2)["choices"][0]["finish_reason"] in ("stop", "length")
-
-
 def test_unknown_model_is_404(server):
     assert_error(post(server, "/v1/completions", {"prompt": PROMPT, "model": "nope"}), 404)
-
-
-def test_features_off_by_default(plain_server):
-    info = get(plain_server, "/server_info").json()["vllm_config"]
-    assert info["lora_config"] is None and info["weight_transfer_config"] is None
-    assert info["model_config"]["logprobs_mode"] == "raw_logprobs"
-    assert info["model_config"]["max_logprobs"] == 20
-    r = post(plain_server, "/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {}})
-    assert_error(r, 403)
-    assert r.json()["error"]["type"] == "PermissionDeniedError"
-    r = post(plain_server, "/init_weight_transfer_engine", {"init_info": {}})
-    assert_error(r, 500)                                        # vLLM's worker raises: a 500
-    assert "Weight transfer not configured" in r.json()["error"]["message"]
-    lora = {"lora_name": "a", "lora_path": "/tmp"}
-    assert_error(post(plain_server, "/v1/load_lora_adapter", lora), 404)
-    assert_error(post(plain_server, "/v1/completions", {"prompt": PROMPT, "logprobs": 21}), 400)
-
-
-# vLLM's routes that only VLLM_SERVER_DEV_MODE=1 registers (its dev and RL routers) and we serve
-DEV_ROUTES = [("GET", "/server_info"), ("GET", "/get_world_size"), ("POST", "/pause"),
-              ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/reset_prefix_cache"),
-              ("POST", "/init_weight_transfer_engine"), ("POST", "/start_weight_update"),
-              ("POST", "/update_weights"), ("POST", "/finish_weight_update"),
-              ("POST", "/shutdown_weight_transfer_engine"), ("POST", "/update_weight_version"),
-              ("GET", "/weight_info"), ("POST", "/weight_checker")]
-
-
-def test_without_dev_mode_the_dev_routes_answer_404_and_the_rest_serve(toy_dir):
-    s = LocalServer(toy_dir, "--max-model-len", "64", "--weight-transfer-config",
-                    '{"backend":"gloo"}', env={"VLLM_SERVER_DEV_MODE": "0"})
-    try:
-        for method, path in DEV_ROUTES:
-            r = requests.request(method, s.url + path, json={}, timeout=30)
-            assert_error(r, 404)
-            assert r.json()["error"]["message"] == f"Not Found: {method} {path}"
-        assert get(s, "/health").status_code == 200 and "vllm:" in get(s, "/metrics").text
-        assert get(s, "/v1/models").json()["data"][0]["max_model_len"] == 64
-        assert len(complete(s, max_tokens=2)["choices"]) == 1
-    finally:
-        s.stop()
-
-
-def test_missing_model_path_is_one_clear_line():
-    r = subprocess.run([sys.executable, "-m", "local_vllm.server", "--model", "/nonexistent/model"],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode != 0
-    assert r.stderr.strip().count("\n") == 0
-    assert "/nonexistent/model" in r.stderr and "does not exist" in r.stderr
-
-
-def test_weight_sync_calls_out_of_order_are_500s_in_vllms_words(server):
-    """What vLLM's worker refuses is a 500 (its words), and uvicorn closes the connection after
-    one: a client must not reuse it. A bad init_info is the worker's refusal too."""
-    bad_init = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                "world_size": 2, "nccl": True}
-    r = post(server, "/init_weight_transfer_engine", {"init_info": bad_init})
-    assert_error(r, 500)
-    assert "Invalid init_info" in r.json()["error"]["message"] and "nccl" in r.text
-    assert r.headers["connection"] == "close"
-    r = post(server, "/finish_weight_update", {"weight_version": "x"})
-    assert_error(r, 500)
-    assert r.json()["error"]["message"] in (
-        "finish_weight_update called without a matching start_weight_update.",
-        "Weight transfer engine not initialised: POST /init_weight_transfer_engine first")
-    assert complete(server, max_tokens=2)["choices"][0]["finish_reason"] in ("stop", "length")

@@ -1,4 +1,4 @@
-"""serve_http.py, the transport: framing and bounding bodies byte by byte, vLLM's JSON error shape
+"""local_vllm/transport.py: framing and bounding bodies byte by byte, vLLM's JSON error shape
 for every refusal (http.server's own included), --api-key, and a client that goes away freeing its
 sequences. Requests are raw bytes on a socket, so nothing between us and the server fixes them."""
 import http.client
@@ -10,42 +10,8 @@ import pytest
 import requests
 
 from local_vllm.launch import LocalServer
-from test_serve_local import PROMPT, assert_error, metrics, wait_for
-
-
-def raw(server, data: bytes, timeout: float = 15.0) -> tuple:
-    """Send bytes as they are; (status, JSON body or None, http.client.HTTPResponse) of the one
-    reply."""
-    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
-        sock.sendall(data)
-        method = "HEAD" if data.startswith(b"HEAD") else "POST"
-        response = http.client.HTTPResponse(sock, method=method)
-        response.begin()
-        body = response.read()
-    return response.status, json.loads(body) if body else None, response
-
-
-def request(method: str, path: str, body: bytes = b"", headers: dict | None = None) -> bytes:
-    """The bytes of one HTTP/1.1 request (Content-Length of the body unless headers are given)."""
-    if headers is None:
-        headers = {"Content-Length": str(len(body))}
-    lines = [f"{method} {path} HTTP/1.1\r\n"] + [f"{k}: {v}\r\n" for k, v in
-                                                 {"Host": "x", **headers}.items()]
-    return "".join(lines).encode() + b"\r\n" + body
-
-
-def error_message(body) -> str:
-    err = body["error"]
-    return err if isinstance(err, str) else err["message"]
-
-
-def ok(server) -> list[int]:
-    """A normal request still works: the server kept serving."""
-    r = requests.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3,
-                                                            "seed": 1, "return_token_ids": True},
-                      timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+from local_vllm_helpers import (PROMPT, assert_error, error_message, metrics, ok, raw, request,
+                                wait_for)
 
 
 # ── malformed requests, byte by byte ──────────────────────────────────────────────────────────

@@ -1,12 +1,11 @@
-"""serve_local.py, end to end, survives any request (issue: hardening): bad requests get a 4xx in
-vLLM's JSON shape, never a 500 or a hang; one failing request never fails another; the work of a
-request is bounded before it reaches the engine. (The byte-level framing and --api-key tests are
-serve_http.py's, in test_serve_http.py.)
+"""local_vllm/requests.py: what the stand-in accepts, checked before anything reaches the
+engine, refused with a 400 in vLLM's JSON shape naming the field, and the server keeps serving.
 
 Requests are written from vLLM's own rules (SamplingParams._verify_args, the protocol's field
 types). The property test draws request bodies from the schema, valid and invalid. The fuzz test
-is marked `slow` (deselected by default): `pytest -m slow tests/test_serve_hardening.py` runs 2000
-examples, schema requests and raw-byte mutations of them; SERVE_FUZZ_EXAMPLES=N sets another count.
+is marked `slow` (deselected by default): `pytest -m slow tests/test_local_vllm_requests.py` runs
+2000 examples, schema requests and raw-byte mutations of them (so transport.py's framing too);
+SERVE_FUZZ_EXAMPLES=N sets another count.
 """
 import http.client
 import json
@@ -14,76 +13,42 @@ import math
 import os
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from local_vllm.launch import LocalServer
-from test_serve_http import error_message, ok, raw, request
-from test_serve_local import PROMPT, TARGETS, assert_error, metrics, wait_for
+from local_vllm_helpers import (PROMPT, assert_error, complete, error_message, metrics, ok, post,
+                                raw, request)
 
 VOCAB = 105            # the toy model's vocabulary
-MAX_LEN = 256
+MAX_LEN = 256          # srv's --max-model-len (conftest)
 
 
-@pytest.fixture(scope="module")
-def srv(toy_dir):
-    s = LocalServer(toy_dir, "--max-model-len", str(MAX_LEN), "--enable-lora",
-                    "--max-lora-rank", "8", "--max-loras", "2", "--max-logprobs", "-1",
-                    "--logprobs-mode", "processed_logprobs", "--enable-scale-out")
-    yield s
-    s.stop()
+# ── bad input ─────────────────────────────────────────────────────────────────────────────
 
 
-def post(server, path, body, timeout=60, **kw) -> requests.Response:
-    return requests.post(server.url + path, json=body, timeout=timeout, **kw)
-
-
-# ── one request never hurts another ───────────────────────────────────────────────────────────
-
-
-def nan_adapter(toy_dir, path):
-    """A peft LoRA adapter with NaN weights, as a diverged run would push: valid files, poisoned
-    output."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(toy_dir),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
-                                      init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.fill_(math.nan)
-    model.save_pretrained(path)
-
-
-def test_a_poisoned_request_fails_alone(srv, toy_dir, tmp_path):
-    nan_adapter(toy_dir, str(tmp_path / "nan"))
-    r = post(srv, "/v1/load_lora_adapter", {"lora_name": "nan", "lora_path": str(tmp_path / "nan")})
-    assert r.status_code == 200
-    long = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "n": 2, "seed": 3,
-            "return_token_ids": True, "logprobs": 0}
-    with ThreadPoolExecutor(2) as pool:
-        running = pool.submit(post, srv, "/v1/completions", long)
-        wait_for(lambda: metrics(srv)["vllm:num_requests_running"] == 2)
-        poisoned = post(srv, "/v1/completions", {"prompt": PROMPT, "model": "nan",
-                                                 "max_tokens": 5})
-        assert not running.done()                      # failed while the long one still runs
-        result = running.result()
-    assert_error(poisoned, 500)
-    assert "NaN" in poisoned.json()["error"]["message"]
-    assert result.status_code == 200
-    choices = result.json()["choices"]
-    assert [len(c["token_ids"]) for c in choices] == [200, 200]
-    alone = post(srv, "/v1/completions", long).json()["choices"]   # now without a neighbour
-    assert [c["token_ids"] for c in alone] == [c["token_ids"] for c in choices]
-    assert ([c["logprobs"]["token_logprobs"] for c in alone]
-            == [c["logprobs"]["token_logprobs"] for c in choices])
-    post(srv, "/v1/unload_lora_adapter", {"lora_name": "nan"})
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokns": 4}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": -1}),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 106}),          # the vocab (105) at most
+    ("/v1/completions", {"prompt": [1, 2, 105]}),
+    ("/v1/completions", {"prompt": []}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 250}),         # 7 + 250 > 256 positions
+    ("/v1/completions", {"prompt": [[1, 2], [3, -1]]}),
+    ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"top_k": 0}}),  # top_k > 0
+    ("/inference/v1/generate", {"token_ids": PROMPT,
+                                "sampling_params": {"top_k": 2, "temperature": 0}}),
+    ("/inference/v1/generate", {"token_ids": PROMPT,
+                                "sampling_params": {"top_k": 2, "best_of": 2}}),
+    ("/weight_checker", {"action": "explode"}),
+])
+def test_bad_input_is_a_400_and_the_server_keeps_serving(server, path, body):
+    assert_error(post(server, path, body), 400)
+    assert complete(server, max_tokens=2)["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 # ── vLLM's parameter rules ────────────────────────────────────────────────────────────────────
@@ -267,4 +232,3 @@ def test_fuzz_run_stays_green(srv):
                 assert status == 200 or 400 <= status < 500, (data, status, reply)
         ok(srv)
     fuzz()
-

@@ -1,9 +1,8 @@
 """vllm_plugin/gloo_weight_transfer.py's pure parts, without vLLM installed: its bucket plan is the
-trainer's (weight_sync.buckets: both ends must cut the same buckets), and what it refuses before
-the model is touched. The engine itself runs against real vLLM in test_vllm_real.py. And (marker
-vllm) the NCCL path's plan against vLLM's own packed transfer code, without a GPU. The worker
-extension (weight_digests.py): which vLLM rows hold an HF tensor; its fault switch is the
-stand-in's."""
+trainer's (weight_sync.buckets: both ends must cut the same buckets), what it refuses before the
+model is touched, and its fault switch (the stand-in's noise). The engine itself runs against real
+vLLM in test_vllm_real.py. And (marker vllm) the NCCL path's plan against vLLM's own packed
+transfer code, without a GPU."""
 import os
 import random
 import subprocess
@@ -21,7 +20,6 @@ from weight_sync import buckets as trainer_buckets
 
 sys.path.insert(0, os.path.join(ROOT, "vllm_plugin"))
 import gloo_weight_transfer as plugin  # noqa: E402
-import weight_digests  # noqa: E402
 
 
 def test_both_ends_cut_the_same_buckets():
@@ -192,67 +190,6 @@ def test_the_nccl_plan_is_vllms_own(monkeypatch, tmp_path):
     assert len(plans["toy float32 64 KiB"]) > len(plans["toy bfloat16 64 KiB"]) > 1
     mixed = plans["mixed float32 4 KiB"]
     assert dict(mixed_tensors())[BIG].nbytes > 1 << 12 and [BIG] in [b[-1:] for b in mixed]
-
-
-class Layer(torch.nn.Module):
-    """A vLLM linear layer as locate sees it: its fused output sizes (q, k, v or gate, up)."""
-
-    def __init__(self, output_sizes=None):
-        super().__init__()
-        self.output_sizes = output_sizes
-
-
-class Wrapped(torch.nn.Module):
-    """vLLM's LoRA wrapper around a layer (--enable-lora): the layer is its base_layer."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.base_layer = layer
-
-
-class Mapper:
-    """vLLM's WeightsMapper of Qwen2/3 (hf_to_vllm_mapper): ".k_proj" → (".qkv_proj", "k")."""
-    stacked = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"),
-               ".v_proj": (".qkv_proj", "v"), ".gate_proj": (".gate_up_proj", 0),
-               ".up_proj": (".gate_up_proj", 1)}
-
-    def apply(self, weights):
-        for name, t in weights:
-            for old, (new, shard) in self.stacked.items():
-                if old in name:
-                    name, t.shard_id = name.replace(old, new), shard
-            yield name, t
-
-
-def vllm_model(mapper: bool) -> torch.nn.Module:
-    """The module tree of vLLM's Qwen3 (toy sizes), with or without the name mapper."""
-    model = torch.nn.Module()
-    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                                    "gate_up_proj": ["gate_proj", "up_proj"]}
-    if mapper:
-        model.hf_to_vllm_mapper = Mapper()
-    attn, mlp = torch.nn.Module(), torch.nn.Module()
-    attn.qkv_proj, attn.o_proj = Wrapped(Layer([128, 64, 64])), Wrapped(Layer())
-    mlp.gate_up_proj = Layer([256, 256])
-    model.self_attn, model.mlp = attn, mlp
-    return model
-
-
-@pytest.mark.parametrize("mapper", [True, False])
-def test_an_hf_name_is_found_in_the_rows_of_vllms_fused_layer(mapper):
-    model = vllm_model(mapper)
-    modules = dict(model.named_modules())
-
-    def found(name):
-        where = weight_digests.locate(model, modules, name)
-        return where if isinstance(where, str) else (where[0], where[1], where[2])
-    qkv, gate_up = model.self_attn.qkv_proj.base_layer, model.mlp.gate_up_proj
-    assert found("self_attn.q_proj.weight") == (qkv, "weight", slice(0, 128))
-    assert found("self_attn.k_proj.bias") == (qkv, "bias", slice(128, 192))
-    assert found("self_attn.v_proj.weight") == (qkv, "weight", slice(192, 256))
-    assert found("mlp.up_proj.weight") == (gate_up, "weight", slice(256, 512))
-    assert found("self_attn.o_proj.weight") == (model.self_attn.o_proj.base_layer, "weight", None)
-    assert found("self_attn.no_such.weight") == "no layer of vLLM's model holds it"
 
 
 def test_the_plugins_fault_switch_adds_the_stand_ins_noise():
