@@ -73,6 +73,7 @@ class TrainState:
     num_tokens: int = 0                # forwarded tokens since the start (num_tokens metric)
     dropped_stale_total: int = 0       # samples dropped as stale (sample/dropped_stale_total)
     dropped_oversize_total: int = 0    # over token_budget (batch/dropped_oversize_total)
+    skipped_steps_total: int = 0       # steps not applied: not finite (skipped_steps_total)
     prompt_index: int = 0              # first prompt not wholly trained (rollout_state.json)
     trained: dict = field(default_factory=dict)   # prompt index ≥ it → samples trained (same)
     settings: dict = field(default_factory=dict)  # what the run trains under (settings())

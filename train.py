@@ -109,7 +109,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     clients = [VLLMClient(url, timeout=config.vllm_server_timeout) for url in server_urls(config)]
     sync = None                                 # chosen once the servers answer
     saving = config.save_strategy == "steps"
-    skipped = skipped_total = 0                 # non-finite steps: in a row, since this start
+    skipped = 0                                 # non-finite steps in a row
     feed = None                                 # rank 0: its end of the rollout queue
     log = None                                  # rank 0: metrics.jsonl and the progress bar
 
@@ -160,8 +160,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             state.global_step += 1
             hooks.state.global_step = state.global_step
             skipped = skipped + 1 if step_metrics["loss"] is None else 0     # not applied
-            skipped_total += skipped > 0
-            step_metrics["skipped_steps_total"] = skipped_total
+            state.skipped_steps_total += skipped > 0
+            step_metrics["skipped_steps_total"] = state.skipped_steps_total
             every = config.torch_empty_cache_steps
             if every and state.global_step % every == 0 and device.type == "cuda":
                 torch.cuda.empty_cache()

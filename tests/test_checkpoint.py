@@ -105,6 +105,7 @@ def test_find_picks_the_newest_complete_checkpoint_and_prune_keeps_the_newest(tm
         "checkpoint-6"]                         # kept; 10 was the abandoned history's
 
 
+@pytest.mark.slow
 def test_every_prompt_is_trained_exactly_once_across_kills_mid_generation_step_and_save(
         start_server, toy_dir, tmp_path):
     """48 prompts × 4 generations, one epoch of steps of 3 samples (groups split across steps,

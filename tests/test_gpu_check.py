@@ -4,11 +4,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tools import gpu_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_cpu_smoke_prints_one_table_and_passes():
     p = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--cpu-smoke"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)

@@ -36,6 +36,7 @@ class At(TrainerCallback):
             action()
 
 
+@pytest.mark.slow
 def test_a_killed_replica_is_left_out_then_rejoins_with_the_current_weights(toy_dir, tmp_path,
                                                                              capfd, caplog):
     """b is killed after step 3: the syncs of steps 4-5 skip it (a warning) and the run goes on;
@@ -61,7 +62,8 @@ def test_a_killed_replica_is_left_out_then_rejoins_with_the_current_weights(toy_
         err = capfd.readouterr().err
         assert f"the vLLM server at {b.url} stopped answering" in err       # the rollout process
         back = err.split(f"the vLLM server at {b.url} answers again with policy version ")
-        assert len(back) == 2 and 6 <= int(back[1].split(":")[0]) < 14        # step 6's weights on
+        # b got step 6's weights (v6) before the child heard of v6: it may be back under v5
+        assert len(back) == 2 and 5 <= int(back[1].split(":")[0]) < 14
     finally:
         for s in servers:
             s.stop()

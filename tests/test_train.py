@@ -256,6 +256,7 @@ def test_a_vision_language_model_trains_and_syncs_only_its_language_model(tmp_pa
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_the_toy_demo_learns(tmp_path):
     """`python train.py` (the toy demo, its own server) on a short schedule: the mean reward of the
     last steps clearly beats the first steps' (`python -m tools.bench learn` runs the whole

@@ -78,6 +78,17 @@ def test_a_step_whose_loss_is_not_finite_is_skipped_and_the_run_goes_on(start_se
     assert any(not torch.equal(trained[n].float(), base[n]) for n in base)   # the others trained
 
 
+def test_the_skipped_steps_total_carries_over_a_resume(start_server, toy_dir, tmp_path):
+    """A run whose two steps were both skipped saves at step 2; its resume, whose steps are
+    finite, goes on counting from 2."""
+    server = start_server(*SERVER_ARGS)
+    out = tmp_path / "out"
+    run(server, toy_dir, out, loop_cls=h.AllInfAdvantageLoop, max_steps=2, token_budget=0,
+        save_steps=2)
+    run(server, toy_dir, out, max_steps=3, token_budget=0, resume_from_checkpoint=True)
+    assert [r["skipped_steps_total"] for r in strict_lines(out)] == [1, 2, 2]
+
+
 def test_every_rank_skips_a_step_one_ranks_row_makes_non_finite(tmp_path):
     """The loss is summed over ranks and the gradient norm is global, so a non-finite value in one
     rank's row skips the step on both: the full weights are the initial ones."""
@@ -110,6 +121,7 @@ def test_non_finite_steps_in_a_row_stop_the_run_with_the_weights_untouched(start
 # ── nothing to train ────────────────────────────────────────────────────────────────────────
 
 
+@pytest.mark.slow
 def test_a_max_steps_run_whose_every_group_is_dropped_says_why_and_stops(start_server, toy_dir,
                                                                          tmp_path, capfd):
     """Equal rewards: every group is dropped (the spec), so no sample ever comes. The windows are
