@@ -42,6 +42,7 @@ def test_checkpoints_are_complete_pruned_and_load_with_from_pretrained(train_run
     assert json.load(open(os.path.join(ckpt, "rollout_state.json")))["prompt_index"] > 0
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_at_the_saved_prompt_with_its_optimizer_state(start_server, indexed,
                                                                           tmp_path):
     server = start_server(*SERVER_ARGS)
@@ -244,6 +245,7 @@ def test_a_checkpoint_is_on_disk_before_its_rename_and_the_rename_before_a_prune
     assert sorted(os.listdir(out)) == ["checkpoint-4", "completions.jsonl", "metrics.jsonl"]
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_used_output_dir_is_refused_or_replaces_the_first(
         start_server, indexed, tmp_path):
     """`python train.py` twice into one directory: the second is refused before it trains, with

@@ -1,5 +1,5 @@
-"""tools/gpu_check.py: its CPU-safe parts run (CI smoke test); benchmark lines are judged against the
-targets."""
+"""tools/gpu_check.py: its CPU-safe parts run (CI smoke test); benchmark lines are judged against
+the targets."""
 import os
 import subprocess
 import sys

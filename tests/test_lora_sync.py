@@ -84,6 +84,7 @@ def served_at_close(monkeypatch, servers) -> list[dict]:
     return seen
 
 
+@pytest.mark.slow
 def test_adapter_sync_reaches_both_replicas_and_keeps_the_staleness_window(servers, toy_dir,
                                                                            tmp_path, monkeypatch):
     """3 steps, max_staleness 1: every replica serves policy-<run>-v3 with exactly the trained
@@ -112,6 +113,7 @@ def test_adapter_sync_reaches_both_replicas_and_keeps_the_staleness_window(serve
     assert saved["r"] == 4 and not (tmp_path / "checkpoint-3" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_full_sync_reaches_every_replica(servers, toy_dir, tmp_path):
     """One collective group with both replicas' ranks: after the run both hold the checkpoint's
     weights."""

@@ -69,6 +69,7 @@ def test_a_killed_replica_is_left_out_then_rejoins_with_the_current_weights(toy_
             s.stop()
 
 
+@pytest.mark.slow
 def test_when_every_replica_is_killed_the_run_stops_naming_them(toy_dir, tmp_path):
     (tmp_path / "model").symlink_to(toy_dir)
     a, b = LocalServer(toy_dir, *SERVER_ARGS), LocalServer(toy_dir, *SERVER_ARGS)
@@ -83,6 +84,7 @@ def test_when_every_replica_is_killed_the_run_stops_naming_them(toy_dir, tmp_pat
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.slow
 def test_a_server_that_accepts_connections_but_never_answers_stops_the_run_naming_it(
         toy_dir, tmp_path):
     """SIGSTOP after step 2: the kernel still accepts connections, nothing answers. The run stops

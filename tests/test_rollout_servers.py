@@ -136,6 +136,7 @@ def samples_until(worker, stop, timeout=60.0) -> list:
     return samples
 
 
+@pytest.mark.slow
 def test_a_killed_replica_is_routed_around_and_its_rollouts_run_again(start_server, tokenizer):
     """b is killed while both serve: the run ends normally on a, and every prompt is in exactly
     num_generations samples (the rollouts in flight on b ran again on a: none lost, none twice)."""

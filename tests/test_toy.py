@@ -4,6 +4,7 @@ import pickle
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -103,6 +104,7 @@ def test_the_warm_up_teaches_the_format_and_not_the_answer():
     assert p[1, tokenizer.eos_token_id] > 0.9
 
 
+@pytest.mark.slow
 def test_grpo_learns_the_toy_task_on_cpu():
     """The toy task's claim: GRPO with our packing and loss raises the reward of the random-init
     model within a few hundred steps on a CPU. An on-policy loop in one process (transformers'

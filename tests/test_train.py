@@ -81,6 +81,7 @@ def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
     assert (state.num_tokens, state.dropped_stale_total) == (100 + packed[0][0].unique_tokens, 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_two_ranks_give_the_weights_of_one_process(tmp_path, precision):
     """One optimizer step on 2 gloo ranks (FSDP2 shards, each rank its row of every micro-batch)
@@ -122,6 +123,7 @@ def test_a_rank_that_never_joins_fails_within_the_timeout_naming_the_wait(tmp_pa
     assert "did not form within 3s" in done.stderr and "1/2 clients joined" in done.stderr
 
 
+@pytest.mark.slow
 def test_quickstart_and_curriculum_examples_train(start_server, toy_dir, tmp_path):
     """The spec's quickstart and curriculum example, with the toy model and dataset in place of hub
     names."""
@@ -175,6 +177,7 @@ def test_a_mixed_precision_run_trains(start_server, toy_dir, tmp_path, precision
 # ── processes: failures ─────────────────────────────────────────────────────────────────────
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", ["server", "rollout process"])
 def test_a_dying_server_or_rollout_process_stops_the_trainer_cleanly(start_server, indexed,
                                                                       tmp_path, victim):
@@ -340,6 +343,7 @@ def test_given_fields_win_over_the_toy_defaults_in_either_form():
     assert parse("--model=some/other", "--serve_local=true")[0].serve_local is True
 
 
+@pytest.mark.slow
 def test_a_reward_module_in_the_current_directory_is_found(start_server, indexed, tmp_path):
     """Issue 34: `python train.py --reward my_rewards:accuracy` (the README's example) run where
     my_rewards.py lies: the trainer imports it from the current directory, and so does the

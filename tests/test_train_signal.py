@@ -89,6 +89,7 @@ def test_the_skipped_steps_total_carries_over_a_resume(start_server, toy_dir, tm
     assert [r["skipped_steps_total"] for r in strict_lines(out)] == [1, 2, 2]
 
 
+@pytest.mark.slow
 def test_every_rank_skips_a_step_one_ranks_row_makes_non_finite(tmp_path):
     """The loss is summed over ranks and the gradient norm is global, so a non-finite value in one
     rank's row skips the step on both: the full weights are the initial ones."""
@@ -156,6 +157,7 @@ def test_an_epochs_run_whose_every_group_is_dropped_says_why(start_server, toy_d
 # ── forks: admission by staleness ───────────────────────────────────────────────────────────
 
 
+@pytest.mark.slow
 def test_forked_rollouts_train_every_group_of_each_epoch(start_server, toy_dir, tokenizer,
                                                         tmp_path):
     """3 samples a rollout (a template that re-renders earlier answers), 2 epochs of 17 prompts:

@@ -2,8 +2,8 @@
 
 Fingerprints (vllm_plugin/weight_digests.fingerprint, tested on its own in
 test_vllm_plugin_weight_digests.py): every full sync verified (a corrupted replica named and taken
-out; alone, it stops the sync). The probe: the policy's own forward scores the server's tokens (no copy of the
-policy anywhere); every logged step has sync/probe_kl; a correct bf16 LoRA run raises no alarm
+out; alone, it stops the sync). The probe: the policy's own forward scores the server's tokens
+(no copy of the policy anywhere); every logged step has sync/probe_kl; a correct bf16 LoRA run raises no alarm
 while a stale adapter is caught; a LoRA run sends its base, waits for its server, and refuses a
 base it cannot send. The fault switch (ASYNC_GRPO_FAULT_NOISE) corrupts one tensor on a server.
 The checks at start: a dtype mismatch warned (and lora_sync.adapter_refusal: data parallelism
@@ -252,6 +252,7 @@ def test_a_correct_bf16_lora_run_raises_no_alarm_and_a_stale_adapter_is_caught(
     assert len(loads) <= 6 + 1                # caught before the run's end, after one reload
 
 
+@pytest.mark.slow
 def test_a_lora_run_after_a_full_sync_run_sends_its_base(start_server, toy_dir, tmp_path):
     """The spec's examples one after another on one server: a full-sync run leaves its trained
     weights there; the LoRA run then sends its base (a full sync, verified) before its adapters,

@@ -1,5 +1,5 @@
-"""tools/walkthrough.py and WALKTHROUGH.md (概要 (overview), one prompt end to end): the script runs, and
-every output block of the document is exactly what it prints now (`--check`)."""
+"""tools/walkthrough.py and WALKTHROUGH.md (概要 (overview), one prompt end to end): the script
+runs, and every output block of the document is exactly what it prints now (`--check`)."""
 import os
 import subprocess
 import sys
