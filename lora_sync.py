@@ -334,6 +334,8 @@ class AdapterSync:
     def close(self) -> None:
         """Rank 0, at the end of the run (also after a failure): unload this run's adapters from
         every server that still answers; a server that does not is warned about, not waited for."""
+        if self.base is not None:
+            self.base.close()
         if dist.get_rank() != 0:
             return
         for version in self.loaded:

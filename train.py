@@ -821,12 +821,11 @@ def parse_cli(argv: list[str]) -> tuple[ScriptArguments, AsyncGRPOConfig]:
 
 def main(argv: list[str] | None = None) -> None:
     """`python train.py [flags]` (module docstring). Operator messages (logging) show on the
-    console: INFO and up on rank 0, WARNING and up elsewhere (log_level can change both)."""
+    console from INFO up; set_log_level then applies log_level and log_level_replica (the other
+    ranks: WARNING by default)."""
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # run the finally
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     script, config = parse_cli(argv)
     peft_config = lora_config(script)
     dataset = load_prompts(script)
@@ -837,7 +836,7 @@ def main(argv: list[str] | None = None) -> None:
     rewards = [import_callable("toy:exact_reward" if r == "toy" else r) for r in reward.split(",")]
     output_dir = config.output_dir or "trainer_output"
     server = None
-    if script.serve_local and rank0:               # rank 0 talks to servers
+    if script.serve_local and int(os.environ.get("RANK", "0")) == 0:   # rank 0 talks to servers
         import toy
         path = toy.ensure_saved() if script.model == "toy" else script.model
         os.makedirs(output_dir, exist_ok=True)

@@ -132,7 +132,8 @@ class FullSync:
         self.parity: dict[str, float] = {}   # sync/probe_kl of the last sync, logged every step
         self.worker_kwargs: dict = {}        # RolloutWorker's: rollouts ask for the base card
         self.asked = False                   # every rank: a probe waits to be scored (settle)
-        self.asking = None                   # rank 0: its request, in flight
+        self.asking = None                   # rank 0: its request, in flight ...
+        self.prober = ThreadPoolExecutor(1)  # ... on this thread, one at a time
 
     def specs(self) -> list[tuple[str, torch.Size]]:
         """(name, shape) of what every sync sends, in order: the server's names."""
@@ -159,7 +160,9 @@ class FullSync:
         self.push(version)
 
     def close(self) -> None:
-        """Nothing to release: the servers keep the last weights sent."""
+        """The probe's thread ends (a request in flight is bounded: Members.call); the servers
+        keep the last weights sent."""
+        self.prober.shutdown(wait=False, cancel_futures=True)
 
     def push(self, version: int, probe_after: bool = True) -> dict[str, float]:
         """Every rank: send, verify (rank 0, between finish and resume: _verify); the probe is
@@ -172,7 +175,7 @@ class FullSync:
                        version, lambda: self._verify(check, version))
         self.pushes += 1
         if probe_after and self.every and w.rank == 0:   # asked now, scored in settle()
-            self.asking = ThreadPoolExecutor(1).submit(ask, self.policy, w.members, base_card)
+            self.asking = self.prober.submit(ask, self.policy, w.members, base_card)
         self.asked = probe_after and self.every > 0
         stats.verify_s += check.seconds
         return stats.metrics()

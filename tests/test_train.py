@@ -97,8 +97,8 @@ def test_two_ranks_give_the_weights_of_one_process(tmp_path, precision):
         done = subprocess.run([sys.executable, *cmd], env=env, timeout=300, capture_output=True,
                               text=True)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    one = torch.load(tmp_path / "one.pt")
-    two = torch.load(tmp_path / "two.pt")
+    one = torch.load(tmp_path / "one.pt", weights_only=True)
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
     torch.manual_seed(0)
     init = dict(toy.build_model(len(toy.build_tokenizer())).named_parameters())
     moved = max((one[n] - init[n]).abs().max() for n in one)

@@ -168,7 +168,7 @@ def test_the_nccl_plan_is_vllms_own(monkeypatch, tmp_path):
     subprocess.run([VLLM_PYTHON, os.path.join(ROOT, "tests", "vllm_packed_transfer.py"),
                     str(tmp_path / "ours.pt"), str(tmp_path / "vllm.pt")], check=True,
                    timeout=300)
-    vllm = torch.load(tmp_path / "vllm.pt")
+    vllm = torch.load(tmp_path / "vllm.pt", weights_only=True)
     default_bytes, default_buffers = vllm["defaults"]
     assert PACKED_BUFFER_BYTES == default_bytes
     plans = {}

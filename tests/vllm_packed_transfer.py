@@ -116,7 +116,7 @@ def worker_side(case: dict) -> dict:
 def main(cases_path: str, out_path: str) -> None:
     packed_tensor._get_streams = lambda device, n: tuple(NoStream() for _ in range(n))
     torch.accelerator.current_device_index = lambda: 0
-    cases = torch.load(cases_path)
+    cases = torch.load(cases_path, weights_only=True)
     out = {"defaults": (packed_tensor.DEFAULT_PACKED_BUFFER_SIZE_BYTES,
                         packed_tensor.DEFAULT_PACKED_NUM_BUFFERS),
            "cases": {name: {"trainer": trainer_side(case), "worker": worker_side(case)}

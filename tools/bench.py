@@ -363,7 +363,7 @@ def _compare_logprobs(argv, args):
             command = [sys.executable, "-m", "tools.bench", "logprobs", *argv,
                        "--variant", variant, "--out", out]
             subprocess.run(command, check=True)
-            results[variant] = torch.load(out)
+            results[variant] = torch.load(out, weights_only=True)
     naive = results["naive"]
     chunked = results["chunked"]
     diffs = {key: (naive[key] - chunked[key]).abs().max().item()

@@ -58,7 +58,7 @@ def fingerprint(t: torch.Tensor) -> str:
     count is hashed with F), then sha256 of (count, F) in hex. Detects accidental differences (a
     stale, partial or corrupted load), not an adversary. Worked: torch.ones(2) in fp32 is the bytes
     00 00 80 3f twice, so F_j = mixing[2, j]·(-128) + mixing[3, j]·63 + mixing[6, j]·(-128) +
-    mixing[7, j]·63 (row 0, weight 1) (tests/test_verify_sync.py replays it).
+    mixing[7, j]·63 (row 0, weight 1) (tests/test_vllm_plugin_weight_digests.py replays it).
 
     The rows a GEMM takes are views where the bytes fill whole rows (the tail is copied, padded);
     torch._int_mm wants more than 16 rows, so a small tensor is padded to 17."""
