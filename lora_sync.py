@@ -303,9 +303,8 @@ class AdapterSync:
             if not refused:
                 return
             if not attempt:
-                on_rank0(lambda: self.members.call(
-                    lambda c: c.base_url in refused and c.load_lora_adapter(name, path, True),
-                    f"loading {name} again"))
+                on_rank0(lambda: self.members.call(lambda c: c.load_lora_adapter(name, path, True),
+                                                   f"loading {name} again", only=set(refused)))
         on_rank0(lambda: self._take_out(name, refused))
 
     def _take_out(self, name: str, refused: dict[str, str]) -> None:

@@ -198,17 +198,9 @@ class FullSync:
         if not check.sent:
             return 0
         asked = list(check.sent)
-        shown = {}
-
-        def fetch(c: VLLMClient) -> None:
-            if c.base_url in self.showing:
-                shown[c.base_url] = served_digests(c, asked)
-        self.weights.members.call(fetch)
+        shown = self.weights.members.call(lambda c: served_digests(c, asked), only=self.showing)
         bad, verified = [], []
-        for c in self.weights.members.live:
-            if c.base_url not in shown:
-                continue
-            served, excluded = shown[c.base_url]
+        for c, (served, excluded) in shown.items():
             if excluded and c.base_url not in self.unreadable:
                 self.unreadable.add(c.base_url)
                 log.warning("weight sync: %s cannot read back %d tensor(s) exactly, which are "
@@ -236,13 +228,8 @@ def ask(policy, members: "Members", model_of: Callable[[VLLMClient], str],
     """Rank 0: (url, tokens, their log-probs) of the probe each live server of `members` (in
     `only`, if given) samples under model_of(server), asked in parallel, in the servers' order."""
     prompt = probe_prompt(policy.model.get_input_embeddings().num_embeddings)
-    found = {}
-
-    def one(c: VLLMClient) -> None:
-        if only is None or c.base_url in only:
-            found[c.base_url] = served_logprobs(c, model_of(c), prompt, tokens)
-    members.call(one)
-    return [(c.base_url, *found[c.base_url]) for c in members.clients if c.base_url in found]
+    found = members.call(lambda c: served_logprobs(c, model_of(c), prompt, tokens), only=only)
+    return [(c.base_url, *reply) for c, reply in found.items()]
 
 
 def probe(policy, asked, under=None, others: dict | None = None) -> list[Probe]:
@@ -680,20 +667,24 @@ class Members:
         for c, why in failed:
             self.take_out(c, why, failure)
 
-    def call(self, call: Callable[[VLLMClient], object], what: str | None = None) -> None:
-        """call(c) on every live server in parallel. A server that failed and fails /health is
-        taken out; the first failure of one that answers is raised (as RuntimeError("<what>: ...")
-        with `what`); none left: RuntimeError."""
-        live = self.live
+    def call(self, call: Callable[[VLLMClient], object], what: str | None = None,
+             only: set[str] | None = None) -> dict[VLLMClient, object]:
+        """call(c) on every live server (whose URL is in `only`, if given) in parallel: {server:
+        what it returned}, in the servers' order. A server that failed and fails /health is
+        taken out; the first failure of one that answers is raised (as RuntimeError("<what>:
+        ...") with `what`); none left: RuntimeError."""
+        live = [c for c in self.live if only is None or c.base_url in only]
         with ThreadPoolExecutor(max(1, len(live))) as pool:
             futures = [pool.submit(call, c) for c in live]
             failures = [_attempt(lambda: _result(f, self.timeout, f"{self.what} with {c.base_url}"))
                         for c, f in zip(live, futures)]
-        real = []
-        for c, e in zip(live, failures):
-            if e is not None and c.healthy():
+        values, real = {}, []
+        for c, f, e in zip(live, futures, failures):
+            if e is None:
+                values[c] = f.result()
+            elif c.healthy():
                 real.append(e)
-            elif e is not None:
+            else:
                 self.take_out(c, str(e))
         if not self.live:
             whys = "; ".join(f"{url}: {why}" for url, why in self.out.items())
@@ -703,6 +694,7 @@ class Members:
             raise RuntimeError(f"{what}: {real[0]}") from real[0]
         if real:
             raise real[0]
+        return values
 
 
 def begin_update(client: VLLMClient, resend: bool = False) -> None:
