@@ -325,8 +325,8 @@ def mismatch_metrics(log_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
             "sampling/mismatch_tokens": count}
 
 
-def compute_loss(hidden, weight, bias, row, config, num_tokens, chunk_size=None,
-                 final_logit_softcapping=None, version=None):
+def compute_loss(hidden, weight, bias, row, config, num_tokens, final_logit_softcapping=None,
+                 version=None):
     """(loss, metrics) of a packed row, from the final hidden states [N, H] and the LM head.
 
     row: any object with PackedRow's tensors (token_index, targets, sampler_logprobs, advantages and
@@ -334,18 +334,16 @@ def compute_loss(hidden, weight, bias, row, config, num_tokens, chunk_size=None,
     as in `policy_loss`; final_logit_softcapping: the model config's (Gemma 2: 30.0), None without
     it; version: the policy version the trainer holds (its tokens: the sampling/mismatch_* ones).
     """
-    top_ids = getattr(row, "top_ids", None)
     top_logprobs = getattr(row, "top_logprobs", None)
-    candidate_ids = getattr(row, "candidate_ids", None)
     if config.score_centering and top_logprobs is None:
         raise ValueError("AsyncGRPOConfig.score_centering: the samples carry no sampler top "
                          "log-probs; set num_sampler_logprobs >= 1 or score_centering=False")
     lp = token_logprobs(hidden, weight, bias, row.token_index, row.targets,
                         temperature=config.temperature,
-                        top_ids=top_ids if config.score_centering else None,
-                        candidate_ids=candidate_ids,
+                        top_ids=getattr(row, "top_ids", None) if config.score_centering else None,
+                        candidate_ids=getattr(row, "candidate_ids", None),
                         candidate_offsets=getattr(row, "candidate_offsets", None),
-                        final_logit_softcapping=final_logit_softcapping, chunk_size=chunk_size)
+                        final_logit_softcapping=final_logit_softcapping)
     versions = getattr(row, "model_versions", None)
     fresh = None if version is None or versions is None else versions == version
     return policy_loss(lp, row.sampler_logprobs, row.advantages, num_tokens, config, top_logprobs,
@@ -376,9 +374,7 @@ def finalize_metrics(metrics: dict) -> dict[str, float]:
 def router_aux_loss_coef(model_config, coef: float | None) -> float:
     """The router auxiliary-loss weight: `coef` if set, else the model's declared value; an error on
     a dense model (one whose config declares no experts)."""
-    text = model_config
-    if hasattr(model_config, "get_text_config"):
-        text = model_config.get_text_config()
+    text = model_config.get_text_config()           # a vision-language model's: its decoder's
     if not any(getattr(text, field, None) for field in MOE_EXPERT_FIELDS):
         if coef is not None:
             raise ValueError(f"AsyncGRPOConfig.router_aux_loss_coef={coef} is set, but "
