@@ -143,9 +143,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None       # [N, H]
         grad_w = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None  # [V, H]
-        grad_b = None
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_b = torch.zeros_like(bias, dtype=acc)                                 # [V]
+        # needs_input_grad is False for an input that is not a tensor, as a bias of None
+        grad_b = torch.zeros_like(bias, dtype=acc) if ctx.needs_input_grad[2] else None  # [V]
         for lo in range(0, targets.numel(), ctx.chunk):
             hi = min(targets.numel(), lo + ctx.chunk)
             h, z, _, slope = _chunk_logits(hidden, weight, bias, token_index, cand_ids,

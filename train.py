@@ -472,9 +472,12 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
     the backward of loss × world. A step whose loss or gradient norm is not finite is not applied
     (nor is the schedule stepped, as transformers' Trainer): its loss and grad_norm are None.
     `scaler` (fp16): the loss is scaled, the gradients unscaled before clipping, and a step with
-    inf/NaN gradients skipped. `version`: the policy version the weights are at, whose samples
-    measure the train/inference mismatch (sampling/mismatch_*)."""
+    inf/NaN gradients skipped; None: a disabled GradScaler, through which every call passes
+    unchanged (torch's AMP recipe: one code path with or without scaling). `version`: the policy
+    version the weights are at, whose samples measure the train/inference mismatch
+    (sampling/mismatch_*)."""
     device = policy.head().weight.device
+    scaler = scaler if scaler is not None else torch.amp.GradScaler(enabled=False)
     softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
     timer = metrics.Timer(device)
     parts = []                                          # loss.py's metrics, one dict per row
@@ -493,7 +496,7 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
                 loss = loss + aux_coef * aux / (len(rows) * world)
                 aux_sum += float(aux) / len(rows)
         with timer("bwd_s"):
-            (loss * world if scaler is None else scaler.scale(loss * world)).backward()
+            scaler.scale(loss * world).backward()
         loss_sum += loss.detach().to(torch.float64)
         parts.append(terms)
     reduced = reduce_metrics(parts) | {"loss": loss_sum}
@@ -506,21 +509,16 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
     with timer("optimizer_s"):
         limit = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
         trainable = [p for p in policy.parameters() if p.requires_grad]
-        if scaler is not None:
-            scaler.unscale_(optimizer)
+        scaler.unscale_(optimizer)
         out["grad_norm"] = float(full_tensor(torch.nn.utils.clip_grad_norm_(trainable, limit)))
         # the loss and the norm are global: every rank takes the same decision (fp16: the scaler
         # skips an overflowing step itself)
-        if math.isfinite(out["loss"]) and (scaler is not None or math.isfinite(out["grad_norm"])):
-            if scaler is None:
-                optimizer.step()
-            else:
-                scaler.step(optimizer)
+        if math.isfinite(out["loss"]) and (scaler.is_enabled() or math.isfinite(out["grad_norm"])):
+            scaler.step(optimizer)
             scheduler.step()
         else:
             out["loss"] = out["grad_norm"] = None        # skipped: logged null, counted by train()
-        if scaler is not None:
-            scaler.update()
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
     out["learning_rate"] = scheduler.get_last_lr()[0]
     return out | timer.metrics()
