@@ -200,15 +200,19 @@ def token_logprobs(hidden, weight, bias, token_index, targets, *, temperature=1.
     return TokenLogProbs(*out)
 
 
+def clip_range(config) -> tuple[float, float]:
+    """The surrogate's ratio clip, (1 - ε, 1 + ε_high); ε_high None: ε."""
+    return 1 - config.epsilon, 1 + (config.epsilon_high or config.epsilon)
+
+
 def importance_bands(ratio, adv, config):
     """(inside the importance-sampling bounds, clipped low, clipped high), bool each, for ratios
     and detached advantages: a token is clipped low if A < 0 and r < 1 - ε, high if A > 0 and
     r > 1 + ε_high (the clip takes its gradient away)."""
-    eps_low = config.epsilon
-    eps_high = config.epsilon_high or config.epsilon
+    lowest, highest = clip_range(config)
     inside = ((ratio >= config.vllm_importance_sampling_clip_min)
               & (ratio <= config.vllm_importance_sampling_clip_max))
-    return inside, (adv < 0) & (ratio < 1 - eps_low), (adv > 0) & (ratio > 1 + eps_high)
+    return inside, (adv < 0) & (ratio < lowest), (adv > 0) & (ratio > highest)
 
 
 def centering_term(lp: TokenLogProbs, top_logprobs, adv, config):
@@ -264,9 +268,7 @@ def policy_loss(lp: TokenLogProbs, sampler_logprobs, advantages, num_tokens, con
     adv = advantages.to(lp.target.dtype)                                # [M] A_t
     log_ratio = lp.target - sampler_logprobs                            # [M]
     ratio = log_ratio.clamp(-20, 20).exp()                              # [M] ±20 is past any bound
-    eps_low = config.epsilon
-    eps_high = config.epsilon_high or config.epsilon
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)                    # [M]
+    clipped = ratio.clamp(*clip_range(config))                          # [M]
     per_token = -torch.minimum(ratio * adv, clipped * adv)              # [M]
     keep, low, high = importance_bands(ratio.detach(), adv, config)     # [M] bool each
     if config.score_centering:
