@@ -184,9 +184,6 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
         tensor = full_tensor(value)
         if rank == 0:
             exported[name] = tensor.to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
-    if rank == 0:
-        model.save_pretrained(tmp, state_dict=exported)
-        tokenizer.save_pretrained(tmp)
     if not config.save_only_model:
         model_state, optim_state = get_state_dict(policy, optimizer)
         dcp.save({"model": model_state, "optim": optim_state},
@@ -199,6 +196,8 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
         torch.save(rng, os.path.join(tmp, f"rng_state_{rank}.pth"))
         fsync(os.path.join(tmp, f"rng_state_{rank}.pth"))   # by its writer (dcp fsyncs its own)
     if rank == 0:
+        model.save_pretrained(tmp, state_dict=exported)
+        tokenizer.save_pretrained(tmp)
         if not config.save_only_model:
             torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
         rollout_state = {"prompt_index": state.prompt_index, "trained": state.trained}

@@ -233,10 +233,22 @@ class AsyncGRPOConfig:
                      "gradient_checkpointing_kwargs"):
             if isinstance(getattr(self, name), str):
                 setattr(self, name, json.loads(getattr(self, name)))
+        # the rules that several fields share, each written once
+        for name in ("temperature", "max_completion_length", "queue_maxsize",
+                     "vllm_server_timeout", "rollout_worker_timeout", "reward_tool_timeout",
+                     "untrained_warning_s"):
+            need(getattr(self, name) > 0, name, "must be > 0")
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                     "weight_sync_steps"):
+            need(getattr(self, name) >= 1, name, "must be >= 1")
+        for name in ("learning_rate", "max_staleness"):
+            need(getattr(self, name) >= 0, name, "must be >= 0")
+        for name, allowed in (("optim", OPTIMIZERS), ("lr_scheduler_type", SCHEDULES),
+                              ("log_level", LOG_LEVELS), ("log_level_replica", LOG_LEVELS)):
+            need(getattr(self, name) in allowed, name, f"must be one of {allowed}")
         # generation and the objective
         need(self.num_generations >= 2, "num_generations",
              "must be >= 2: advantages are standardised within a group")
-        need(self.temperature > 0, "temperature", "must be > 0")
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         need(self.top_k >= 0, "top_k", "must be >= 0 (0 disables top-k)")
         need(not self.truncated_sampling or self.top_k > 0, "top_k", "top_p < 1 and min_p also "
@@ -255,23 +267,13 @@ class AsyncGRPOConfig:
         need(self.num_sampler_logprobs >= 1 or not self.score_centering, "num_sampler_logprobs",
              "score centering needs >= 1 sampler log-probs per token")
         # the asynchronous pipeline
-        for name in ("max_completion_length", "queue_maxsize", "vllm_server_timeout",
-                     "rollout_worker_timeout", "reward_tool_timeout", "untrained_warning_s"):
-            need(getattr(self, name) > 0, name, "must be > 0")
         need(self.num_train_epochs > 0 or self.max_steps > 0, "num_train_epochs",
              "must be > 0 (or set max_steps > 0)")
-        need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
-        need(self.weight_sync_steps >= 1, "weight_sync_steps", "must be >= 1")
         need(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1,
              "max_concurrent_rollouts", "must be >= 1 (or None for the default)")
         need(self.weight_sync_verify_every is None or self.weight_sync_verify_every >= 0,
              "weight_sync_verify_every", "must be >= 0 (0: no verification; None: the default)")
         # training
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-            need(getattr(self, name) >= 1, name, "must be >= 1")
-        need(self.learning_rate >= 0, "learning_rate", "must be >= 0")
-        need(self.lr_scheduler_type in SCHEDULES, "lr_scheduler_type",
-             f"must be one of {SCHEDULES}")
         need(self.lr_scheduler_type.startswith("constant") or self.max_steps > 0,
              "lr_scheduler_type",
              f"{self.lr_scheduler_type!r} decays over max_steps, which is not set: the number of "
@@ -280,7 +282,6 @@ class AsyncGRPOConfig:
         fraction = 0 < self.warmup_steps < 1
         need(self.warmup_steps >= 0 and (not fraction or self.max_steps > 0), "warmup_steps",
              "a fraction (< 1) of max_steps needs max_steps > 0")
-        need(self.optim in OPTIMIZERS, "optim", f"must be one of {OPTIMIZERS}")
         need(not (self.fp16 and self.bf16), "fp16", "fp16 and bf16 are both set: pick one")
         if self.tf32:
             import torch
@@ -311,8 +312,6 @@ class AsyncGRPOConfig:
              "or 'none' (metrics.jsonl is written whatever it is)")
         need(self.logging_strategy in ("steps", "no"), "logging_strategy",
              "must be 'steps' or 'no': an epoch's number of steps is not known in advance")
-        for name in ("log_level", "log_level_replica"):
-            need(getattr(self, name) in LOG_LEVELS, name, f"must be one of {LOG_LEVELS}")
         need(self.save_strategy in ("steps", "no"), "save_strategy", "must be 'steps' or 'no'")
         for name in ("logging_steps", "save_steps"):
             value = getattr(self, name)
@@ -484,9 +483,7 @@ SAME_AS_DEFAULT = {"include_num_input_tokens_seen": (False,), "debug": (None, []
 def refuse_inapplicable(config) -> None:
     """ValueError for the first WHY field set to anything but its default (or SAME_AS_DEFAULT)."""
     for f in fields(config):
-        if f.name not in WHY:
-            continue
         default = f.default_factory() if f.default is MISSING else f.default
         value = getattr(config, f.name)
-        if value != default and value not in SAME_AS_DEFAULT.get(f.name, ()):
+        if f.name in WHY and value != default and value not in SAME_AS_DEFAULT.get(f.name, ()):
             raise ValueError(f"AsyncGRPOConfig.{f.name}={value!r}: {WHY[f.name]}")

@@ -143,9 +143,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None       # [N, H]
         grad_w = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None  # [V, H]
-        grad_b = None
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_b = torch.zeros_like(bias, dtype=acc)                                 # [V]
+        # needs_input_grad is False for an input that is not a tensor, as a bias of None
+        grad_b = torch.zeros_like(bias, dtype=acc) if ctx.needs_input_grad[2] else None  # [V]
         for lo in range(0, targets.numel(), ctx.chunk):
             hi = min(targets.numel(), lo + ctx.chunk)
             h, z, _, slope = _chunk_logits(hidden, weight, bias, token_index, cand_ids,
@@ -201,15 +200,19 @@ def token_logprobs(hidden, weight, bias, token_index, targets, *, temperature=1.
     return TokenLogProbs(*out)
 
 
+def clip_range(config) -> tuple[float, float]:
+    """The surrogate's ratio clip, (1 - ε, 1 + ε_high); ε_high None: ε."""
+    return 1 - config.epsilon, 1 + (config.epsilon_high or config.epsilon)
+
+
 def importance_bands(ratio, adv, config):
     """(inside the importance-sampling bounds, clipped low, clipped high), bool each, for ratios
     and detached advantages: a token is clipped low if A < 0 and r < 1 - ε, high if A > 0 and
     r > 1 + ε_high (the clip takes its gradient away)."""
-    eps_low = config.epsilon
-    eps_high = config.epsilon_high or config.epsilon
+    lowest, highest = clip_range(config)
     inside = ((ratio >= config.vllm_importance_sampling_clip_min)
               & (ratio <= config.vllm_importance_sampling_clip_max))
-    return inside, (adv < 0) & (ratio < 1 - eps_low), (adv > 0) & (ratio > 1 + eps_high)
+    return inside, (adv < 0) & (ratio < lowest), (adv > 0) & (ratio > highest)
 
 
 def centering_term(lp: TokenLogProbs, top_logprobs, adv, config):
@@ -265,9 +268,7 @@ def policy_loss(lp: TokenLogProbs, sampler_logprobs, advantages, num_tokens, con
     adv = advantages.to(lp.target.dtype)                                # [M] A_t
     log_ratio = lp.target - sampler_logprobs                            # [M]
     ratio = log_ratio.clamp(-20, 20).exp()                              # [M] ±20 is past any bound
-    eps_low = config.epsilon
-    eps_high = config.epsilon_high or config.epsilon
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)                    # [M]
+    clipped = ratio.clamp(*clip_range(config))                          # [M]
     per_token = -torch.minimum(ratio * adv, clipped * adv)              # [M]
     keep, low, high = importance_bands(ratio.detach(), adv, config)     # [M] bool each
     if config.score_centering:
@@ -325,8 +326,8 @@ def mismatch_metrics(log_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
             "sampling/mismatch_tokens": count}
 
 
-def compute_loss(hidden, weight, bias, row, config, num_tokens, chunk_size=None,
-                 final_logit_softcapping=None, version=None):
+def compute_loss(hidden, weight, bias, row, config, num_tokens, final_logit_softcapping=None,
+                 version=None):
     """(loss, metrics) of a packed row, from the final hidden states [N, H] and the LM head.
 
     row: any object with PackedRow's tensors (token_index, targets, sampler_logprobs, advantages and
@@ -334,18 +335,16 @@ def compute_loss(hidden, weight, bias, row, config, num_tokens, chunk_size=None,
     as in `policy_loss`; final_logit_softcapping: the model config's (Gemma 2: 30.0), None without
     it; version: the policy version the trainer holds (its tokens: the sampling/mismatch_* ones).
     """
-    top_ids = getattr(row, "top_ids", None)
     top_logprobs = getattr(row, "top_logprobs", None)
-    candidate_ids = getattr(row, "candidate_ids", None)
     if config.score_centering and top_logprobs is None:
         raise ValueError("AsyncGRPOConfig.score_centering: the samples carry no sampler top "
                          "log-probs; set num_sampler_logprobs >= 1 or score_centering=False")
     lp = token_logprobs(hidden, weight, bias, row.token_index, row.targets,
                         temperature=config.temperature,
-                        top_ids=top_ids if config.score_centering else None,
-                        candidate_ids=candidate_ids,
+                        top_ids=getattr(row, "top_ids", None) if config.score_centering else None,
+                        candidate_ids=getattr(row, "candidate_ids", None),
                         candidate_offsets=getattr(row, "candidate_offsets", None),
-                        final_logit_softcapping=final_logit_softcapping, chunk_size=chunk_size)
+                        final_logit_softcapping=final_logit_softcapping)
     versions = getattr(row, "model_versions", None)
     fresh = None if version is None or versions is None else versions == version
     return policy_loss(lp, row.sampler_logprobs, row.advantages, num_tokens, config, top_logprobs,
@@ -376,9 +375,7 @@ def finalize_metrics(metrics: dict) -> dict[str, float]:
 def router_aux_loss_coef(model_config, coef: float | None) -> float:
     """The router auxiliary-loss weight: `coef` if set, else the model's declared value; an error on
     a dense model (one whose config declares no experts)."""
-    text = model_config
-    if hasattr(model_config, "get_text_config"):
-        text = model_config.get_text_config()
+    text = model_config.get_text_config()           # a vision-language model's: its decoder's
     if not any(getattr(text, field, None) for field in MOE_EXPERT_FIELDS):
         if coef is not None:
             raise ValueError(f"AsyncGRPOConfig.router_aux_loss_coef={coef} is set, but "

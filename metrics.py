@@ -89,13 +89,12 @@ def reduce_window(records: list[dict]) -> dict[str, float]:
     loss and grad_norm, else nothing (module docstring: a worked example)."""
     out: dict[str, float] = {}
     for name in dict.fromkeys(k for r in records for k in r):
-        values = [r[name] for r in records
-                  if name in r and r[name] is not None and math.isfinite(r[name])]
-        if not values:
-            if any(name in r and r[name] is None for r in records):
-                out[name] = None
-            continue
-        out[name] = float(REDUCE[reduction(name)](values))
+        present = [r[name] for r in records if name in r]
+        values = [v for v in present if v is not None and math.isfinite(v)]
+        if values:
+            out[name] = float(REDUCE[reduction(name)](values))
+        elif None in present:
+            out[name] = None
     return out
 
 
@@ -250,11 +249,10 @@ class MetricsLog:
     def flush(self, global_step: int) -> None:
         """Write the window's line (with the rollout metrics drained since the last) everywhere."""
         self.pending += self.rollout_metrics()
-        line = self.write(global_step, reduce_window(self.window))
-        self.last = line
+        self.last = self.write(global_step, reduce_window(self.window))
         self.window = []
-        shown = {k: f"{line[k]:.3g}" for k in ("reward", "loss", "perf/step_s")
-                 if line.get(k) is not None}
+        shown = {k: f"{self.last[k]:.3g}" for k in ("reward", "loss", "perf/step_s")
+                 if self.last.get(k) is not None}
         self.bar.set_postfix(shown, refresh=False)
         if self.config.log_completions:
             rows = self.completion_rows()

@@ -54,6 +54,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import checkpoint
 import lora_sync
@@ -98,10 +99,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     aux_coef = router_aux_loss_coef(model.config, config.router_aux_loss_coef)
     policy = shard(Policy(model), config, device)
     optimizer, scheduler = build_optimizer(policy, config)
-    scaler = None                               # fp16: loss scaling (bf16 needs none)
-    if config.fp16:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        scaler = ShardedGradScaler(device=device.type)    # its default, "cuda", is off on a CPU
+    # fp16: loss scaling (bf16 needs none); the scaler's default device, "cuda", is off on a CPU
+    scaler = ShardedGradScaler(device=device.type) if config.fp16 else None
     if resume:
         state = replace(checkpoint.load(resume, policy, optimizer, scheduler),
                         settings=state.settings)        # the next checkpoint records this run's
@@ -120,7 +119,9 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
 
     try:
         on_rank0(lambda: [c.wait_for_health() for c in clients])   # before anything reads them
-        sync = make_sync(policy, clients, config, peft_config, output_dir)
+        # full weights (weight_sync.py), or LoRA adapter-only or merged (lora_sync.py): once
+        sync = (FullSync(policy, clients, config) if peft_config is None
+                else lora_sync.choose(policy, clients, config, peft_config, output_dir))
         on_rank0(lambda: check_servers(clients, config, tokenizer, device))
         sync.connect()
         sync.start(state.model_version)         # the servers may hold another run's weights
@@ -144,7 +145,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
         while config.max_steps <= 0 or state.global_step < config.max_steps:
             started = time.perf_counter()
             step = None                         # rank 0: what this step took and planned
-            if rank == 0 and not hooks.should_stop:     # a callback's stop: no step ends every rank
+            # a callback's stop (control.should_training_stop): no step, which ends every rank
+            if rank == 0 and not hooks.control.should_training_stop:
                 try:
                     step = feed.next_step(state.model_version, config.max_staleness)
                 except BaseException as e:      # the other ranks must not wait for rows forever
@@ -244,7 +246,7 @@ WHERE_KWARGS = ("revision", "subfolder", "cache_dir", "token", "local_files_only
                 "trust_remote_code")    # model_init_kwargs that say where the files are
 
 
-def load_model(model, config, processing_class=None, peft_config=None, device=None):
+def load_model(model, config, processing_class=None, peft_config=None, device=torch.device("cpu")):
     """(model, tokenizer) from a hub id, a local path, "toy" or a model object, with tree
     attention installed for the device that trains (tree_attention.choose_backend; default the
     CPU; said once). model_init_kwargs go to the model, and those that say where its files are
@@ -275,7 +277,6 @@ def load_model(model, config, processing_class=None, peft_config=None, device=No
     if peft_config is not None:
         from peft import get_peft_model
         model = get_peft_model(model, peft_config)
-    device = device or torch.device("cpu")
     backend, why = tree_attention.choose_backend(model, device, config.tree_attention_backend)
     tree_attention.install(model, backend)
     logging.getLogger(__name__).info("tree attention: %s (%s)", backend, why)
@@ -346,14 +347,6 @@ def build_optimizer(policy: Policy, config):
     return optimizer, scheduler
 
 
-def make_sync(policy: Policy, clients, config, peft_config, output_dir: str):
-    """Full-weight sync (weight_sync.py), or for LoRA adapter-only or merged sync (lora_sync.py),
-    chosen once at start."""
-    if peft_config is not None:
-        return lora_sync.choose(policy, clients, config, peft_config, output_dir)
-    return FullSync(policy, clients, config)
-
-
 # ── rank 0: one optimizer step of samples ────────────────────────────────────────────────────
 
 
@@ -403,7 +396,7 @@ class Feed:
         (spec: SAMPLE ... dropped if staleness > max_staleness), and so is one over the token
         budget; the state counts both drops and the forwarded tokens, and holds the resume
         cursor (prompt_index, trained)."""
-        samples, staleness, queue_s, rows, waited_s = [], [], [], [], 0.0
+        samples, queue_s, rows, waited_s = [], [], [], 0.0
         queue_size = self.worker.qsize()
         stale = self.planner.drop(lambda s: version - s.model_version > max_staleness)
         self.state.dropped_stale_total += stale
@@ -426,7 +419,6 @@ class Feed:
                 continue
             else:
                 samples.append(sample)
-                staleness.append(version - sample.model_version)
                 queue_s.append(time.time() - sample.enqueued_at)
                 micro = self.planner.add(sample)
             if micro:
@@ -443,8 +435,8 @@ class Feed:
         return Step(version, rows, packed,
                     trained_tokens=sum(p.trained_tokens for micro in packed for p in micro),
                     row_metrics=[self.planner.metrics(micro) for micro in packed],
-                    samples=samples, staleness=staleness, queue_s=queue_s, waited_s=waited_s,
-                    queue_size=queue_size)
+                    samples=samples, staleness=[version - s.model_version for s in samples],
+                    queue_s=queue_s, waited_s=waited_s, queue_size=queue_size)
 
 
 def scatter_rows(step: Step | None, rank: int, world: int, error: str | None = None):
@@ -480,9 +472,12 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
     the backward of loss × world. A step whose loss or gradient norm is not finite is not applied
     (nor is the schedule stepped, as transformers' Trainer): its loss and grad_norm are None.
     `scaler` (fp16): the loss is scaled, the gradients unscaled before clipping, and a step with
-    inf/NaN gradients skipped. `version`: the policy version the weights are at, whose samples
-    measure the train/inference mismatch (sampling/mismatch_*)."""
+    inf/NaN gradients skipped; None: a disabled GradScaler, through which every call passes
+    unchanged (torch's AMP recipe: one code path with or without scaling). `version`: the policy
+    version the weights are at, whose samples measure the train/inference mismatch
+    (sampling/mismatch_*)."""
     device = policy.head().weight.device
+    scaler = scaler if scaler is not None else torch.amp.GradScaler(enabled=False)
     softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
     timer = metrics.Timer(device)
     parts = []                                          # loss.py's metrics, one dict per row
@@ -501,7 +496,7 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
                 loss = loss + aux_coef * aux / (len(rows) * world)
                 aux_sum += float(aux) / len(rows)
         with timer("bwd_s"):
-            (loss * world if scaler is None else scaler.scale(loss * world)).backward()
+            scaler.scale(loss * world).backward()
         loss_sum += loss.detach().to(torch.float64)
         parts.append(terms)
     reduced = reduce_metrics(parts) | {"loss": loss_sum}
@@ -514,21 +509,16 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
     with timer("optimizer_s"):
         limit = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
         trainable = [p for p in policy.parameters() if p.requires_grad]
-        if scaler is not None:
-            scaler.unscale_(optimizer)
+        scaler.unscale_(optimizer)
         out["grad_norm"] = float(full_tensor(torch.nn.utils.clip_grad_norm_(trainable, limit)))
         # the loss and the norm are global: every rank takes the same decision (fp16: the scaler
         # skips an overflowing step itself)
-        if math.isfinite(out["loss"]) and (scaler is not None or math.isfinite(out["grad_norm"])):
-            if scaler is None:
-                optimizer.step()
-            else:
-                scaler.step(optimizer)
+        if math.isfinite(out["loss"]) and (scaler.is_enabled() or math.isfinite(out["grad_norm"])):
+            scaler.step(optimizer)
             scheduler.step()
         else:
             out["loss"] = out["grad_norm"] = None        # skipped: logged null, counted by train()
-        if scaler is not None:
-            scaler.update()
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
     out["learning_rate"] = scheduler.get_last_lr()[0]
     return out | timer.metrics()
@@ -712,10 +702,6 @@ class Hooks:
             method = getattr(callback, name, None)
             if method is not None:
                 method(self.config, self.state, self.control, **kwargs)
-
-    @property
-    def should_stop(self) -> bool:
-        return self.control.should_training_stop
 
 
 
