@@ -122,25 +122,17 @@ def filtered_stream(stream: Iterator[tuple[int, int, int, dict]],
     trainer). It is judged when the next epoch starts, or when the stream ends. An epoch the
     stream entered mid-way (a resume) is not judged: its accepted prompts may lie before the
     resume point."""
-    epoch = None
-    accepted = 0
-    whole = False
-    for prompt_index, row_epoch, row_index, row in stream:
-        if row_epoch != epoch:
-            _judge_epoch(epoch, accepted, whole)
-            epoch = row_epoch
-            accepted = 0
-            whole = row_index == 0
-        verdict = bool(filter_prompt(row_index, row, row_epoch))
-        accepted += verdict
-        yield prompt_index, row_epoch, row_index, row, verdict
-    _judge_epoch(epoch, accepted, whole)
-
-
-def _judge_epoch(epoch: int | None, accepted: int, whole: bool) -> None:
-    if epoch is not None and whole and accepted == 0:
-        raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}, so no batch can "
-                           "reach the trainer; loosen the filter")
+    for epoch, prompts in itertools.groupby(stream, key=lambda prompt: prompt[1]):
+        accepted = 0
+        whole = None                            # it starts at row 0, not mid-way
+        for prompt_index, _, row_index, row in prompts:
+            whole = row_index == 0 if whole is None else whole
+            verdict = bool(filter_prompt(row_index, row, epoch))
+            accepted += verdict
+            yield prompt_index, epoch, row_index, row, verdict
+        if whole and accepted == 0:
+            raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}, so no "
+                               "batch can reach the trainer; loosen the filter")
 
 
 @dataclass
