@@ -266,8 +266,7 @@ class AsyncRolloutLoop:
             completion_ids += turn.output_ids
             # an array: transformers' decode skips its per-element check of a list (21 µs of 48)
             text = self.tokenizer.decode(np.asarray(turn.output_ids), skip_special_tokens=True)
-            content = text
-            requested = []
+            content, requested = text, []           # no tools offered: no calls
             if by_name:
                 content, requested = parse_turn(self.tokenizer, self.tool_format, text, prompt_ids,
                                                 tools)
