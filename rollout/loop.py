@@ -59,7 +59,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
                 "ROLE_WORLD_SIZE")
 
 FAILED_GROUPS_TO_STOP = 4          # failed rollouts in a row from this many groups stop the process
-WAKE_S = 0.05                      # the generate loop re-checks shared values at least this often
+WAKE_S = 0.05                      # the loops re-check shared values at least this often
 
 
 # ── records ──────────────────────────────────────────────────────────────────────────────────
@@ -266,8 +266,7 @@ class AsyncRolloutLoop:
             completion_ids += turn.output_ids
             # an array: transformers' decode skips its per-element check of a list (21 µs of 48)
             text = self.tokenizer.decode(np.asarray(turn.output_ids), skip_special_tokens=True)
-            content = text
-            requested = []
+            content, requested = text, []           # no tools offered: no calls
             if by_name:
                 content, requested = parse_turn(self.tokenizer, self.tool_format, text, prompt_ids,
                                                 tools)
@@ -299,7 +298,6 @@ class AsyncRolloutLoop:
         config = self.config
         context = self._turn_context()
         client = context.replica.client
-        use_generate = context.replica.use_generate
         budget = context.budget or config.max_completion_length
         max_tokens = min(budget, self.max_model_len - len(prompt_ids))
         params = {"max_tokens": max_tokens, "temperature": config.temperature,
@@ -309,25 +307,22 @@ class AsyncRolloutLoop:
             params["top_k"] = config.top_k
         if config.min_p is not None:
             params["min_p"] = config.min_p
-        endpoint = "/inference/v1/generate" if use_generate else "/v1/completions"
+        if context.replica.use_generate:        # candidate sets come only from this route
+            endpoint, send, parse = "/inference/v1/generate", client.agenerate, parse_generate
+            body = {"token_ids": list(prompt_ids), "sampling_params": params}
+        else:
+            endpoint, send, parse = "/v1/completions", client.acompletions, parse_completion
+            body = {**params, "prompt": list(prompt_ids), "return_token_ids": True,
+                    "return_tokens_as_token_ids": True}
         while True:
             try:
-                if use_generate:
-                    reply = await client.agenerate({"model": context.model,
-                                                    "token_ids": list(prompt_ids),
-                                                    "sampling_params": params})
-                else:
-                    reply = await client.acompletions({"model": context.model, **params,
-                                                       "prompt": list(prompt_ids),
-                                                       "return_token_ids": True,
-                                                       "return_tokens_as_token_ids": True})
+                reply = await send({"model": context.model, **body})
                 break
             except VLLMError as e:
                 newest = self.adapter_name(self.model_version)
                 if e.status != 404 or newest == context.model:
                     raise
                 context.model = newest          # its adapter was unloaded: see adapter_name
-        parse = parse_generate if use_generate else parse_completion
         try:
             turn = parse(prompt_ids, reply, self.num_top)
             check_turn(turn, reply.get("model"), context.model, max_tokens, self.vocab_size)
@@ -457,7 +452,7 @@ class AsyncRolloutLoop:
                     self.num_top, self.config.reward_tool_timeout,
                     offers_tools=bool(self.tools) or self.environments is not None)
             except CallTimeout as e:              # a stalled reward function fails the group
-                self._failed(group.group_id, group.row_index, "scoring", e, new_group=True)
+                self._failed(group, "scoring", e, new_group=True)
                 self._finish_prompt(group.prompt_index, len(group.rollouts), 0)
                 continue
             self.counts.failures_in_a_row = self.counts.failed_groups_in_a_row = 0
@@ -527,7 +522,7 @@ class AsyncRolloutLoop:
         except Exception as e:
             if isinstance(e, NoReplicaLeft):
                 raise
-            self._failed(group.group_id, group.row_index, f"rollout {i}", e, not group.failed)
+            self._failed(group, f"rollout {i}", e, new_group=not group.failed)
             group.failed = True
         finally:
             group.done.add(i)
@@ -573,14 +568,14 @@ class AsyncRolloutLoop:
         new.inflight += 1
         return new
 
-    def _failed(self, group_id: int, row_index: int, what: str, error: Exception,
-                new_group: bool) -> None:
-        """Count and log a failed rollout (or a group's scoring: `what`), whose group is dropped;
-        raise once rollouts of FAILED_GROUPS_TO_STOP groups have failed in a row."""
+    def _failed(self, group, what: str, error: Exception, new_group: bool) -> None:
+        """Count and log a failed rollout (or a group's scoring: `what`), whose `group` (pending
+        or built) is dropped; raise once rollouts of FAILED_GROUPS_TO_STOP groups have failed in a
+        row."""
         self.counts.failed_groups_in_a_row += new_group
         self.counts.failures_in_a_row += 1
         log.error("%s of group %d (dataset row %d) failed; the group is dropped: %s: %s", what,
-                  group_id, row_index, type(error).__name__, error, exc_info=True)
+                  group.group_id, group.row_index, type(error).__name__, error, exc_info=True)
         if self.counts.failed_groups_in_a_row >= FAILED_GROUPS_TO_STOP:
             raise RuntimeError(f"{self.counts.failures_in_a_row} rollouts failed in a row, in "
                                f"{self.counts.failed_groups_in_a_row} groups; the last one: "
@@ -652,17 +647,12 @@ class AsyncRolloutLoop:
                 last = now
 
     async def _put(self, item: RolloutSample | None, channel=None) -> None:
-        """Put on the rollout queue (or `channel`) without blocking the event loop; a full queue is
-        backpressure."""
+        """Put on the rollout queue (or `channel`) without blocking the event loop; the time a full
+        queue blocks is backpressure. This thread is the queues' only producer, so a queue not
+        full stays so until the put."""
         channel = channel or self.channels.rollout_buffer
-        start = time.monotonic()
-        while True:
-            try:
-                return channel.put_nowait(item)
-            except queue.Full:
-                await asyncio.sleep(WAKE_S)
-                self.since_emit.backpressure_s += time.monotonic() - start
-                start = time.monotonic()
+        await self._wait_until(lambda: not channel.full(), "backpressure_s")
+        channel.put_nowait(item)
 
     async def _metrics_loop(self) -> None:
         """At start and every metrics_interval_s: poll the servers (servers.poll_all, which

@@ -17,6 +17,7 @@ Departures from the spec, one line each (as it says, a streaming dataset restart
 - rollout_state.json also holds "trained": samples of prompts past prompt_index trained already.
 - max_steps > 0 makes the run's length a number of steps.
 """
+import itertools
 import logging
 import math
 from collections import Counter
@@ -82,38 +83,34 @@ def prompt_stream(dataset, start_index: int, num_train_epochs: float, max_steps:
     """
     endless = max_steps > 0
     if dataset is None:
-        index = start_index
-        while True:
+        for index in itertools.count(start_index):
             yield index, 0, index, {}
-            index += 1
     if not hasattr(dataset, "__len__"):
         index = first_prompt_index(dataset, start_index)
         if index != start_index:
             log.warning("a streaming dataset cannot be repositioned: the rollout restarts at "
                         "prompt 0, not %d", start_index)
-        epoch = 0
-        while endless or epoch < math.ceil(num_train_epochs):
+        epochs = itertools.count() if endless else range(math.ceil(num_train_epochs))
+        for epoch in epochs:
             start = index
             for row_index, row in enumerate(dataset):
                 yield index, epoch, row_index, row
                 index += 1
             if index == start:
                 raise ValueError("the training dataset is empty")
-            epoch += 1
         return
     n = len(dataset)
     if n == 0:
         raise ValueError("the training dataset is empty")
-    end = math.inf if endless else math.ceil(num_train_epochs * n)
-    index = start_index
-    order = None                                    # (epoch, its row order)
-    while index < end:
+    end = math.ceil(num_train_epochs * n)
+    indices = itertools.count(start_index) if endless else range(start_index, end)
+    order = None                                    # the epoch's row order, when shuffled
+    for index in indices:
         epoch, i = divmod(index, n)
-        if shuffle_seed is not None and (order is None or order[0] != epoch):
-            order = (epoch, np.random.default_rng([shuffle_seed, epoch]).permutation(n))
-        row_index = int(order[1][i]) if shuffle_seed is not None else i
+        if shuffle_seed is not None and (order is None or i == 0):
+            order = np.random.default_rng([shuffle_seed, epoch]).permutation(n)
+        row_index = i if order is None else int(order[i])
         yield index, epoch, row_index, dataset[row_index]
-        index += 1
 
 
 def filtered_stream(stream: Iterator[tuple[int, int, int, dict]],
@@ -125,25 +122,17 @@ def filtered_stream(stream: Iterator[tuple[int, int, int, dict]],
     trainer). It is judged when the next epoch starts, or when the stream ends. An epoch the
     stream entered mid-way (a resume) is not judged: its accepted prompts may lie before the
     resume point."""
-    epoch = None
-    accepted = 0
-    whole = False
-    for prompt_index, row_epoch, row_index, row in stream:
-        if row_epoch != epoch:
-            _judge_epoch(epoch, accepted, whole)
-            epoch = row_epoch
-            accepted = 0
-            whole = row_index == 0
-        verdict = bool(filter_prompt(row_index, row, row_epoch))
-        accepted += verdict
-        yield prompt_index, row_epoch, row_index, row, verdict
-    _judge_epoch(epoch, accepted, whole)
-
-
-def _judge_epoch(epoch: int | None, accepted: int, whole: bool) -> None:
-    if epoch is not None and whole and accepted == 0:
-        raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}, so no batch can "
-                           "reach the trainer; loosen the filter")
+    for epoch, prompts in itertools.groupby(stream, key=lambda prompt: prompt[1]):
+        accepted = 0
+        whole = None                            # it starts at row 0, not mid-way
+        for prompt_index, _, row_index, row in prompts:
+            whole = row_index == 0 if whole is None else whole
+            verdict = bool(filter_prompt(row_index, row, epoch))
+            accepted += verdict
+            yield prompt_index, epoch, row_index, row, verdict
+        if whole and accepted == 0:
+            raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}, so no "
+                               "batch can reach the trainer; loosen the filter")
 
 
 @dataclass

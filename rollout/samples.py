@@ -30,6 +30,7 @@ t = tool result tokens):
 Departures from the spec: none in its fields; those marked ours are additions (tool-call records,
 the resume position, the sampler's top-k and candidate sets as arrays, what the metrics need).
 """
+import os
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -235,14 +236,6 @@ class PendingGroup:
 # ── reconcile: turns → training sequences ────────────────────────────────────────────────────
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], list[int]]:
     """Chain a rollout's turns into training sequences (the module docstring's worked example).
 
@@ -260,7 +253,9 @@ def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], list[int
             sequences[-1].add_context(turn.prompt_ids[len(held):])
         else:
             if held is not None:
-                drifts.append(len(held) - common_prefix(held, turn.prompt_ids))
+                # commonprefix compares any lists element by element, not only paths
+                shared = os.path.commonprefix([held, list(turn.prompt_ids)])
+                drifts.append(len(held) - len(shared))
             sequences.append(TrainingSequence())
             sequences[-1].add_context(list(turn.prompt_ids))
         sequences[-1].add_output(turn)

@@ -127,10 +127,9 @@ class Replica:
         self.waiting = sum(values("vllm:num_requests_waiting"))
         self.running = sum(values("vllm:num_requests_running"))
         counter = sum(values("vllm:num_preemptions_total"))
-        self.preemptions = 0.0
-        if self.last_counter is not None:  # a restarted server starts its counter again at 0
-            restarted = counter < self.last_counter
-            self.preemptions = counter if restarted else counter - self.last_counter
+        last = counter if self.last_counter is None else self.last_counter   # first poll: none
+        # a restarted server starts its counter again at 0
+        self.preemptions = counter - last if counter >= last else counter
         self.last_counter = counter
         self.cap.observe(self.kv_usage, self.waiting, self.inflight)
 

@@ -99,9 +99,7 @@ def tool_schemas(tools: list[Callable]) -> list | None:
             get_json_schema(t) if inspect.ismethod(t) else t for t in tools] or None
 
 
-@functools.lru_cache(maxsize=256)
-def _function_schema(func: Callable) -> dict:
-    return get_json_schema(func)
+_function_schema = functools.lru_cache(maxsize=256)(get_json_schema)   # a function's, cached
 
 
 def parse_turn(tokenizer, fmt: str | None, text: str, prompt_ids: list[int],
@@ -117,20 +115,10 @@ def parse_turn(tokenizer, fmt: str | None, text: str, prompt_ids: list[int],
         return text, [{"error": f"invalid tool call: {reason}"}]
     requested = []
     for call in message.get("tool_calls") or []:
-        fn = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(fn, dict):
-            fn = {}
-        name = fn.get("name")
-        arguments = fn.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except (ValueError, RecursionError):
-                pass
-        if isinstance(name, str) and isinstance(arguments, dict):
-            requested.append({"name": name, "arguments": arguments})
-        else:
-            requested.append({"error": f"invalid tool call {str(call)[:200]!r}"})
+        try:        # {"type": "function", "function": {...}}, or the function's fields alone
+            requested.append(checked_call(call.get("function", call)))
+        except (ValueError, AttributeError, RecursionError) as e:
+            requested.append({"error": f"invalid tool call {str(call)[:200]!r}: {e}"})
     content = message.get("content")
     return content if isinstance(content, str) else "", requested
 
@@ -146,20 +134,25 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     last = 0
     for match in TOOL_CALL.finditer(text):
         try:
-            call = json.loads(match[1])
-            arguments = call.get("arguments", {})     # not an object: AttributeError
-            if isinstance(arguments, str):
-                arguments = json.loads(arguments)
-            if not (isinstance(call.get("name"), str) and isinstance(arguments, dict)):
-                raise ValueError('expected {"name": <string>, "arguments": <object>}')
+            requested.append(checked_call(json.loads(match[1])))
         except (ValueError, AttributeError, RecursionError) as e:   # RecursionError: too deep
             requested.append({"error": f"invalid tool call {match[1].strip()[:200]!r}: {e}"})
             continue
-        requested.append({"name": call["name"], "arguments": arguments})
         content.append(text[last:match.start()])
         last = match.end()
     content.append(text[last:])
     return "".join(content), requested
+
+
+def checked_call(call: dict) -> dict:
+    """A parsed call as {"name": str, "arguments": dict} (arguments may come as a JSON string, or
+    be left out: none); ValueError, or AttributeError for a call that is not an object, if not."""
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    if not (isinstance(call.get("name"), str) and isinstance(arguments, dict)):
+        raise ValueError('expected {"name": <string>, "arguments": <object>}')
+    return {"name": call["name"], "arguments": arguments}
 
 
 async def run_tool_calls(requested: list[dict], tools: dict[str, Callable], executor: Executor,
@@ -172,22 +165,21 @@ async def run_tool_calls(requested: list[dict], tools: dict[str, Callable], exec
     for call in requested:
         name = call.get("name")
         start = time.monotonic()
-        failed = True
         unknown = name is not None and name not in tools
-        if "error" in call:
+        failed = "error" in call                # malformed; or, below, a known tool that raised
+        if failed:
             content = f"Error: {call['error']}"
         elif unknown:
             content = f"Error: unknown tool {name!r}; the tools are {sorted(tools)}"
-            failed = False
         else:
             try:
                 result = await call_maybe_async(tools[name], executor, limit, **call["arguments"])
                 content = str(result)
-                failed = False
             except CallTimeout:
                 raise
             except Exception as e:
                 content = f"Error: {type(e).__name__}: {e}"
+                failed = True
         messages.append({"role": "tool", "name": name or "invalid", "content": content})
         records.append(ToolCall(name, time.monotonic() - start, failed, unknown, turn_index))
     return messages, records
