@@ -119,20 +119,22 @@ def filtered_stream(stream: Iterator[tuple[int, int, int, dict]],
     """The stream with filter_prompt's verdict: (prompt_index, epoch, row_index, row, accepted).
 
     Spec: an epoch whose prompts filter_prompt all rejected raises (no batch could reach the
-    trainer). It is judged when the next epoch starts, or when the stream ends. An epoch the
-    stream entered mid-way (a resume) is not judged: its accepted prompts may lie before the
-    resume point."""
+    trainer). It is judged when the next epoch starts, or when the stream ends. The first epoch
+    of a stream that does not start at prompt 0 (a resume) is not judged: its accepted prompts
+    may lie before the resume point. (Not its first row's index: a shuffled epoch starts
+    anywhere, and a resume may land on row 0.)"""
+    whole = None                                # the first epoch: whole if it starts at prompt 0
     for epoch, prompts in itertools.groupby(stream, key=lambda prompt: prompt[1]):
         accepted = 0
-        whole = None                            # it starts at row 0, not mid-way
         for prompt_index, _, row_index, row in prompts:
-            whole = row_index == 0 if whole is None else whole
+            whole = prompt_index == 0 if whole is None else whole
             verdict = bool(filter_prompt(row_index, row, epoch))
             accepted += verdict
             yield prompt_index, epoch, row_index, row, verdict
         if whole and accepted == 0:
             raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}, so no "
                                "batch can reach the trainer; loosen the filter")
+        whole = True                            # every later epoch is seen from its start
 
 
 @dataclass

@@ -70,6 +70,26 @@ def test_a_resumed_epoch_is_not_rejected_for_its_missing_part():
     assert sum(accepted for *_, accepted in two_epochs) == 4
 
 
+def test_a_shuffled_epoch_is_judged_by_where_the_stream_starts_not_by_its_first_row():
+    """The default order is shuffled, so an epoch's first row is rarely row 0: an epoch rejected
+    whole still raises, a later epoch too, and a resume whose first row is row 0 does not."""
+    rows = toy.make_dataset(4)
+    for seed in range(8):
+        with pytest.raises(RuntimeError, match="rejected every prompt of epoch 0"):
+            list(filtered_stream(prompt_stream(rows, 0, 1, -1, shuffle_seed=seed), no_row))
+
+    def only_epoch_0(row_index, row, epoch) -> bool:
+        return epoch == 0
+    with pytest.raises(RuntimeError, match="rejected every prompt of epoch 1"):
+        list(filtered_stream(prompt_stream(rows, 0, 2, -1, shuffle_seed=3), only_epoch_0))
+    landing_on_row_0 = [seed for seed in range(32)      # resumed at prompt 1, first row 0
+                        if next(prompt_stream(rows, 1, 1, -1, shuffle_seed=seed))[2] == 0]
+    assert landing_on_row_0
+    for seed in landing_on_row_0:
+        verdicts = list(filtered_stream(prompt_stream(rows, 1, 1, -1, shuffle_seed=seed), no_row))
+        assert [v[-1] for v in verdicts] == [False] * 3
+
+
 def test_resume_index_counts_handed_out_dropped_and_filtered_prompts():
     resume = ResumeIndex(3)
     for index, samples in ((3, 2), (4, 0), (5, 1)):
