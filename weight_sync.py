@@ -44,6 +44,7 @@ import logging
 import math
 import socket
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -320,7 +321,7 @@ def free_port() -> int:
 
 def host_ip(server_url: str) -> str:
     """An address of this host that the server can reach (the route the OS picks towards it)."""
-    host = server_url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
+    host = urllib.parse.urlsplit(server_url).hostname or "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((socket.gethostbyname(host), 9))     # UDP connect sends nothing
