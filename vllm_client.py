@@ -108,9 +108,7 @@ def server_urls(config_or_url) -> list[str]:
     >>> server_urls("http://a:8000/, http://b:8000")
     ['http://a:8000', 'http://b:8000']
     """
-    text = config_or_url
-    if not isinstance(config_or_url, str):
-        text = config_or_url.vllm_server_base_url
+    text = config_or_url if isinstance(config_or_url, str) else config_or_url.vllm_server_base_url
     urls = [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
     if not urls or len(set(urls)) < len(urls):
         raise ValueError(f"vllm_server_base_url={text!r}: give one or more distinct server URLs, "
