@@ -25,7 +25,8 @@ position_ids[i] - position_ids[j] < window (depth = position). Attention logit s
     out = forward_row(model, row)   # batch size 1 (one row per DP rank), masks from row_kwargs
 
 Mixed precision: FSDP2 casts each layer's kwargs, rebuilding dicts and dataclasses from their
-items: the lazily built masks ride in a _PerWindow, passed as is; flash's and tree_gdn's are ints.
+items: the lazily built masks ride in a function, passed as is (a dict would reach each layer as
+a new dict of the masks built so far); flash's and tree_gdn's are ints.
 
 Departures from the spec, one line each:
 - sdpa (flex has no CPU backward in torch 2.13) and flex (88% of the FLOP bound on an H200) too.
@@ -50,20 +51,6 @@ _MISSING = ("tree attention needs the row's kwargs: "
             "model(..., **tree_attention.row_kwargs(model, row))")
 
 
-class _PerWindow:
-    """sliding window (None: none) -> the row's mask for it, built once, shared by the layers.
-    Not a dict: FSDP2's input cast would hand each layer a new dict of the masks built so far."""
-
-    def __init__(self, build):
-        self.build = build
-        self.masks = {}
-
-    def __getitem__(self, window):
-        if window not in self.masks:
-            self.masks[window] = self.build(window)
-        return self.masks[window]
-
-
 # ── the attention functions transformers calls: q [1, Hq, N, D], k/v [1, Hkv, N, D] ──────────────
 
 # (GQA not expanded), plus every extra forward kwarg (sliding_window and softcap per layer).
@@ -83,7 +70,7 @@ def _tree_sdpa(module, query, key, value, attention_mask, scaling=None, sliding_
                softcap=None, tree_masks=None, **_):
     if tree_masks is None:
         raise ValueError(_MISSING)
-    mask = tree_masks[sliding_window]                                            # [1, 1, N, N]
+    mask = tree_masks(sliding_window)                                            # [1, 1, N, N]
     if softcap is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
@@ -108,7 +95,7 @@ def _tree_flex(module, query, key, value, attention_mask, scaling=None, sliding_
                softcap=None, tree_block_masks=None, **_):
     if tree_block_masks is None:
         raise ValueError(_MISSING)
-    out = _flex(query, key, value, block_mask=tree_block_masks[sliding_window], scale=scaling,
+    out = _flex(query, key, value, block_mask=tree_block_masks(sliding_window), scale=scaling,
                 score_mod=None if softcap is None else _softcap_mod(softcap),
                 enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None                                # [1, N, Hq, D]
@@ -378,19 +365,16 @@ def row_kwargs(model, row) -> dict:
                 return tree[None, None]
             near = pos[:, None] - pos[None, :] < window                         # [N, N] on the path
             return (tree & near)[None, None]
-        out["tree_masks"] = _PerWindow(dense_mask)
+        out["tree_masks"] = functools.cache(dense_mask)    # window -> mask, built once per row
     elif backend == "flex":
         def block_mask(window):
             def visible(b, h, q, kv):
-                return (kv <= q) & (q <= end[kv])
-
-            def visible_near(b, h, q, kv):
-                return (kv <= q) & (q <= end[kv]) & (pos[q] - pos[kv] < window)
+                seen = (kv <= q) & (q <= end[kv])
+                return seen if window is None else seen & (pos[q] - pos[kv] < window)
             # compiled on CUDA (as transformers does): uncompiled it materialises all N² values
-            return create_block_mask(visible if window is None else visible_near, None, None,
-                                     len(end), len(end), device=device,
+            return create_block_mask(visible, None, None, len(end), len(end), device=device,
                                      _compile=device.type == "cuda")
-        out["tree_block_masks"] = _PerWindow(block_mask)
+        out["tree_block_masks"] = functools.cache(block_mask)
     else:
         out.update(tree_kv_index=row.kv_index.to(device),
                    tree_cu_seqlens_q=row.cu_seqlens_q.to(device),

@@ -128,16 +128,16 @@ def layout(row, kernel_size: int, device) -> GDNLayout:
     def as_index(a):                                            # numpy -> int64 tensor
         return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)
 
-    levels, order = [], []
+    token_level = level[seg_of]                                 # [N]
+    levels = []
     for lv in range(int(level.max()) + 1):
         segs = np.flatnonzero(level == lv)
-        index = np.concatenate([np.arange(cu_q[s], cu_q[s + 1]) for s in segs])
-        order.append(index)
+        index = np.flatnonzero(token_level == lv)               # its segments' tokens, in order
         cu_seqlens = np.r_[0, np.cumsum(n[segs])]
         levels.append(GDNLevel(as_index(index), as_index(cu_seqlens), segs.tolist(),
                                parent[segs].tolist()))
-    unlevel = np.empty(N, np.int64)
-    unlevel[np.concatenate(order)] = np.arange(N)
+    unlevel = np.empty(N, np.int64)         # the inverse of the levels' indices laid end to end
+    unlevel[np.argsort(token_level, kind="stable")] = np.arange(N)
     return GDNLayout(as_index(conv_index), as_index(keep), levels, as_index(unlevel))
 
 
@@ -175,9 +175,8 @@ def _rule_dispatcher(original):
         for lv in tree_gdn.levels:
             # [1, n, H, .] each
             q, k, v, gl, bl = (x.index_select(1, lv.index) for x in (query, key, value, g, beta))
-            h0 = None                                           # [s, H, Dk, Dv] initial states
-            if lv.parents[0] >= 0:
-                h0 = torch.stack([final[p] for p in lv.parents])
+            # [s, H, Dk, Dv] initial states: the parents' final states (a root level has none)
+            h0 = torch.stack([final[p] for p in lv.parents]) if lv.parents[0] >= 0 else None
             if varlen:                                          # fla, through transformers
                 o, ht = original(q, k, v, g=gl, beta=bl, initial_state=h0, output_final_state=True,
                                  cu_seqlens=lv.cu_seqlens, **kwargs)

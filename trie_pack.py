@@ -289,27 +289,22 @@ class TreeRow:
         num_chains = len(self._chain_sample)
         chain_len = [len(self.samples[self._chain_sample[c]].input_ids) - self._chain_start[c]
                      for c in range(num_chains)]
-        children_in_dfs_order = {c: [k for _, k in sorted(kids, key=lambda pos_kid: -pos_kid[0])]
-                                 for c, kids in self._children.items()}
         order = []
         stack = [c for c in range(num_chains) if self._chain_parent[c] is None][::-1]
         while stack:                         # pre-order over chains: deepest attach point first
             c = stack.pop()
             order.append(c)
-            stack.extend(children_in_dfs_order.get(c, [])[::-1])
+            kids = sorted(self._children.get(c, []), key=lambda pos_kid: -pos_kid[0])
+            stack.extend(kid for _, kid in reversed(kids))
         subtree_size = list(chain_len)       # tokens in a chain's subtree
         for c in reversed(order):
             if self._chain_parent[c] is not None:
                 subtree_size[self._chain_parent[c][0]] += subtree_size[c]
-        chain_offset = [0] * num_chains     # first packed index of each chain
-        offset = 0
-        for c in order:
-            chain_offset[c] = offset
-            offset += chain_len[c]
 
         id_parts, position_parts, subtree_end_parts = [], [], []
         segment_len, kv_parts = [], []
         chain_path: list = [None] * num_chains
+        first = 0                                      # first packed index of chain c
         for c in order:
             start, n = self._chain_start[c], chain_len[c]
             ids = self.samples[self._chain_sample[c]].input_ids
@@ -319,18 +314,16 @@ class TreeRow:
             below = np.zeros(n + 1, np.int64)          # [n+1] subtree tokens hung at each position
             for pos, kid in kids:
                 below[pos] += subtree_size[kid]
-            cuts = sorted({pos for pos, _ in kids})    # positions where child chains hang
-            first = chain_offset[c]
             subtree_end_parts.append(first + n - 1 + np.cumsum(below[::-1])[::-1][:n])
             parent = self._chain_parent[c]
             own = np.arange(first, first + n)
             above = [] if parent is None else [chain_path[parent[0]][:start]]
             chain_path[c] = np.concatenate(above + [own])
-            prev = -1
-            for end in cuts + [n - 1]:                 # a segment ends at a branch or the end
-                segment_len.append(end - prev)
-                kv_parts.append(chain_path[c][:start + end + 1])
-                prev = end
+            # a segment ends where child chains hang, or at the chain's end
+            ends = sorted({pos for pos, _ in kids}) + [n - 1]
+            segment_len += np.diff([-1] + ends).tolist()
+            kv_parts += [chain_path[c][:start + end + 1] for end in ends]
+            first += n
         kv_len = [len(p) for p in kv_parts]
         layout = dict(
             input_ids=_tensor(id_parts, np.int64),
@@ -474,12 +467,8 @@ class Planner:
         budget = self.token_budget
 
         def fitting(rows: list[TreeRow]) -> list[tuple[TreeRow, Match]]:
-            out = []
-            for row in rows:
-                match = row.match(sample, keys)
-                if row.fits(match, budget):
-                    out.append((row, match))
-            return out
+            matches = [(row, row.match(sample, keys)) for row in rows]
+            return [(row, match) for row, match in matches if row.fits(match, budget)]
 
         def cost(row_match: tuple[TreeRow, Match]) -> int:
             return row_match[0].attention_cost

@@ -74,22 +74,15 @@ _LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora (vllm serve reads 
 _TRANSFER = ("--weight-transfer-config '{\"backend\":\"nccl\"}' (on a CPU, our gloo backend: "
              "vllm_plugin/)")
 ENABLED_BY = {
-    "/server_info": (_DEV_MODE, None),
-    "/get_world_size": (_DEV_MODE, None),
-    "/pause": (_DEV_MODE, None),
-    "/resume": (_DEV_MODE, None),
-    "/is_paused": (_DEV_MODE, None),
-    "/init_weight_transfer_engine": (_DEV_MODE, _TRANSFER),
-    "/start_weight_update": (_DEV_MODE, _TRANSFER),
-    "/update_weights": (_DEV_MODE, _TRANSFER),
-    "/finish_weight_update": (_DEV_MODE, _TRANSFER),
-    "/weight_info": (_DEV_MODE, None),
-    "/reset_prefix_cache": (_DEV_MODE, None),
-    "/weight_checker": (_DEV_MODE, None),
-    "/update_weight_version": (_DEV_MODE, None),
-    "/collective_rpc": (_DEV_MODE, None),
-    "/v1/load_lora_adapter": (_LORA, None),
-    "/v1/unload_lora_adapter": (_LORA, None),
+    # vLLM's dev and RL routers
+    **dict.fromkeys(["/server_info", "/get_world_size", "/pause", "/resume", "/is_paused",
+                     "/weight_info", "/reset_prefix_cache", "/weight_checker",
+                     "/update_weight_version", "/collective_rpc"], (_DEV_MODE, None)),
+    # the same routers, and a weight transfer engine behind them
+    **dict.fromkeys(["/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                     "/finish_weight_update"], (_DEV_MODE, _TRANSFER)),
+    # runtime LoRA updating
+    **dict.fromkeys(["/v1/load_lora_adapter", "/v1/unload_lora_adapter"], (_LORA, None)),
 }
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -115,9 +108,7 @@ def server_urls(config_or_url) -> list[str]:
     >>> server_urls("http://a:8000/, http://b:8000")
     ['http://a:8000', 'http://b:8000']
     """
-    text = config_or_url
-    if not isinstance(config_or_url, str):
-        text = config_or_url.vllm_server_base_url
+    text = config_or_url if isinstance(config_or_url, str) else config_or_url.vllm_server_base_url
     urls = [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
     if not urls or len(set(urls)) < len(urls):
         raise ValueError(f"vllm_server_base_url={text!r}: give one or more distinct server URLs, "
@@ -525,15 +516,15 @@ class VLLMClient:
 
     # ---- async, for the rollout process's event loop ----
 
+    async def _ajson(self, method: str, path: str, kind: str = "control", json=None):
+        """The reply's JSON object (_field), of an async call with the retry policy."""
+        return _field(self.base_url + path, await self._arequest(method, path, kind, json=json))
+
     async def acompletions(self, body: dict) -> dict:
-        path = "/v1/completions"
-        return _field(self.base_url + path,
-                      await self._arequest("POST", path, "generation", json=body))
+        return await self._ajson("POST", "/v1/completions", "generation", json=body)
 
     async def agenerate(self, body: dict) -> dict:
-        path = "/inference/v1/generate"
-        return _field(self.base_url + path,
-                      await self._arequest("POST", path, "generation", json=body))
+        return await self._ajson("POST", "/inference/v1/generate", "generation", json=body)
 
     async def ametrics(self) -> Samples | None:
         """Parsed GET /metrics, or None when the server has none (404)."""
