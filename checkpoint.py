@@ -174,16 +174,7 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
                 shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    model = policy.model
-    dtype = config.export_dtype(next(policy.parameters()))
-    peft = hasattr(model, "peft_config")
-    exported = {}
-    for name, value in model.state_dict().items():      # gathered one at a time; rank 0 keeps them
-        if peft and "lora_" not in name:
-            continue
-        tensor = full_tensor(value)
-        if rank == 0:
-            exported[name] = tensor.to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
+    weights = exported(policy, config)
     if not config.save_only_model:
         model_state, optim_state = get_state_dict(policy, optimizer)
         dcp.save({"model": model_state, "optim": optim_state},
@@ -196,7 +187,7 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
         torch.save(rng, os.path.join(tmp, f"rng_state_{rank}.pth"))
         fsync(os.path.join(tmp, f"rng_state_{rank}.pth"))   # by its writer (dcp fsyncs its own)
     if rank == 0:
-        model.save_pretrained(tmp, state_dict=exported)
+        policy.model.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         if not config.save_only_model:
             torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
@@ -216,6 +207,26 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
         prune(output_dir, config.save_total_limit, state.global_step)
     dist.barrier()
     return final
+
+
+def exported(policy, config) -> dict[str, torch.Tensor]:
+    """What save_pretrained writes, in the export dtype (config.export_dtype; integer tensors as
+    they are): a peft model's adapter (its trainable tensors: LoRA's, DoRA's magnitudes,
+    modules_to_save's copies), else the model's whole state dict. Every rank calls it (each
+    tensor is one all-gather); rank 0 keeps them on the CPU, the others get {}. A checkpoint and
+    an adapter sync (lora_sync.AdapterSync) write the same tensors."""
+    model = policy.model
+    dtype = config.export_dtype(next(policy.parameters()))
+    if hasattr(model, "peft_config"):
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    else:
+        named = model.state_dict().items()
+    out = {}
+    for name, value in named:                           # gathered one at a time
+        tensor = full_tensor(value)
+        if dist.get_rank() == 0:
+            out[name] = tensor.to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
+    return out
 
 
 def fsync_tree(path: str) -> None:

@@ -47,6 +47,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from checkpoint import exported
 from verify_sync import BASE_KL, NOISE_FLOOR, PROBE_TOKENS, base_card, refusal, served_dtype
 from vllm_client import VLLMError
 from weight_sync import (FAILED, FullSync, Members, SyncStats, ask, full_tensor,
@@ -150,17 +151,6 @@ def choose(policy, clients, config, peft_config, output_dir: str):
 # ── adapter only ────────────────────────────────────────────────────────────────────────────
 
 
-def adapter_state(policy) -> dict[str, torch.Tensor]:
-    """The trainable (adapter) tensors, gathered whole; every rank calls it, rank 0 keeps them."""
-    out = {}
-    for name, p in policy.model.named_parameters():
-        if p.requires_grad:
-            whole = full_tensor(p)
-            if dist.get_rank() == 0:
-                out[name] = whole.cpu()
-    return out
-
-
 @contextlib.contextmanager
 def swapped(params: list[torch.Tensor], values: list[torch.Tensor] | None = None):
     """`params` hold `values` (None: zeros) inside the block, their own after it (every rank: its
@@ -191,7 +181,6 @@ class AdapterSync:
         self.root = os.path.join(os.path.abspath(output_dir), ".vllm_lora")
         self.prefix = f"{PREFIX}-{secrets.token_hex(3)}"    # this run's names: policy-<run>-v<N>
         self.worker_kwargs = {"lora_name": self.prefix}     # rollouts ask for policy-<run>-v<N>
-        self.dtype = config.export_dtype(next(policy.parameters()))   # the checkpoint's dtype
         self.loaded: list[int] = []                    # versions loaded on every server, oldest 1st
         every = config.weight_sync_verify_every
         self.verify = every is None or every > 0       # probes (0: off)
@@ -253,7 +242,7 @@ class AdapterSync:
         (_publish); every rank proves the loads (_verify); rank 0 unloads the version that left
         the staleness window. An error on rank 0 is raised on every rank together."""
         start = time.perf_counter()
-        state = adapter_state(self.policy)
+        state = exported(self.policy, self.config)      # the adapter, as a checkpoint's
         stats = SyncStats()
         name = f"{self.prefix}-v{version}"
         path = on_rank0(lambda: self._publish(version, state, stats))
@@ -272,7 +261,6 @@ class AdapterSync:
         final = os.path.join(self.root, name)
         tmp = os.path.join(self.root, f".{name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        state = {k: v.to(self.dtype) for k, v in state.items()}
         self.policy.model.save_pretrained(tmp, state_dict=state)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)

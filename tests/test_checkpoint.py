@@ -369,3 +369,33 @@ def test_the_reader_skips_a_cut_line_glued_to_the_next(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "lo{"step": 3}\n{"step": 4}\n{"step": 5')
     assert [r["step"] for _, r in metrics.whole_lines(str(path))] == [1, 4]
+
+
+def test_a_peft_export_holds_every_trained_tensor_in_the_export_dtype(tmp_path):
+    """checkpoint.exported, what a checkpoint and an adapter sync write, of a peft model with
+    modules_to_save: LoRA's tensors and the trained copy of the saved module (a rule by name,
+    'lora_', lost that copy), none of the frozen base, in bf16 under bf16 over fp32 masters; the
+    directory save_pretrained writes from it loads back with those values."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    train.setup_distributed(train.AsyncGRPOConfig())
+    try:
+        model = get_peft_model(toy.build_model(64), LoraConfig(
+            r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["norm"]))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.rand_like(p))         # trained: neither zeros nor ones
+        config = train.AsyncGRPOConfig(bf16=True)
+        weights = checkpoint.exported(train.Policy(model), config)
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert set(weights) == trained
+        assert any(".modules_to_save." in n for n in weights) and any("lora_B" in n for n in weights)
+        assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+        model.save_pretrained(tmp_path, state_dict=weights)
+        loaded = PeftModel.from_pretrained(toy.build_model(64), tmp_path)
+        for name, p in loaded.named_parameters():
+            if name in weights:
+                torch.testing.assert_close(p.detach().to(torch.bfloat16), weights[name],
+                                           msg=name)
+    finally:
+        dist.destroy_process_group()
