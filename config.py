@@ -218,8 +218,8 @@ class AsyncGRPOConfig:
     # ── ours (not in the spec) ──
     tree_attention_backend: str | None = None  # ours: sdpa|flex|flash; None: CUDA flash, else sdpa
     logging_dir: str | None = None          # ours: tensorboard's dir; None: output_dir/runs/run
-    weight_sync_verify_every: int | None = None  # ours: each tensor verified within N syncs
-                                            # (verify_sync.py); 0: none, nor probes; None: 16
+    weight_sync_verify_every: int = 16      # ours: each tensor verified within N syncs
+                                            # (verify_sync.py's arithmetic); 0: none, nor probes
     overwrite_output_dir: bool = False      # ours (transformers' scripts'): replace another run
                                             # in output_dir (checkpoint.claim); False: refused
     reward_tool_timeout: float = 300.0      # ours: seconds a reward function, tool or environment
@@ -241,7 +241,7 @@ class AsyncGRPOConfig:
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps",
                      "weight_sync_steps"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in ("learning_rate", "max_staleness"):
+        for name in ("learning_rate", "max_staleness", "weight_sync_verify_every"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
         for name, allowed in (("optim", OPTIMIZERS), ("lr_scheduler_type", SCHEDULES),
                               ("log_level", LOG_LEVELS), ("log_level_replica", LOG_LEVELS)):
@@ -271,8 +271,6 @@ class AsyncGRPOConfig:
              "must be > 0 (or set max_steps > 0)")
         need(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1,
              "max_concurrent_rollouts", "must be >= 1 (or None for the default)")
-        need(self.weight_sync_verify_every is None or self.weight_sync_verify_every >= 0,
-             "weight_sync_verify_every", "must be >= 0 (0: no verification; None: the default)")
         # training
         need(self.lr_scheduler_type.startswith("constant") or self.max_steps > 0,
              "lr_scheduler_type",

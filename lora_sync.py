@@ -182,8 +182,7 @@ class AdapterSync:
         self.prefix = f"{PREFIX}-{secrets.token_hex(3)}"    # this run's names: policy-<run>-v<N>
         self.worker_kwargs = {"lora_name": self.prefix}     # rollouts ask for policy-<run>-v<N>
         self.loaded: list[int] = []                    # versions loaded on every server, oldest 1st
-        every = config.weight_sync_verify_every
-        self.verify = every is None or every > 0       # probes (0: off)
+        self.verify = config.weight_sync_verify_every > 0   # probes (0: off)
         self.adapter = [p for p in policy.parameters() if p.requires_grad]   # this rank's shards
         self.previous: list[torch.Tensor] | None = None  # the adapter at the last sync (shards)
         self.noise = NOISE_FLOOR                       # the run's own: the start probe's

@@ -16,12 +16,13 @@ and after every sync. weight_sync.py and lora_sync.py act on the findings; this 
                                delivery (the adapter off, the previous one)  replica is out
 
 Fingerprints (vllm_plugin/weight_digests.fingerprint) are integer sums on the tensor's device,
-bit-exact on CPU and CUDA, one read of its bytes. Which tensors (chosen): a rotating 1/VERIFY_EVERY
-plus the embedding and LM head every sync, every tensor on a run's first. The arithmetic for an
-H200: a 4B model is 8 GB in bf16; one read at ~4 TB/s of HBM is ~2 ms, while NCCL moves the same
-bytes to a vLLM GPU at ~300 GB/s over NVLink (~27 ms) or ~50 GB/s through one 400 Gb/s NIC. The
-trainer fingerprints in its send loop, so all of them would add ~7% to an NVLink transfer: over the
-5% goal, hence the rotation (1/16: ~0.5%). `python -m tools.bench sync` measures the share (CPU).
+bit-exact on CPU and CUDA, one read of its bytes. Which tensors (chosen): a rotating 1/N (N:
+weight_sync_verify_every, 16) plus the embedding and LM head every sync, every tensor on a run's
+first. The arithmetic for an H200: a 4B model is 8 GB in bf16; one read at ~4 TB/s of HBM is
+~2 ms, while NCCL moves the same bytes to a vLLM GPU at ~300 GB/s over NVLink (~27 ms) or
+~50 GB/s through one 400 Gb/s NIC. The trainer fingerprints in its send loop, so all of them
+would add ~7% to an NVLink transfer: over the 5% goal, hence the rotation (1/16: ~0.5%).
+`python -m tools.bench sync` measures the share (CPU).
 
 The probe's verdict (refusal) holds in bf16, because it is relative: the served log-probs must
 not lie MARGIN times nearer a failed delivery's (the adapter off, the previous adapter) than the
@@ -57,7 +58,6 @@ from vllm_client import VLLMError
 from vllm_plugin.weight_digests import fingerprint
 
 log = logging.getLogger(__name__)
-VERIFY_EVERY = 16         # every tensor verified at least every N syncs (the arithmetic above)
 EXTENSION = "weight_digests.WeightDigests"       # vllm serve --worker-extension-cls (vllm_plugin/)
 METHOD = "weight_digests"                        # its method, called through POST /collective_rpc
 ENABLE = (f"start vLLM with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {EXTENSION} "

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from config import dtype_name
-from verify_sync import (ENABLE, PROBE_TOKENS, VERIFY_EVERY, Fingerprints, Probe, base_card,
+from verify_sync import (ENABLE, PROBE_TOKENS, Fingerprints, Probe, base_card,
                          cannot_show, check_served, check_vocab, chosen, dtype_warning, mismatches,
                          served_dtype, policy_logprobs, probe_prompt, served_digests,
                          served_logprobs)
@@ -124,8 +124,7 @@ class FullSync:
     def __init__(self, policy, clients: list[VLLMClient], config):
         self.policy = policy
         self.weights = WeightSync(clients, config.vllm_server_timeout)
-        every = config.weight_sync_verify_every
-        self.every = VERIFY_EVERY if every is None else every    # 0: no verification, no probe
+        self.every = config.weight_sync_verify_every             # 0: no verification, no probe
         self.always = embedding_names(policy.model)              # verified at every sync
         self.pushes = 0                                          # the first verifies every tensor
         self.showing: set[str] = set()       # rank 0: the URLs that show their fingerprints

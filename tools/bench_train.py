@@ -220,7 +220,7 @@ def lora_byte_ratio(name: str, r: int) -> tuple[int, int]:
 
 def sync(argv):
     """Full (merged) and adapter-only sync of one random Qwen3-shaped model (~25M parameters, fp32,
-    CPU, gloo) to one local_vllm server, 1 + 2·VERIFY_EVERY syncs each; then the byte ratio of the
+    CPU, gloo) to one local_vllm server, 1 + 2·weight_sync_verify_every syncs each; then the byte ratio of the
     spec's two setups (Qwen2.5-7B r=32, Qwen2.5-Math-1.5B r=1) from their shapes. Seconds and the
     verification's share of them (sync/verify_s over perf/weight_sync_s: the fingerprints of full
     sync, verify_sync.chosen, at most 5% the goal; the probe after it, probe_share; the probe of
@@ -237,12 +237,13 @@ def sync(argv):
     import lora_sync
     import toy
     import train
+    from config import AsyncGRPOConfig
     from local_vllm.launch import LocalServer
-    from verify_sync import VERIFY_EVERY
     from vllm_client import VLLMClient
 
     parser = argparse.ArgumentParser(prog="python -m tools.bench sync")
-    parser.add_argument("--verify-every", type=int, default=VERIFY_EVERY)
+    parser.add_argument("--verify-every", type=int,
+                        default=AsyncGRPOConfig.weight_sync_verify_every)
     parser.add_argument("--phases", type=int, default=0, metavar="N",
                         help="instead: N full syncs of the toy model by phase, against the "
                              "stand-in and (VLLM_PYTHON) real vLLM")
