@@ -93,6 +93,7 @@ def losses(out: str) -> list[tuple[int, float]]:
     return [(line["step"], line["loss"]) for line in lines(out)]
 
 
+@pytest.mark.slow
 def test_two_ranks_sync_and_score_every_probe_together(start_server, indexed, tmp_path):
     """torchrun with two ranks, a full sync after every step: each sync's parity probe is asked
     by rank 0 alone and scored by both ranks' one forward before the next step (settle), so a

@@ -78,6 +78,7 @@ def test_a_step_whose_loss_is_not_finite_is_skipped_and_the_run_goes_on(start_se
     assert any(not torch.equal(trained[n].float(), base[n]) for n in base)   # the others trained
 
 
+@pytest.mark.slow
 def test_the_skipped_steps_total_carries_over_a_resume(start_server, toy_dir, tmp_path):
     """A run whose two steps were both skipped saves at step 2; its resume, whose steps are
     finite, goes on counting from 2."""
