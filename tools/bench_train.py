@@ -221,11 +221,11 @@ def lora_byte_ratio(name: str, r: int) -> tuple[int, int]:
 def sync(argv):
     """Full (merged) and adapter-only sync of one random Qwen3-shaped model (~25M parameters, fp32,
     CPU, gloo) to one local_vllm server, 1 + 2·weight_sync_verify_every syncs each; then the byte
-    ratio of the spec's two setups (Qwen2.5-7B r=32, Qwen2.5-Math-1.5B r=1) from their shapes. Seconds and the
-    verification's share of them (sync/verify_s over perf/weight_sync_s: the fingerprints of full
-    sync, verify_sync.chosen, at most 5% the goal; the probe after it, probe_share; the probe of
-    adapter sync) are over the syncs after the first, which verifies every tensor (its share:
-    first_verify_share). --verify-every sets the rotation for the run (the tuning)."""
+    ratio of the spec's two setups (Qwen2.5-7B r=32, Qwen2.5-Math-1.5B r=1) from their shapes.
+    Seconds and the verification's share of them (sync/verify_s over perf/weight_sync_s: the
+    fingerprints of full sync, verify_sync.chosen, at most 5% the goal; the probe after it,
+    probe_share; the probe of adapter sync) are over the syncs after the first, which verifies
+    every tensor (its share: first_verify_share). --verify-every sets the rotation for the run (the tuning)."""
     import argparse
     import os
     import tempfile
