@@ -4,8 +4,9 @@ Fingerprints (vllm_plugin/weight_digests.fingerprint, tested on its own in
 test_vllm_plugin_weight_digests.py): every full sync verified (a corrupted replica named and taken
 out; alone, it stops the sync). The probe: the policy's own forward scores the server's tokens
 (no copy of the policy anywhere); every logged step has sync/probe_kl; a correct bf16 LoRA run
-raises no alarm while a stale adapter is caught; a LoRA run sends its base, waits for its server, and refuses a
-base it cannot send. The fault switch (ASYNC_GRPO_FAULT_NOISE) corrupts one tensor on a server.
+raises no alarm while a stale adapter is caught; a LoRA run sends its base, waits for its server,
+and refuses a base it cannot send. The fault switch (ASYNC_GRPO_FAULT_NOISE) corrupts one tensor
+on a server.
 The checks at start: a dtype mismatch warned (and lora_sync.adapter_refusal: data parallelism
 refuses adapter sync), a server with a smaller vocabulary refused."""
 import os

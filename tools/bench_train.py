@@ -225,7 +225,8 @@ def sync(argv):
     Seconds and the verification's share of them (sync/verify_s over perf/weight_sync_s: the
     fingerprints of full sync, verify_sync.chosen, at most 5% the goal; the probe after it,
     probe_share; the probe of adapter sync) are over the syncs after the first, which verifies
-    every tensor (its share: first_verify_share). --verify-every sets the rotation for the run (the tuning)."""
+    every tensor (its share: first_verify_share). --verify-every sets the rotation for the run
+    (the tuning)."""
     import argparse
     import os
     import tempfile
