@@ -254,7 +254,7 @@ def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], list[int
         else:
             if held is not None:
                 # commonprefix compares any lists element by element, not only paths
-                shared = os.path.commonprefix([held, list(turn.prompt_ids)])
+                shared = os.path.commonprefix([held, turn.prompt_ids])   # lists both
                 drifts.append(len(held) - len(shared))
             sequences.append(TrainingSequence())
             sequences[-1].add_context(list(turn.prompt_ids))
