@@ -113,6 +113,7 @@ def two_replicas(start_server, tokenizer, loop_cls, prompts, separator=",", **co
     return a, b, worker
 
 
+@pytest.mark.slow
 def test_groups_stay_on_one_replica_and_both_replicas_serve(start_server, tokenizer):
     a, b, worker = two_replicas(start_server, tokenizer, h.ModelRecordingLoop, prompts=6,
                                 separator=", ", num_generations=3, max_concurrent_rollouts=6)

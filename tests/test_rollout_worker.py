@@ -154,8 +154,8 @@ def run_script(tmp_path, server, toy_dir, reward: str, guarded: bool):
     return run, out, text
 
 
-@pytest.mark.parametrize("reward, guarded, runs", [("sum_reward", False, 1),
-                                                   ("script_reward", True, 2)])
+@pytest.mark.parametrize("reward, guarded, runs", [
+    ("sum_reward", False, 1), pytest.param("script_reward", True, 2, marks=pytest.mark.slow)])
 def test_a_script_trains_unguarded_unless_it_hands_over_what_it_defines(
         tmp_path, start_server, toy_dir, reward, guarded, runs):
     """The spec's quickstart (a reward imported from a module, no guard) trains, and the child
@@ -377,6 +377,7 @@ def loopback(address: str) -> bool:
     return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
 
 
+@pytest.mark.slow
 def test_the_demo_listens_on_loopback_only_and_a_sigkilled_trainer_leaves_no_child(tmp_path):
     """`python train.py` (the demo: its own local server, full sync every step) after its first
     step: every socket the trainer, the server and the rollout process listen on is bound to

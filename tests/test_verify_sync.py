@@ -237,6 +237,7 @@ def stale_loads(monkeypatch, root: str) -> list[str]:
     return loads
 
 
+@pytest.mark.slow
 def test_a_correct_bf16_lora_run_raises_no_alarm_and_a_stale_adapter_is_caught(
         start_server, peaky_dir, tmp_path, monkeypatch, caplog):
     """Trainer in bf16 (FSDP2 mixed precision), the stand-in serving bf16, a peaky model: 6 syncs

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -13,6 +15,7 @@ def walkthrough(*args: str) -> subprocess.CompletedProcess:
                           env=os.environ | {"HF_HUB_OFFLINE": "1"})
 
 
+@pytest.mark.slow
 def test_the_document_shows_what_the_script_prints(tmp_path):
     doc = os.path.join(ROOT, "WALKTHROUGH.md")
     with open(doc) as f:

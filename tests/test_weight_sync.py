@@ -174,6 +174,7 @@ def test_a_server_that_dies_mid_transfer_is_taken_out_and_the_sync_lands_on_the_
     assert requests.get(a.url + "/weight_info").json() == {"weight_version": "2"}
 
 
+@pytest.mark.slow
 def test_a_sync_leaves_no_kv_of_the_old_weights_running(start_server, weights):
     """A request generating while the weights change: the sync resets the prefix cache with
     reset_running_requests (vLLM 0.33 ignores /pause's clear_cache in keep mode), so the running
