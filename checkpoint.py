@@ -18,8 +18,10 @@ save_only_model=True writes the model files, trainer_state.json and rollout_stat
 fsdp/, scheduler, RNG): a servable model, not a resume point. copy_model() copies a checkpoint's
 model files (AsyncGRPOTrainer.save_model); load_model() reads them back.
 
-One run per output_dir (claim): a run that does not resume refuses a directory holding another
-run's checkpoints or metrics, or with overwrite_output_dir removes them first. Every file and
+One run per output_dir: a live run holds <output_dir>/.run.lock (hold: an flock, released by the
+kernel however the run dies), and another run into it while it lives is refused, whatever its
+flags; a run that does not resume refuses a directory holding another run's checkpoints or
+metrics (claim), or with overwrite_output_dir removes them first. Every file and
 directory is fsynced before the rename, and the rename before older checkpoints are pruned.
 
 Resume (`resume_from_checkpoint=True`: the newest checkpoint in output_dir; or a path) restores
@@ -37,6 +39,7 @@ Departures from the spec, one line each:
 - A resume applies the current learning rate, schedule and AdamW settings (the Trainer keeps the
   checkpoint's).
 """
+import fcntl
 import hashlib
 import json
 import logging
@@ -56,6 +59,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from weight_sync import full_tensor
 
 log = logging.getLogger(__name__)
+LOCK = ".run.lock"                # held by the run that writes output_dir (hold)
 RUN_FILES = ("metrics.jsonl", "completions.jsonl", "metrics.png")   # besides checkpoint-N/
 CURSOR = ("num_generations", "train_sampling_strategy")   # + shuffle_seed, the dataset's identity
 OPTIMIZATION = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
@@ -118,10 +122,27 @@ def check_resume(path: str, now: dict, say: bool = True) -> None:
                     ", ".join(changed["optimization"]))
 
 
+def hold(output_dir: str):
+    """Rank 0, before anything reads or writes output_dir: an flock on <output_dir>/.run.lock,
+    held while the returned file is open (the run's life; the kernel releases it when the process
+    dies, however it dies). ValueError if a live run holds it: the two would write the same
+    checkpoints and metrics, and an overwrite or a resume would remove or rewind the live one's."""
+    os.makedirs(output_dir, exist_ok=True)
+    held = open(os.path.join(output_dir, LOCK), "w")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.close()
+        raise ValueError(f"output_dir {output_dir!r} is in use by a run that is still going (it "
+                         f"holds {LOCK}): wait for it to end or stop it, or choose another "
+                         "--output_dir") from None
+    return held
+
+
 def claim(output_dir: str, overwrite: bool) -> None:
     """One run per output_dir, for a run that does not resume: ValueError if output_dir holds
     another run's checkpoints or metrics; with `overwrite` they are removed instead (what else is
-    there stays: serve_local.log, the adapters of live runs)."""
+    there stays: serve_local.log, and .vllm_lora/, which an adapter sync clears)."""
     found = sorted(n for n in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
                    if n in RUN_FILES or re.fullmatch(r"\.?checkpoint-\d+(\.tmp|\.deleting)?", n))
     if found and not overwrite:

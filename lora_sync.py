@@ -36,7 +36,6 @@ Departures from the spec, one line each:
 """
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import os
 import secrets
@@ -194,13 +193,14 @@ class AdapterSync:
         (--weight-transfer-config beside --enable-lora), a sync of the base weights, joined."""
         transfer = None
         if dist.get_rank() == 0:
-            self.lock = own_adapters(self.root, self.prefix)   # and a killed run's removed
+            # what is here a killed run left: a live run holds output_dir (checkpoint.hold)
+            shutil.rmtree(self.root, ignore_errors=True)
+            os.makedirs(self.root)
             transfer = all(c.server_info().get("weight_transfer_config")
                            for c in self.members.clients)
         if shared(transfer):
             self.base = MergedSync(self.policy, self.members.clients, self.config, adapter=False)
             self.base.connect()
-
 
     def start(self, version: int) -> None:
         """Every rank, before generation starts: the servers' base must be the trainer's. With
@@ -258,10 +258,8 @@ class AdapterSync:
         """Rank 0: write the adapter (atomically), load it on every live replica; its path."""
         name = f"{self.prefix}-v{version}"
         final = os.path.join(self.root, name)
-        tmp = os.path.join(self.root, f".{name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = os.path.join(self.root, f".{name}.tmp")     # neither is there: a run's own names
         self.policy.model.save_pretrained(tmp, state_dict=state)
-        shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         stats.bytes = os.path.getsize(os.path.join(final, "adapter_model.safetensors"))
         t = time.perf_counter()
@@ -447,27 +445,3 @@ def merged(base: torch.Tensor, delta: Delta | None) -> torch.Tensor:
     if delta.magnitude is not None:
         w = w * (full_tensor(delta.magnitude).float() / w.norm(dim=1))[:, None]
     return (w.T if delta.fan_in_fan_out else w).to(base.dtype)
-
-
-def own_adapters(root: str, prefix: str):
-    """Rank 0 at start: hold <root>.locks/<prefix> for as long as this run lives (an flock, which
-    the kernel releases when the process dies, however it dies), and remove from root what every
-    run whose lock no one holds left there (its adapters: a killed run's), and its lock file.
-    Returns the open lock file."""
-    locks = root + ".locks"
-    os.makedirs(root, exist_ok=True)
-    os.makedirs(locks, exist_ok=True)
-    held = open(os.path.join(locks, prefix), "w")
-    fcntl.flock(held, fcntl.LOCK_EX)
-    live = set()
-    for name in os.listdir(locks):
-        with open(os.path.join(locks, name), "a") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.remove(os.path.join(locks, name))          # its run is gone
-            except BlockingIOError:
-                live.add(name)
-    for name in os.listdir(root):                     # policy-<run>-vN, .policy-<run>-vN.tmp
-        if name.lstrip(".").removesuffix(".tmp").rsplit("-v", 1)[0] not in live:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return held

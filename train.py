@@ -33,7 +33,7 @@ Departures from the spec, one line each:
 - Rank 0 plans the whole step before the first backward: the loss divides by the step's token count.
 - Stale samples are dropped here too (the spec's promise), though admission rarely lets one by.
 - Rollouts request the server's base model card by name: the id a trainer loads need not match it.
-- callbacks: five events on rank 0 (Hooks); optimizers: only (None, None).
+- callbacks: seven of TrainerCallback's events on rank 0 (Hooks); optimizers: only (None, None).
 - The flags are ours (HfArgumentParser's): the spec's scripts build AsyncGRPOConfig themselves.
 - A script that hands the trainer a function or class it defines calls it under the guard
   `if __name__ == "__main__":` (rollout.worker.check_main_guard); others need none.
@@ -86,38 +86,41 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
     state = checkpoint.TrainState(settings=checkpoint.settings(config, dataset))
     first = int(os.environ.get("RANK", "0")) == 0
-    if resume:                                  # before any work: what it resumes is checked
-        checkpoint.check_resume(resume, state.settings, say=first)
-    elif first:                                 # one run per output_dir
-        checkpoint.claim(output_dir, config.overwrite_output_dir)
-    rank, world, device = setup_distributed(config)
-    set_log_level(config, rank)
-    hooks = hooks or Hooks([], config)
-    from transformers import set_seed
-    set_seed(config.seed)        # random, numpy, torch on every rank: the weights agree to shard
-    model, tokenizer = load_model(model, config, processing_class, peft_config, device)
-    aux_coef = router_aux_loss_coef(model.config, config.router_aux_loss_coef)
-    policy = shard(Policy(model), config, device)
-    optimizer, scheduler = build_optimizer(policy, config)
-    # fp16: loss scaling (bf16 needs none); the scaler's default device, "cuda", is off on a CPU
-    scaler = ShardedGradScaler(device=device.type) if config.fp16 else None
-    if resume:
-        state = replace(checkpoint.load(resume, policy, optimizer, scheduler),
-                        settings=state.settings)        # the next checkpoint records this run's
-    hooks.state.global_step = state.global_step
-    clients = [VLLMClient(url, timeout=config.vllm_server_timeout) for url in server_urls(config)]
+    held = checkpoint.hold(output_dir) if first else None   # one live run per output_dir
     sync = None                                 # chosen once the servers answer
-    saving = config.save_strategy == "steps"
-    skipped = 0                                 # non-finite steps in a row
     feed = None                                 # rank 0: its end of the rollout queue
     log = None                                  # rank 0: metrics.jsonl and the progress bar
-
-    def save() -> None:
-        checkpoint.save(output_dir, state, policy, optimizer, scheduler, tokenizer, config)
-        if rank == 0:
-            hooks.event("on_save")
-
+    clients = []
     try:
+        if resume:                              # before any work: what it resumes is checked
+            checkpoint.check_resume(resume, state.settings, say=first)
+        elif first:                             # and not another's leftovers
+            checkpoint.claim(output_dir, config.overwrite_output_dir)
+        rank, world, device = setup_distributed(config)
+        set_log_level(config, rank)
+        hooks = hooks or Hooks([], config)
+        from transformers import set_seed
+        set_seed(config.seed)   # random, numpy, torch on every rank: the weights agree to shard
+        model, tokenizer = load_model(model, config, processing_class, peft_config, device)
+        aux_coef = router_aux_loss_coef(model.config, config.router_aux_loss_coef)
+        policy = shard(Policy(model), config, device)
+        optimizer, scheduler = build_optimizer(policy, config)
+        # fp16: loss scaling (bf16 needs none); the scaler's default device, "cuda", is off on CPU
+        scaler = ShardedGradScaler(device=device.type) if config.fp16 else None
+        if resume:
+            state = replace(checkpoint.load(resume, policy, optimizer, scheduler),
+                            settings=state.settings)    # the next checkpoint records this run's
+        hooks.state.global_step = state.global_step
+        clients = [VLLMClient(url, timeout=config.vllm_server_timeout)
+                   for url in server_urls(config)]
+        saving = config.save_strategy == "steps"
+        skipped = 0                             # non-finite steps in a row
+
+        def save() -> None:
+            checkpoint.save(output_dir, state, policy, optimizer, scheduler, tokenizer, config)
+            if rank == 0:
+                hooks.event("on_save")
+
         on_rank0(lambda: [c.wait_for_health() for c in clients])   # before anything reads them
         # full weights (weight_sync.py), or LoRA adapter-only or merged (lora_sync.py): once
         sync = (FullSync(policy, clients, config) if peft_config is None
@@ -156,6 +159,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             if mine is None:                    # the prompts are done
                 break
             rows, num_tokens = mine
+            if rank == 0:
+                hooks.event("on_step_begin")
             sync.settle()                       # the last sync's probe, before the weights change
             step_metrics = train_step(policy, optimizer, scheduler, rows, num_tokens, config,
                                       world, aux_coef, scaler, state.model_version)
@@ -199,7 +204,10 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             sync.close()                        # LoRA: the servers unload this run's adapters
         for c in clients:
             c.close()
-        dist.destroy_process_group()
+        if dist.is_initialized():               # a failure may come before the group forms
+            dist.destroy_process_group()
+        if held is not None:
+            held.close()                        # the next run may write output_dir
 
 
 # ── setup: processes, model, optimizer, sync ─────────────────────────────────────────────────
@@ -614,6 +622,8 @@ class AsyncGRPOTrainer:
         self.tools = tools
         self.environment_factory = environment_factory
         self.hooks = Hooks(callbacks or [], self.args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            self.hooks.event("on_init_end")
 
     @property
     def state(self):
@@ -622,7 +632,7 @@ class AsyncGRPOTrainer:
 
     def add_callback(self, callback) -> None:
         """Add a callback (an instance, or a class to instantiate)."""
-        self.hooks.callbacks.append(callback() if isinstance(callback, type) else callback)
+        self.hooks.add(callback)
 
     def remove_callback(self, callback) -> None:
         """Remove a callback: an instance, or every instance of a class."""
@@ -671,11 +681,17 @@ class AsyncGRPOTrainer:
         return output_dir
 
 
+CALLBACK_EVENTS = ("on_init_end", "on_train_begin", "on_step_begin", "on_step_end", "on_log",
+                   "on_save", "on_train_end")    # what Hooks calls
+
+
 class Hooks:
     """The spec's `callbacks` (a list of transformers TrainerCallback) in a minimal form: rank 0
     calls these events of each callback with transformers' own TrainerState and TrainerControl:
 
+        on_init_end(args, state, control)             AsyncGRPOTrainer is constructed
         on_train_begin(args, state, control)          the rollout process is up
+        on_step_begin(args, state, control)           a step's rows are ready, before its forward
         on_step_end(args, state, control)             after each optimizer step (and weight sync)
         on_log(args, state, control, logs=line)       each metrics.jsonl line
         on_save(args, state, control)                 after each checkpoint-N/
@@ -683,16 +699,34 @@ class Hooks:
 
     control.should_training_stop (say, set in on_log when logs["reward"] > 0.9) stops every rank
     after that step. state.global_step (every rank; train() is its one writer) and
-    state.log_history (rank 0) are kept whether or not callbacks are given."""
+    state.log_history (rank 0) are kept whether or not callbacks are given. A callback that
+    overrides another event (on_epoch_end, on_optimizer_step, ...) is warned about as it is added:
+    nothing calls it."""
 
     def __init__(self, callbacks: list, config):
         from transformers import TrainerControl, TrainerState
-        self.callbacks = list(callbacks)
+        self.callbacks = []
+        for callback in callbacks:
+            self.add(callback)
         self.config = config
         self.state = TrainerState(max_steps=config.max_steps,
                                   num_train_epochs=config.num_train_epochs,
                                   logging_steps=config.logging_steps, save_steps=config.save_steps)
         self.control = TrainerControl()
+
+    def add(self, callback) -> None:
+        """Add a callback (an instance, or a class to instantiate); warn of the events it
+        overrides that are never called."""
+        from transformers import TrainerCallback
+        callback = callback() if isinstance(callback, type) else callback
+        base = vars(TrainerCallback)
+        uncalled = [name for name in base if name.startswith("on_") and name not in CALLBACK_EVENTS
+                    and getattr(type(callback), name, base[name]) is not base[name]]
+        if uncalled:
+            logging.getLogger(__name__).warning(
+                "callback %s overrides %s, which AsyncGRPOTrainer never calls (it calls %s)",
+                type(callback).__name__, ", ".join(uncalled), ", ".join(CALLBACK_EVENTS))
+        self.callbacks.append(callback)
 
     def event(self, name: str, **kwargs) -> None:
         """Call `name` on every callback that has it (on_log also records the line)."""

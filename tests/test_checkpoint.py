@@ -9,6 +9,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -242,7 +243,8 @@ def test_a_checkpoint_is_on_disk_before_its_rename_and_the_rename_before_a_prune
     assert len(written) > 10
     assert {path.replace(final, tmp, 1) for path in written} <= synced
     assert ("fsync", out) in events[published:pruned]
-    assert sorted(os.listdir(out)) == ["checkpoint-4", "completions.jsonl", "metrics.jsonl"]
+    assert sorted(os.listdir(out)) == [".run.lock", "checkpoint-4", "completions.jsonl",
+                                       "metrics.jsonl"]
 
 
 @pytest.mark.slow
@@ -273,6 +275,39 @@ def test_a_second_run_into_a_used_output_dir_is_refused_or_replaces_the_first(
         "checkpoint-1", "checkpoint-2"]
     state = json.load(open(os.path.join(out, "checkpoint-2", "trainer_state.json")))
     assert state["global_step"] == 2
+
+
+def test_a_live_run_holds_its_output_dir_until_it_ends_however_it_ends(saved_run, tmp_path):
+    """A run that is still going (here another process holding checkpoint.hold, as train() does)
+    keeps every other run out of its output_dir before anything is read or removed there: a
+    resume, a fresh run, and a fresh run with overwrite_output_dir are refused, naming the
+    directory, and leave it as it was. SIGKILLed, the holder's lock goes with it. A run that
+    fails in this process releases the lock at once, though its traceback is kept."""
+    server, saved, _ = saved_run
+    out = str(tmp_path / "run")
+    shutil.copytree(saved, out)
+    before = sorted(os.listdir(out))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import checkpoint, sys, time; h = checkpoint.hold(sys.argv[1]); "
+         "print('held', flush=True); time.sleep(120)", out],
+        stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for changes in ({}, {"resume_from_checkpoint": None},
+                        {"resume_from_checkpoint": None, "overwrite_output_dir": True}):
+            with pytest.raises(ValueError, match=f"output_dir '{out}' is in use by a run that "
+                                                 "is still going"):
+                train.train(resume_config(server, out, **changes), toy.make_dataset(64),
+                            [toy.sum_reward], model="toy")
+        assert sorted(os.listdir(out)) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(ValueError, match="holds another run") as failed:   # kept: its frame too
+        train.train(resume_config(server, out, resume_from_checkpoint=None),
+                    toy.make_dataset(64), [toy.sum_reward], model="toy")
+    assert failed.traceback
+    checkpoint.hold(out).close()               # free: the killed holder's and the failed run's
 
 
 def test_a_resume_refuses_a_changed_data_cursor_and_applies_a_changed_learning_rate(

@@ -6,6 +6,7 @@ servers of their own (a sync changes a server's weights), and the two-rank and f
 processes of their own. Then the command line (parse_cli); last, the trainer's surface: the
 spec's positional order and refusals, callbacks, trainer.state and save_model.
 """
+import logging
 import math
 import os
 import signal
@@ -391,8 +392,14 @@ class StopAfterTwo:
     def __init__(self):
         self.events = []
 
+    def on_init_end(self, args, state, control, **kwargs):
+        self.events.append(("init", state.global_step))
+
     def on_train_begin(self, args, state, control, **kwargs):
         self.events.append(("begin", state.global_step))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.events.append(("step", state.global_step))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.events.append(("log", logs["step"]))
@@ -404,6 +411,37 @@ class StopAfterTwo:
 
     def on_train_end(self, args, state, control, **kwargs):
         self.events.append(("end", state.global_step))
+
+
+def test_a_callback_overriding_an_event_never_called_is_warned_about(caplog):
+    """transformers' TrainerCallback has more events than Hooks calls: a callback (a subclass, or
+    any object) that overrides one of the others is named with it as it is added, by the
+    constructor or add_callback; one overriding only called events, or none, is not."""
+    from transformers import TrainerCallback
+
+    class PerEpoch(TrainerCallback):
+        def on_epoch_end(self, args, state, control, **kwargs):
+            pass
+
+        def on_step_end(self, args, state, control, **kwargs):
+            pass
+
+    class Optimizer:                                   # duck-typed, no TrainerCallback
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            pass
+
+    config = AsyncGRPOConfig(output_dir="unused")
+    with caplog.at_level(logging.WARNING, logger="train"):
+        trainer = train.AsyncGRPOTrainer("toy", toy.sum_reward, config, toy.make_dataset(8),
+                                         callbacks=[PerEpoch, StopAfterTwo(), TrainerCallback()])
+        trainer.add_callback(Optimizer())
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert said[0].startswith("callback PerEpoch overrides on_epoch_end, which AsyncGRPOTrainer "
+                              "never calls (it calls on_init_end, on_train_begin, on_step_begin")
+    assert said[1].startswith("callback Optimizer overrides on_optimizer_step, which")
+    assert [type(c).__name__ for c in trainer.hooks.callbacks] == [
+        "PerEpoch", "StopAfterTwo", "TrainerCallback", "Optimizer"]
 
 
 def test_callbacks_state_dashboard_and_save_model(start_server, toy_dir, tmp_path):
@@ -425,7 +463,8 @@ def test_callbacks_state_dashboard_and_save_model(start_server, toy_dir, tmp_pat
     trainer = train.AsyncGRPOTrainer(toy_dir, toy.sum_reward, config, toy.make_dataset(64),
                                      callbacks=[callback])
     trainer.train()
-    assert callback.events == [("begin", 0), ("log", 1), ("log", 2), ("save", 2), ("end", 2)]
+    assert callback.events == [("init", 0), ("begin", 0), ("step", 0), ("log", 1), ("step", 1),
+                               ("log", 2), ("save", 2), ("end", 2)]
     assert trainer.state.global_step == 2
     assert [line["step"] for line in trainer.state.log_history] == [1, 2]
     events = EventAccumulator(os.path.join(out, "runs", "cb"))

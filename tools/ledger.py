@@ -30,7 +30,7 @@ FEATURES = {
     "run safety": [
         ("checkpoint.py", "settings"), ("checkpoint.py", "check_resume"),
         ("checkpoint.py", "claim"), ("checkpoint.py", "fsync*"), ("metrics.py", "cut_back"),
-        ("lora_sync.py", "own_adapters")],
+        ("checkpoint.py", "hold")],
     "peft variants": [
         ("lora_sync.py", "MergedSync"), ("lora_sync.py", "Delta"), ("lora_sync.py", "merge_plan"),
         ("lora_sync.py", "merge_refusal"), ("lora_sync.py", "merged"),
