@@ -857,6 +857,7 @@ def main(argv: list[str] | None = None) -> None:
     output_dir = config.output_dir or "trainer_output"
     server = None
     if script.serve_local and int(os.environ.get("RANK", "0")) == 0:   # rank 0 talks to servers
+        checkpoint.hold(output_dir).close()     # a live run's: refused before its log is replaced
         import toy
         path = toy.ensure_saved() if script.model == "toy" else script.model
         os.makedirs(output_dir, exist_ok=True)

@@ -281,7 +281,8 @@ def test_a_live_run_holds_its_output_dir_until_it_ends_however_it_ends(saved_run
     """A run that is still going (here another process holding checkpoint.hold, as train() does)
     keeps every other run out of its output_dir before anything is read or removed there: a
     resume, a fresh run, and a fresh run with overwrite_output_dir are refused, naming the
-    directory, and leave it as it was. SIGKILLed, the holder's lock goes with it. A run that
+    directory, and leave it as it was; `python train.py` is refused before its local server starts
+    (the live run's serve_local.log stays). SIGKILLed, the holder's lock goes with it. A run that
     fails in this process releases the lock at once, though its traceback is kept."""
     server, saved, _ = saved_run
     out = str(tmp_path / "run")
@@ -300,6 +301,14 @@ def test_a_live_run_holds_its_output_dir_until_it_ends_however_it_ends(saved_run
                 train.train(resume_config(server, out, **changes), toy.make_dataset(64),
                             [toy.sum_reward], model="toy")
         assert sorted(os.listdir(out)) == before
+        with open(os.path.join(out, "serve_local.log"), "w") as f:
+            f.write("the live run's server\n")
+        toy_run = subprocess.run([sys.executable, "train.py", "--output_dir", out], text=True,
+                                 capture_output=True, cwd=os.path.dirname(train.__file__),
+                                 timeout=120)      # python train.py: the demo, its local server
+        assert toy_run.returncode != 0 and "is in use by a run that is still going" in (
+            toy_run.stderr), toy_run.stderr[-2000:]
+        assert open(os.path.join(out, "serve_local.log")).read() == "the live run's server\n"
     finally:
         holder.kill()
         holder.wait()
