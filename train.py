@@ -86,6 +86,10 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
     state = checkpoint.TrainState(settings=checkpoint.settings(config, dataset))
     first = int(os.environ.get("RANK", "0")) == 0
+    if first and peft_config is not None and config.save_strategy == "no":   # spec: LoRA
+        logging.getLogger(__name__).warning(
+            "save_strategy='no' with LoRA: this run will keep no adapter (.vllm_lora/ is the "
+            "servers' cache, emptied as it goes; checkpoints keep the trained adapter)")
     held = checkpoint.hold(output_dir) if first else None   # one live run per output_dir
     sync = None                                 # chosen once the servers answer
     feed = None                                 # rank 0: its end of the rollout queue

@@ -309,8 +309,8 @@ def candidates_remedy(info: dict) -> str:
     if (info.get("device_config") or {}).get("device") == "cpu":
         return ("vLLM on a CPU cannot return them (sampling masks need its Model Runner V2, which "
                 "needs Triton's GPU backend): sample with top_k=0, top_p=1 and min_p=None instead")
-    return ("Restart it with `--return-sampling-mask --enable-scale-out` (vLLM >= 0.28, on a GPU), "
-            "or sample with top_k=0, top_p=1 and min_p=None")
+    return ("Restart it with `--return-sampling-mask --enable-scale-out` (vLLM >= 0.28, a GPU; "
+            "refused: VLLM_USE_V2_MODEL_RUNNER=1), or sample with top_k=0, top_p=1, min_p=None")
 
 
 async def returns_candidates(client: VLLMClient, model: str, config, token: int) -> bool:

@@ -6,6 +6,7 @@ holds W + s·B·A computed on our side), so its log-probs must equal those of th
 forward.
 """
 import json
+import logging
 import os
 import re
 import shutil
@@ -261,6 +262,23 @@ def test_what_merged_cannot_merge_is_refused_at_start(case):
     }[case]
     with pytest.raises(ValueError, match=f"cannot merge base_model.model.model.*{said}"):
         merge_plan(get_peft_model(toy_qwen3(), peft_config))
+
+
+def test_lora_with_save_strategy_no_is_warned_about_at_start(tmp_path, caplog):
+    """Spec (LoRA): <output_dir>/.vllm_lora/ is a serving cache, so a LoRA run with
+    save_strategy='no' ends with nothing; that is said at start, before any server is reached
+    (here none answers, and the run stops). A full fine-tuning run is not told."""
+    said = "save_strategy='no' with LoRA: this run will keep no adapter"
+    for peft_config in (LoraConfig(r=4, target_modules=TARGETS), None):
+        config = AsyncGRPOConfig(output_dir=str(tmp_path / str(peft_config is None)),
+                                 vllm_server_base_url="http://127.0.0.1:9", save_strategy="no",
+                                 **LORA_SMALL | {"vllm_server_timeout": 1.0})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="train"), pytest.raises(Exception,
+                                                                           match="127.0.0.1:9"):
+            train.train(config, toy.make_dataset(8), [toy.sum_reward], model="toy",
+                        peft_config=peft_config)
+        assert (said in caplog.text) == (peft_config is not None), caplog.text
 
 
 def test_max_lora_rank_is_the_smallest_rank_vllm_accepts():

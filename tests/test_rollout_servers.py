@@ -11,7 +11,7 @@ from datasets import Dataset
 
 import rollout_helpers as h
 import toy
-from rollout.servers import ConcurrencyCap, Replica, pick
+from rollout.servers import ConcurrencyCap, Replica, candidates_remedy, pick
 from rollout.worker import RolloutWorker
 
 FLAGS = h.SERVER_FLAGS
@@ -66,6 +66,17 @@ def test_pick_prefers_the_least_loaded_then_takes_turns():
 
 
 # ── against local_vllm ──────────────────────────────────────────────────────────────────
+
+
+def test_the_candidate_sets_remedy_fits_the_servers_hardware():
+    """Spec (top-k/top-p): --return-sampling-mask runs on vLLM's Model Runner V2, so a GPU server
+    that refuses it is told VLLM_USE_V2_MODEL_RUNNER=1; a CPU server cannot return the sets at
+    all, so it is told to sample without truncation."""
+    gpu = candidates_remedy({"device_config": {"device": "cuda"}})
+    assert "--return-sampling-mask --enable-scale-out" in gpu
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in gpu
+    cpu = candidates_remedy({"device_config": {"device": "cpu"}})
+    assert "--return-sampling-mask" not in cpu and "top_k=0, top_p=1" in cpu
 
 
 def test_server_flags_are_checked_at_start(start_server, tokenizer):
