@@ -123,7 +123,7 @@ def check_resume(path: str, now: dict, say: bool = True) -> None:
 
 
 def hold(output_dir: str):
-    """Rank 0, before anything reads or writes output_dir: an flock on <output_dir>/.run.lock,
+    """Rank 0, before anything is written or removed in output_dir: an flock on its .run.lock,
     held while the returned file is open (the run's life; the kernel releases it when the process
     dies, however it dies). ValueError if a live run holds it: the two would write the same
     checkpoints and metrics, and an overwrite or a resume would remove or rewind the live one's."""
