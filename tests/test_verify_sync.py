@@ -185,6 +185,11 @@ def test_the_refusal_replays_its_worked_example():
     far = Probe("u", torch.tensor([-2.0, -1.0]), ours)       # none of the deliveries: far off
     assert "1 (rms) from the trained policy's, over 20 times" in refusal(far, noise=0.04)
     assert refusal(far, noise=0.05) is None                  # 1 <= 20 · 0.05
+    sharp, sharp_base = torch.tensor([0.0, -2.36]), torch.tensor([-1.5, -4.0])
+    outlier = Probe("u", torch.tensor([0.0, -2.82]), sharp, {"the base": sharp_base})
+    assert refusal(outlier, noise=0.01) is None              # 0.33 > 20 · 0.01, within 1.57
+    corrupt = Probe("u", torch.tensor([-3.0, 0.0]), sharp, {"the base": sharp_base})
+    assert "farther than any failed delivery is (1.57)" in refusal(corrupt, noise=0.01)
 
 
 def run(servers, out, steps, model, peft_config=None, **fields):
