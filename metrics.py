@@ -51,6 +51,7 @@ import torch
 
 import tree_attention
 from config import DASHBOARDS
+from loss import extreme
 
 COMPLETIONS = "completions.jsonl"                     # log_completions: every trained sample
 COLUMNS = ["step", "prompt", "completion", "reward"]  # the completions table on a dashboard
@@ -70,14 +71,13 @@ def reduction(name: str) -> str:
     """How metric `name` combines, over a logging window (reduce_window) and over a step's rows and
     ranks (loss.reduce_metrics): "sum" for SUMMED (rollout/vllm_preemptions_total: the spec's
     count during the window), "last" for the other `*_total` and LATEST, "max" or "min" when its
-    last part has that word (sample/staleness_max, completions/min_length, .../ratio/max), else
+    last part has that word (loss.extreme: sample/staleness_max, completions/min_length), else
     "mean" (loss.py's means are [sum, count] pairs: rows and ranks add them up)."""
-    words = name.rsplit("/", 1)[-1].split("_")
     if name in SUMMED:
         return "sum"
     if name.endswith("_total") or name in LATEST:
         return "last"
-    return "max" if "max" in words else "min" if "min" in words else "mean"
+    return extreme(name) or "mean"
 
 
 REDUCE = {"sum": sum, "last": lambda values: values[-1], "max": max, "min": min, "mean": np.mean}

@@ -39,6 +39,7 @@ Departures from the spec, one line each:
   `if __name__ == "__main__":` (rollout.worker.check_main_guard); others need none.
 """
 import argparse
+import copy
 import importlib
 import logging
 import math
@@ -61,8 +62,8 @@ import lora_sync
 import metrics
 import tree_attention
 from config import AsyncGRPOConfig, dtype_name   # the spec imports the first from here
-from loss import (MOE_EXPERT_FIELDS, compute_loss, finalize_metrics, reduce_metrics,
-                  router_aux_loss_coef)
+from loss import (MOE_EXPERT_FIELDS, StepTotals, compute_loss, extreme, finalize_metrics,
+                  reduce_metrics, router_aux_loss_coef, row_logprobs)
 from rollout import (AsyncRolloutLoop, Rollout, RolloutGroup,  # noqa: F401 (the spec's records)
                      TurnRecord)
 from rollout.prompts import check_prompt_source
@@ -105,6 +106,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
         hooks = hooks or Hooks([], config)
         from transformers import set_seed
         set_seed(config.seed)   # random, numpy, torch on every rank: the weights agree to shard
+        reference = reference_policy(model, config, processing_class, peft_config, device)
         model, tokenizer = load_model(model, config, processing_class, peft_config, device)
         aux_coef = router_aux_loss_coef(model.config, config.router_aux_loss_coef)
         policy = shard(Policy(model), config, device)
@@ -161,11 +163,11 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             mine = scatter_rows(step, rank, world)
             if mine is None:                    # the prompts are done
                 break
-            rows, num_tokens = mine
+            rows, totals = mine
             hooks.event("on_step_begin")
             sync.settle()                       # the last sync's probe, before the weights change
-            step_metrics = train_step(policy, optimizer, scheduler, rows, num_tokens, config,
-                                      world, aux_coef, scaler, state.model_version)
+            step_metrics = train_step(policy, optimizer, scheduler, rows, totals, config,
+                                      world, aux_coef, scaler, state.model_version, reference)
             state.global_step += 1
             hooks.state.global_step = state.global_step
             skipped = skipped + 1 if step_metrics["loss"] is None else 0     # not applied
@@ -345,6 +347,46 @@ def shard(policy: Policy, config, device: torch.device) -> Policy:
     return policy.to(device)
 
 
+def reference_policy(model, config, processing_class, peft_config, device):
+    """The reference of beta > 0's KL: a function (policy, packed row) → log π_ref at the row's
+    loss terms [M] (loss.row_logprobs), run without gradients; None when beta is 0 (no reference
+    forward, no reference weights). Under LoRA the reference is the policy with its adapter
+    disabled, the base: no second copy. Otherwise it is a frozen copy of the starting `model`,
+    loaded (or copied) before training changes it, in the compute dtype and sharded with FSDP2 like
+    the policy: 2 bytes a parameter in bf16 (4 in fp32) spread over the ranks, one decoder layer
+    gathered at a time during its forward."""
+    if not config.beta:
+        return None
+    if peft_config is not None:
+        @torch.no_grad()
+        def base(policy, row):
+            with policy.model.disable_adapter():
+                return head_logprobs(policy, row, config)
+        return base
+    if not isinstance(model, (str, os.PathLike)):
+        model = copy.deepcopy(model)                    # before the policy's load changes it
+    frozen_dtype = replace(config, dtype=dtype_name(config.compute_dtype(device)))
+    frozen, _ = load_model(model, frozen_dtype, processing_class, None, device)
+    frozen.requires_grad_(False)
+    reference = shard(Policy(frozen), config, device)
+
+    @torch.no_grad()
+    def start(policy, row):
+        logprobs = head_logprobs(reference, row, config)
+        reference.reshard()                 # the root keeps its gathered weights after a forward
+        return logprobs
+    return start
+
+
+def head_logprobs(policy: Policy, row, config) -> torch.Tensor:
+    """[M] log π at a packed row's loss terms, from `policy`'s forward and LM head."""
+    head = policy.head()
+    softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
+    hidden = policy(row).last_hidden_state[0]                                  # [N, H]
+    row = to_device(row, head.weight.device)
+    return row_logprobs(hidden, head.weight, head.bias, row, config, softcap).target
+
+
 def build_optimizer(policy: Policy, config):
     """AdamW over the trainable parameters, weight_decay on the matrices only (as the Trainer:
     biases and norm weights are not decayed), and the config's schedule (get_scheduler)."""
@@ -373,7 +415,8 @@ class Step:
     version: int                    # the policy version it trains
     rows: list                      # [GA][world] TreeRow
     packed: list                    # [GA][world] PackedRow
-    trained_tokens: int             # the loss's divisor: the step's completion tokens
+    trained_tokens: int             # the step's completion tokens (loss terms)
+    totals: StepTotals              # what the loss divides by: tokens, samples, rows
     row_metrics: list[dict]         # the planner's batch/* metrics, one dict per micro-batch
     samples: list                   # the samples accepted from the queue this step
     staleness: list[int]            # theirs: version - model_version
@@ -448,24 +491,24 @@ class Feed:
             return None
         packed = [[row.pack() for row in micro] for micro in rows]
         self.state.num_tokens += sum(p.unique_tokens for micro in packed for p in micro)
-        return Step(version, rows, packed,
-                    trained_tokens=sum(p.trained_tokens for micro in packed for p in micro),
+        totals = StepTotals.of([p for micro in packed for p in micro])
+        return Step(version, rows, packed, trained_tokens=totals.tokens, totals=totals,
                     row_metrics=[self.planner.metrics(micro) for micro in packed],
                     samples=samples, staleness=[version - s.model_version for s in samples],
                     queue_s=queue_s, waited_s=waited_s, queue_size=queue_size)
 
 
 def scatter_rows(step: Step | None, rank: int, world: int, error: str | None = None):
-    """Rank 0 sends rank r its row of each micro-batch and the step's trained-token count (`step`:
-    Feed.next_step's). Returns this rank's ([GA] PackedRow, count), or None when the prompts are
-    done (`step` None). Every rank leaves together: a failure on rank 0 (`error`) raises on the
+    """Rank 0 sends rank r its row of each micro-batch and the step's counts (`step`:
+    Feed.next_step's). Returns this rank's ([GA] PackedRow, StepTotals), or None when the prompts
+    are done (`step` None). Every rank leaves together: a failure on rank 0 (`error`) raises on the
     others."""
     if rank == 0:
         if step is None:
             payload = [{"error": error}] * world
         else:
-            payload = [{"rows": [micro[r] for micro in step.packed],
-                        "num_tokens": step.trained_tokens} for r in range(world)]
+            payload = [{"rows": [micro[r] for micro in step.packed], "totals": step.totals}
+                       for r in range(world)]
     box = [payload[0] if rank == 0 else None]
     if world > 1:
         dist.scatter_object_list(box, payload if rank == 0 else None, src=0)
@@ -474,18 +517,20 @@ def scatter_rows(step: Step | None, rank: int, world: int, error: str | None = N
         if mine["error"] is not None and rank != 0:
             raise RuntimeError(f"rank 0 stopped: {mine['error']}")
         return None
-    return mine["rows"], mine["num_tokens"]
+    return mine["rows"], mine["totals"]
 
 
 # ── all ranks: forward, backward, optimizer ──────────────────────────────────────────────────
 
 
-def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int, config,
-               world: int, aux_coef: float, scaler=None, version: int | None = None) -> dict:
+def train_step(policy: Policy, optimizer, scheduler, rows: list, totals: StepTotals, config,
+               world: int, aux_coef: float, scaler=None, version: int | None = None,
+               reference=None) -> dict:
     """One optimizer step over this rank's rows; returns the loss metrics reduced over micro-batches
-    and ranks, and the timings. A row's loss divides by num_tokens, the whole step's trained tokens,
-    so the step's loss is the sum over rows and ranks; FSDP2 averages gradients over ranks, hence
-    the backward of loss × world. A step whose loss or gradient norm is not finite is not applied
+    and ranks, and the timings. A row's loss divides by the whole step's counts (totals: its
+    trained tokens for the default loss_type), so the step's loss is the sum over rows and ranks;
+    FSDP2 averages gradients over ranks, hence the backward of loss × world. `reference` (beta >
+    0): reference_policy's, the log-probs of the KL term's reference. A step whose loss or gradient norm is not finite is not applied
     (nor is the schedule stepped, as transformers' Trainer): its loss and grad_norm are None.
     `scaler` (fp16): the loss is scaled, the gradients unscaled before clipping, and a step with
     inf/NaN gradients skipped; None: a disabled GradScaler, through which every call passes
@@ -501,12 +546,13 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
     aux_sum = 0.0
     for row in rows:
         with timer("fwd_s"):
+            ref = reference(policy, row) if reference is not None else None     # [M]
             out = policy(row, output_router_logits=True) if aux_coef else policy(row)
             head = policy.head()
             hidden = out.last_hidden_state[0]                                   # [N, H]
             loss, terms = compute_loss(hidden, head.weight, head.bias, to_device(row, device),
-                                         config, num_tokens, final_logit_softcapping=softcap,
-                                         version=version)
+                                       config, totals, final_logit_softcapping=softcap,
+                                       version=version, ref_logprobs=ref)
             if aux_coef:                  # this rank's share of the step's mean router loss
                 aux = moe_aux_loss(policy.model, out.router_logits)
                 loss = loss + aux_coef * aux / (len(rows) * world)
@@ -558,10 +604,10 @@ def say_skipped(in_a_row: int, step: int, rank: int) -> None:
 
 
 def rank_reduce_op(name: str) -> dist.ReduceOp:
-    """How a loss metric combines across ranks: a min or max by name (metrics.reduction) by MIN
-    or MAX, the rest (sums, counts and [sum, count] pairs) by SUM."""
+    """How a loss metric combines across ranks: a min or max by name (loss.extreme) by MIN or
+    MAX, the rest (sums, counts and [sum, count] pairs) by SUM."""
     ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-    return ops.get(metrics.reduction(name), dist.ReduceOp.SUM)
+    return ops.get(extreme(name), dist.ReduceOp.SUM)
 
 
 def moe_aux_loss(model, router_logits) -> torch.Tensor:

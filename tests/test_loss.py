@@ -19,6 +19,11 @@ def config(**kw):
     return AsyncGRPOConfig(**kw)
 
 
+def tot(tokens, samples=1, rows=1):
+    """The step's counts: what the default objective (dapo) divides by is the tokens."""
+    return loss.StepTotals(tokens, samples, rows)
+
+
 def naive(hidden, weight, bias, token_index, targets, T=1.0, top_ids=None, sets=None):
     """Full [M, V] logits: log-softmax over each term's set (None/empty = vocabulary), gathered."""
     z = F.linear(hidden[token_index], weight, bias) / T                          # [M, V]
@@ -144,7 +149,8 @@ def test_ratio_metrics_on_a_hand_computed_example():
     lp.entropy = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     top_lp = torch.tensor([[0.5, 0.2], [0.9, 0.0], [0.3, 0.3], [1.0, 0.0], [0.25, 0.25],
                            [0.1, 0.2]]).log()                            # 0.0: -inf pads
-    _, m = loss.policy_loss(lp, sampler, adv, 6, config(score_centering=False), top_lp)
+    _, m = loss.policy_loss(lp, sampler, adv, torch.zeros(6, dtype=torch.long), tot(6),
+                            config(score_centering=False), top_lp)
     f = loss.finalize_metrics(m)
     assert f["sampling/importance_sampling_ratio/mean"] == pytest.approx(12.95 / 6)
     assert f["sampling/importance_sampling_ratio/min"] == pytest.approx(0.25)
@@ -163,7 +169,7 @@ def test_an_empty_row_gives_zero_loss_zero_gradients_and_neutral_metrics():
     hidden, weight, bias = leaves(3)
     row = row_for(hidden, weight, torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0),
                   torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
-    out, m = loss.compute_loss(hidden, weight, bias, row, config(), num_tokens=7)
+    out, m = loss.compute_loss(hidden, weight, bias, row, config(), totals=tot(7))
     out.backward()                                                       # every rank runs backward
     assert out.item() == 0 and hidden.grad.abs().sum() == 0 and weight.grad.abs().sum() == 0
     f = loss.finalize_metrics(m)
@@ -179,7 +185,8 @@ def test_an_empty_row_gives_zero_loss_zero_gradients_and_neutral_metrics():
 ])
 def test_clipped_surrogate_value_and_gradient(r, adv, clipped, value):
     logp = torch.tensor([math.log(r) - 1.0], requires_grad=True)
-    out, _ = loss.policy_loss(stats_lp(logp), torch.tensor([-1.0]), torch.tensor([adv]), 1,
+    out, _ = loss.policy_loss(stats_lp(logp), torch.tensor([-1.0]), torch.tensor([adv]),
+                              torch.zeros(1, dtype=torch.long), tot(1),
                               config(score_centering=False, epsilon_high=0.28))
     out.backward()
     assert out.item() == pytest.approx(value, rel=1e-6)
@@ -192,7 +199,8 @@ def row_for(hidden, weight, targets, sampler_lp, adv, top_ids=None, top_lp=None,
     if token_index is None:
         token_index = torch.arange(n)
     return SimpleNamespace(token_index=token_index, targets=targets, sampler_logprobs=sampler_lp,
-                           advantages=adv, top_ids=top_ids, top_logprobs=top_lp)
+                           advantages=adv, top_ids=top_ids, top_logprobs=top_lp,
+                           sample_ids=torch.zeros(n, dtype=torch.long))
 
 
 def test_masked_tokens_contribute_zero_gradient():
@@ -205,7 +213,7 @@ def test_masked_tokens_contribute_zero_gradient():
     top_lp = torch.full((5, 2), -3.0)
     adv = torch.tensor([1.0, 1.0, -1.0, 1.0, 1.0])
     row = row_for(hidden, weight, targets, sampler, adv, top_ids, top_lp)
-    out, m = loss.compute_loss(hidden, weight, bias, row, config(), num_tokens=5)
+    out, m = loss.compute_loss(hidden, weight, bias, row, config(), totals=tot(5))
     out.backward()
     assert (hidden.grad[[1, 3]] == 0).all() and (hidden.grad[[0, 2, 4]].abs().sum(1) > 0).all()
     assert loss.finalize_metrics(m)["sampling/masked_mean"] == pytest.approx(0.4)
@@ -215,7 +223,7 @@ def per_token_gradient(hidden, weight, y, log_q, adv, cfg, top_ids):
     """g(y) = -∇(loss of one sampled token y at position 0), flattened over (hidden, weight)."""
     row = row_for(hidden, weight, torch.tensor([y]), log_q[y:y + 1],
                   torch.tensor([adv], dtype=hidden.dtype), top_ids[None], log_q[top_ids][None])
-    out, _ = loss.compute_loss(hidden, weight, None, row, cfg, num_tokens=1)
+    out, _ = loss.compute_loss(hidden, weight, None, row, cfg, totals=tot(1))
     return -torch.cat([g.flatten() for g in torch.autograd.grad(out, (hidden, weight))])
 
 
@@ -286,7 +294,7 @@ def test_score_centering_changes_gradient_not_loss_and_off_is_the_clipped_object
     for centering in (True, False):
         row = row_for(hidden, weight, targets, sampler, adv, top_ids, top_lp)
         cfg = config(score_centering=centering)
-        out, _ = loss.compute_loss(hidden, weight, bias, row, cfg, num_tokens=6)
+        out, _ = loss.compute_loss(hidden, weight, bias, row, cfg, totals=tot(6))
         results[centering] = out.item(), torch.autograd.grad(out, hidden)[0]
     r = (lp - sampler).exp()
     expected = -torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv).sum() / 6
@@ -317,7 +325,7 @@ def test_loss_is_a_token_mean_over_the_step_whatever_the_micro_batches():
             s = slice(lo, hi)
             row = row_for(hidden, weight, targets[s], sampler[s], adv[s], top_ids[s], top_lp[s],
                           torch.arange(lo, hi))
-            out, m = loss.compute_loss(hidden, weight, bias, row, config(), num_tokens=12)
+            out, m = loss.compute_loss(hidden, weight, bias, row, config(), totals=tot(12))
             out.backward()
             parts.append(m)
         grads.append(torch.cat([hidden.grad.flatten(), weight.grad.flatten(), bias.grad]))
@@ -331,7 +339,7 @@ def test_score_centering_without_sampler_top_logprobs_is_refused_naming_the_fix(
     hidden, weight, _ = leaves(2)
     row = row_for(hidden, weight, torch.tensor([1, 2]), torch.tensor([-4.0, -4.0]), torch.ones(2))
     with pytest.raises(ValueError, match="score_centering"):
-        loss.compute_loss(hidden, weight, None, row, config(), 2)
+        loss.compute_loss(hidden, weight, None, row, config(), tot(2))
 
 
 def test_router_aux_loss_on_a_tiny_moe_and_error_on_a_dense_model():
@@ -496,11 +504,12 @@ def test_only_the_tokens_of_the_trainers_version_count_for_the_mismatch():
     exact = torch.log_softmax(hidden @ weight.T, -1)[torch.arange(3), targets]
     row = SimpleNamespace(token_index=torch.arange(3), targets=targets,
                           sampler_logprobs=exact - torch.tensor([0.0, 0.0, 2.0]),
-                          advantages=torch.ones(3), model_versions=torch.tensor([5, 5, 4]))
+                          advantages=torch.ones(3), model_versions=torch.tensor([5, 5, 4]),
+                          sample_ids=torch.zeros(3, dtype=torch.long))
     config = AsyncGRPOConfig(score_centering=False)
-    _, metrics = compute_loss(hidden, weight, None, row, config, 3, version=5)
+    _, metrics = compute_loss(hidden, weight, None, row, config, tot(3), version=5)
     out = finalize_metrics(metrics)
     assert out["sampling/mismatch_tokens"] == 2
     assert out["sampling/mismatch_kl"] <= 1e-6 and out["sampling/logprob_diff_max"] <= 1e-6
-    _, metrics = compute_loss(hidden, weight, None, row, config, 3, version=4)
+    _, metrics = compute_loss(hidden, weight, None, row, config, tot(3), version=4)
     assert finalize_metrics(metrics)["sampling/logprob_diff_max"] == pytest.approx(2.0, abs=1e-5)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import train
 import tree_attention
 from config import AsyncGRPOConfig
+from loss import StepTotals
 from test_tree_attention import model, pack, reference_varlen, samples, windowed
 from test_tree_gated_delta_rule import hybrid
 from weight_sync import full_tensor
@@ -70,7 +71,7 @@ def test_fp16_steps_are_loss_scaled_and_an_overflow_never_reaches_the_weights(de
     row = pack(samples(0))
 
     def step(scaler) -> tuple[dict, dict]:
-        out = train.train_step(policy, optimizer, scheduler, [row], row.trained_tokens, config,
+        out = train.train_step(policy, optimizer, scheduler, [row], StepTotals.of([row]), config,
                                1, 0.0, scaler)
         return out, {n: full_tensor(p) for n, p in policy.model.named_parameters()}
 

@@ -22,6 +22,7 @@ import toy
 import train
 from rollout_helpers import CurriculumConfig, CurriculumRolloutLoop
 from config import AsyncGRPOConfig
+from loss import StepTotals
 from train import AsyncGRPOTrainer
 from train_helpers import ROOT, SERVER_ARGS, SMALL, cli, lines, newest_checkpoint
 from trie_pack import Planner
@@ -251,7 +252,7 @@ def test_a_vision_language_model_trains_and_syncs_only_its_language_model(tmp_pa
         optimizer, scheduler = train.build_optimizer(policy, config)
         assert sum(len(g["params"]) for g in optimizer.param_groups) == len(synced)
         row = pack(samples(2))
-        train.train_step(policy, optimizer, scheduler, [row], row.trained_tokens, config, world,
+        train.train_step(policy, optimizer, scheduler, [row], StepTotals.of([row]), config, world,
                          aux_coef=0.0)
         after = {n: full_tensor(p) for n, p in policy.model.named_parameters()}
         assert all(torch.equal(after[n], before[n]) for n in tower)

@@ -407,6 +407,7 @@ def step(argv):
     import toy
     import train
     import tree_attention
+    from loss import StepTotals
     from rollout.samples import RolloutSample
     from trie_pack import build_row
 
@@ -446,7 +447,7 @@ def step(argv):
     seconds, losses = [], []
     for _ in range(args.steps if cuda else 1):
         start = time.perf_counter()
-        out = train.train_step(policy, optimizer, scheduler, [row], row.trained_tokens, config,
+        out = train.train_step(policy, optimizer, scheduler, [row], StepTotals.of([row]), config,
                                1, 0.0)
         if cuda:
             torch.cuda.synchronize()
