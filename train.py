@@ -529,9 +529,10 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, totals: StepTot
     """One optimizer step over this rank's rows; returns the loss metrics reduced over micro-batches
     and ranks, and the timings. A row's loss divides by the whole step's counts (totals: its
     trained tokens for the default loss_type), so the step's loss is the sum over rows and ranks;
-    FSDP2 averages gradients over ranks, hence the backward of loss × world. `reference` (beta >
-    0): reference_policy's, the log-probs of the KL term's reference. A step whose loss or gradient norm is not finite is not applied
-    (nor is the schedule stepped, as transformers' Trainer): its loss and grad_norm are None.
+    FSDP2 averages gradients over ranks, hence the backward of loss × world. A step whose loss or
+    gradient norm is not finite is not applied (nor is the schedule stepped, as transformers'
+    Trainer): its loss and grad_norm are None. `reference` (beta > 0): reference_policy's, the
+    log-probs of the KL term's reference.
     `scaler` (fp16): the loss is scaled, the gradients unscaled before clipping, and a step with
     inf/NaN gradients skipped; None: a disabled GradScaler, through which every call passes
     unchanged (torch's AMP recipe: one code path with or without scaling). `version`: the policy
