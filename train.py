@@ -859,12 +859,13 @@ def main(argv: list[str] | None = None) -> None:
     output_dir = config.output_dir or "trainer_output"
     server = None
     if script.serve_local and is_rank0():     # rank 0 talks to servers
-        checkpoint.hold(output_dir).close()     # a live run's: refused before its log is replaced
-        import toy
-        path = toy.ensure_saved() if script.model == "toy" else script.model
-        log_path = os.path.join(output_dir, "serve_local.log")
-        from local_vllm.launch import LocalServer
-        server = LocalServer(path, *local_server_args(config, peft_config), log_path=log_path)
+        # train()'s checks first: a refused run leaves output_dir as it was, serve_local.log too
+        with checkpoint.open_run(output_dir, config, dataset, say=False):
+            import toy
+            path = toy.ensure_saved() if script.model == "toy" else script.model
+            log_path = os.path.join(output_dir, "serve_local.log")
+            from local_vllm.launch import LocalServer
+            server = LocalServer(path, *local_server_args(config, peft_config), log_path=log_path)
         config.vllm_server_base_url = server.url
         print(f"local_vllm on {server.url} (log: {log_path})", flush=True)
         if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
