@@ -1,4 +1,5 @@
-"""チェックポイントと再開 (Checkpoints and resuming): save every save_steps; resume_from_checkpoint.
+"""Checkpoints and resuming: a checkpoint-N/ every save_steps, the resume from one, and one run per
+output_dir (spec: チェックポイントと再開 (Checkpoints and resuming): save_steps, resume_from_checkpoint).
 
     <output_dir>/checkpoint-20/       written as .checkpoint-20.tmp/, renamed when complete: a crash
       model.safetensors,              leaves the last complete checkpoint as it was

@@ -1,6 +1,6 @@
-"""記録されたメトリクス (Logged metrics): the trainer's side of them, and the rollout metrics it
-drains from the rollout process. Per optimizer step rank 0 gathers, and every logging_steps steps
-writes one line of <output_dir>/metrics.jsonl:
+"""The logged metrics: the trainer's side of them, and the rollout metrics it drains from the
+rollout process (spec: 記録されたメトリクス (Logged metrics)). Per optimizer step rank 0 gathers,
+and every logging_steps steps writes one line of <output_dir>/metrics.jsonl:
 
     sample/*  the samples the step took from the queue  forwarded/trained tokens, queue size and
                                                          wait, staleness, dropped_stale_total;

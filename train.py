@@ -1,6 +1,6 @@
-"""概要 (Overview), GRPOTrainerとの違い (Differences from GRPOTrainer), バッチ番号の構成 (Batch
-composition): the trainer, a torchrun/FSDP2 loop that trains on the rollout queue while the rollout
-process generates. train() is the whole loop; AsyncGRPOTrainer is the spec's class over it.
+"""The trainer: a torchrun/FSDP2 loop that trains on the rollout queue while the rollout process
+generates (spec: 概要 (Overview), GRPOTrainerとの違い (Differences from GRPOTrainer), バッチ番号の構成
+(Batch composition)). train() is the whole loop; AsyncGRPOTrainer is the spec's class over it.
 
     python train.py                                       # the toy task, end to end, on a CPU
     torchrun --nproc_per_node 4 train.py --model Qwen/Qwen3-4B --dataset trl-lib/DeepMath-103K \\
