@@ -150,6 +150,7 @@ def ensure_saved(path: str | None = None) -> str:
 
 
 NUM_PROMPTS = 256
+HELD_OUT = ((0, 3), (1, 0), (2, 4), (3, 1), (4, 2))   # (a, b) the demo never trains on: its eval
 # `python train.py` (the toy run): what differs from AsyncGRPOConfig's defaults, and why
 TRAIN_DEFAULTS = dict(
     output_dir="runs/toy",
@@ -171,20 +172,26 @@ TRAIN_DEFAULTS = dict(
 )
 
 
-def make_dataset(n: int = 64, seed: int = 0, standard: bool = False,
-                 balanced: bool = False) -> Dataset:
+def make_dataset(n: int = 64, seed: int = 0, standard: bool = False, balanced: bool = False,
+                 held_out: bool | None = None) -> Dataset:
     """`n` addition prompts (a, b in 0..4) with an `answer` column: conversational (one user turn)
     or, `standard`, the plain text "a+b=". `balanced` draws the sum first (each of 0..8 equally
-    often), then a: uniform (a, b) makes 0+0 and 4+4 1/25 of the prompts, 2+2's sum 5/25."""
+    often), then a: uniform (a, b) makes 0+0 and 4+4 1/25 of the prompts, 2+2's sum 5/25.
+    held_out: None any pair; False none of HELD_OUT (the demo's training prompts); True the
+    HELD_OUT pairs in turn (its evaluation: sums it never trained on)."""
     rng = random.Random(seed)
     rows = []
-    for _ in range(n):
-        if balanced:
+    while len(rows) < n:
+        if held_out:
+            a, b = HELD_OUT[len(rows) % len(HELD_OUT)]
+        elif balanced:
             total = rng.randint(0, 8)
             a = rng.randint(max(0, total - 4), min(4, total))
             b = total - a
         else:
             a, b = rng.randint(0, 4), rng.randint(0, 4)
+        if held_out is False and (a, b) in HELD_OUT:
+            continue
         text = f"{a}+{b}="
         prompt = text if standard else [{"role": "user", "content": text}]
         rows.append({"prompt": prompt, "answer": str(a + b)})

@@ -33,7 +33,7 @@ Departures from the spec, one line each:
 - Rank 0 plans the whole step before the first backward: the loss divides by the step's token count.
 - Stale samples are dropped here too (the spec's promise), though admission rarely lets one by.
 - Rollouts request the server's base model card by name: the id a trainer loads need not match it.
-- callbacks: seven of TrainerCallback's events on rank 0 (Hooks); optimizers: only (None, None).
+- callbacks: eight of TrainerCallback's events on rank 0 (Hooks); optimizers: only (None, None).
 - The flags are ours (HfArgumentParser's): the spec's scripts build AsyncGRPOConfig themselves.
 - A script that hands the trainer a function or class it defines calls it under the guard
   `if __name__ == "__main__":` (rollout.worker.check_main_guard); others need none.
@@ -67,7 +67,7 @@ from loss import (MOE_EXPERT_FIELDS, StepTotals, compute_loss, extreme, finalize
                   reduce_metrics, router_aux_loss_coef, row_logprobs)
 from rollout import (AsyncRolloutLoop, Rollout, RolloutGroup,  # noqa: F401 (the spec's records)
                      TurnRecord)
-from rollout.prompts import check_prompt_source
+from rollout.prompts import check_eval_source, check_prompt_source
 from rollout.worker import RolloutWorker, check_main_guard
 from trie_pack import Planner
 from vllm_client import VLLMClient, server_urls
@@ -78,12 +78,14 @@ from weight_sync import FullSync, check_servers, full_tensor, language_parameter
 
 def train(config, dataset, reward_funcs=None, *, model, processing_class=None, tools=None,
           environment_factory=None, loop_cls=AsyncRolloutLoop, peft_config=None,
-          resume_from_checkpoint=None, hooks=None) -> dict:
+          resume_from_checkpoint=None, hooks=None, eval_dataset=None) -> dict:
     """Train `model` with asynchronous GRPO until the prompts run out (num_train_epochs) or
     max_steps; every rank calls it (torchrun). `hooks`: the callbacks and the TrainerState they
-    see (Hooks). Returns the last logged metrics (rank 0; {} on the other ranks)."""
+    see (Hooks); eval_dataset: the prompts eval_strategy evaluates on. Returns the last logged
+    metrics (rank 0; {} on the other ranks)."""
     check_main_guard(config, dataset, reward_funcs, processing_class, tools, environment_factory,
-                     loop_cls)                  # what the rollout process will be handed
+                     loop_cls, eval_dataset)    # what the rollout process will be handed
+    check_eval_source(config, dataset, eval_dataset)
     output_dir = config.output_dir or "trainer_output"
     rank0 = is_rank0()
     if rank0 and peft_config is not None and config.save_strategy == "no":   # spec: LoRA
@@ -130,16 +132,18 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                                    eos_token_ids=stop_token_ids(model, tokenizer),
                                    num_processes=world, dataset_start_index=state.prompt_index,
                                    trained=state.trained, model_version=state.model_version,
-                                   **sync.worker_kwargs)
+                                   eval_dataset=eval_dataset, **sync.worker_kwargs)
             log = metrics.MetricsLog(config, output_dir, state, policy.model, device,
-                                     rollout_metrics=worker.drain_metrics,
-                                     on_log=lambda line: hooks.event("on_log", logs=line))
+                                     rollout_metrics=worker.drain_metrics, evaluator=worker,
+                                     on_log=lambda line: hooks.event("on_log", logs=line),
+                                     on_evaluate=lambda m: hooks.event("on_evaluate", metrics=m))
             stack.callback(log.close)
             stack.callback(log.waiting, state, final=True)   # a run that logged nothing: why
             feed = Feed(worker, planner, config.gradient_accumulation_steps, state,
                         on_wait=lambda: log.waiting(state))
             stack.callback(worker.stop)
             worker.start()
+            log.evaluate(state, start=True)     # eval_on_start (or a resume's lost one)
             hooks.event("on_train_begin")
 
         def save(last: bool = False) -> None:   # checkpoint-N/ when checkpoint.due says so
@@ -178,8 +182,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                 hooks.event("on_step_end")
             check_skipped(skipped, state.global_step, rank)
             save()                              # every save_steps
-        if rank == 0 and log.window and log.every is not None:
-            log.flush(state.global_step)
+        if rank == 0:
+            log.end(state)                      # the open window, the last evaluations
         save(last=True)                         # the last step, unless it was saved
         hooks.event("on_train_end")
         return log.last if rank == 0 else {}
@@ -330,10 +334,20 @@ def reference_policy(model, config, processing_class, peft_config, device):
     if not config.beta:
         return None
     if peft_config is not None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
         @torch.no_grad()
         def base(policy, row):
-            with policy.model.disable_adapter():
+            # peft's disable_adapter() also turns the adapter's requires_grad off and on, which
+            # FSDP2's sharded bf16 training does not survive; the layers' own switch suffices
+            tuners = [m for m in policy.modules() if isinstance(m, BaseTunerLayer)]
+            for layer in tuners:
+                layer._disable_adapters = True
+            try:
                 return head_logprobs(policy, row, config)
+            finally:
+                for layer in tuners:
+                    layer._disable_adapters = False
         return base
     if not isinstance(model, (str, os.PathLike)):
         model = copy.deepcopy(model)                    # before the policy's load changes it
@@ -643,7 +657,7 @@ class AsyncGRPOTrainer:
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None,
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None,
-                 tools=None, environment_factory=None):
+                 tools=None, environment_factory=None, eval_dataset=None):
         if reward_funcs is None and environment_factory is None:
             raise ValueError("reward_funcs is required unless environment_factory supplies the "
                              "reward (get_reward)")
@@ -663,7 +677,9 @@ class AsyncGRPOTrainer:
         self.reward_funcs = reward_funcs
         self.args = args if args is not None else AsyncGRPOConfig()
         check_prompt_source(train_dataset, environment_factory, self.args.max_steps)  # early
+        check_eval_source(self.args, train_dataset, eval_dataset)
         self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset        # TRL GRPOTrainer's: eval_strategy's prompts
         self.processing_class = processing_class
         self.peft_config = peft_config
         self.tools = tools
@@ -691,7 +707,7 @@ class AsyncGRPOTrainer:
         result = train(self.args, self.train_dataset, self.reward_funcs, model=self._model,
                         processing_class=self.processing_class, tools=self.tools,
                         environment_factory=self.environment_factory, loop_cls=self.loop_cls,
-                        peft_config=self.peft_config,
+                        peft_config=self.peft_config, eval_dataset=self.eval_dataset,
                         resume_from_checkpoint=resume_from_checkpoint, hooks=self.hooks)
         found = checkpoint.checkpoints(self.args.output_dir or "trainer_output")
         self.trained_checkpoint = max(found)[1] if found else None
@@ -728,7 +744,7 @@ class AsyncGRPOTrainer:
 
 
 CALLBACK_EVENTS = ("on_init_end", "on_train_begin", "on_step_begin", "on_step_end", "on_log",
-                   "on_save", "on_train_end")    # what Hooks calls
+                   "on_evaluate", "on_save", "on_train_end")    # what Hooks calls
 
 
 class Hooks:
@@ -740,6 +756,8 @@ class Hooks:
         on_step_begin(args, state, control)           a step's rows are ready, before its forward
         on_step_end(args, state, control)             after each optimizer step (and weight sync)
         on_log(args, state, control, logs=line)       each metrics.jsonl line
+        on_evaluate(args, state, control, metrics=m)  an evaluation's eval/* line, when it is
+                                                      done (it may come steps after it was asked)
         on_save(args, state, control)                 after each checkpoint-N/
         on_train_end(args, state, control)            after the last step
 
@@ -817,6 +835,9 @@ class ScriptArguments:
     dataset: str = "toy"                 # a `datasets` name, a .json/.jsonl/.csv/.parquet file with
                                          # a `prompt` column, or "toy"
     dataset_split: str = "train"         # the split of a `datasets` name
+    eval_dataset: str | None = None      # as --dataset, eval_strategy's prompts; None: for toy,
+                                         # its held-out sums when eval_strategy is set
+    eval_dataset_split: str = "test"     # the split of an eval `datasets` name
     reward: str | None = None            # module:function[,...]; "toy" → toy:exact_reward
     serve_local: bool | None = None      # start local_vllm; None: for toy without a server URL
     lora_r: int = 0                      # > 0: train a LoRA adapter of this rank (peft)
@@ -836,17 +857,19 @@ def import_callable(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def load_prompts(script: ScriptArguments):
-    """The prompt dataset of --dataset: the toy prompts, a local file, or a `datasets` name."""
-    if script.dataset == "toy":
+def load_prompts(name: str, split: str, held_out: bool = False):
+    """The prompt dataset of --dataset (or --eval_dataset, `held_out`): the toy prompts (held
+    out: the sums training never sees), a local file, or a `datasets` name and split."""
+    if name == "toy":
         import toy
-        return toy.make_dataset(toy.NUM_PROMPTS, standard=True, balanced=True)
+        return toy.make_dataset(toy.NUM_PROMPTS if not held_out else len(toy.HELD_OUT),
+                                standard=True, balanced=True, held_out=held_out)
     import datasets
     kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-    kind = kinds.get(os.path.splitext(script.dataset)[1])
-    if kind and os.path.isfile(script.dataset):
-        return datasets.load_dataset(kind, data_files=script.dataset, split="train")
-    return datasets.load_dataset(script.dataset, split=script.dataset_split)
+    kind = kinds.get(os.path.splitext(name)[1])
+    if kind and os.path.isfile(name):
+        return datasets.load_dataset(kind, data_files=name, split="train")
+    return datasets.load_dataset(name, split=split)
 
 
 def lora_config(script: ScriptArguments):
@@ -897,7 +920,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     script, config = parse_cli(argv)
     peft_config = lora_config(script)
-    dataset = load_prompts(script)
+    dataset = load_prompts(script.dataset, script.dataset_split)
+    evals = script.eval_dataset or ("toy" if script.dataset == "toy" else None)
+    eval_dataset = (load_prompts(evals, script.eval_dataset_split, held_out=True)
+                    if evals and config.eval_strategy != "no" else None)
     reward = script.reward or ("toy" if script.dataset == "toy" else None)
     if reward is None:
         raise SystemExit("train.py: error: --reward module:function is required for a dataset "
@@ -920,7 +946,8 @@ def main(argv: list[str] | None = None) -> None:
             # here made each step 1.4x slower (forward+backward 4.5x) than 1 on a 2-core machine
             torch.set_num_threads(max(1, torch.get_num_threads() - 2))
     try:
-        result = train(config, dataset, rewards, model=script.model, peft_config=peft_config)
+        result = train(config, dataset, rewards, model=script.model, peft_config=peft_config,
+                       eval_dataset=eval_dataset)
     finally:
         if server is not None:
             server.stop()

@@ -45,7 +45,7 @@ import types
 from typing import Callable
 
 from rollout.loop import AsyncRolloutLoop, Channels, child_main
-from rollout.prompts import ResumeIndex, first_prompt_index
+from rollout.prompts import ResumeIndex, check_eval_source, first_prompt_index
 from rollout.samples import RolloutSample
 from rollout.tool_calls import check_tools
 from rollout.staleness import Window, prior_rate
@@ -107,6 +107,7 @@ class RolloutWorker:
                  dataset_start_index: int = 0, model_version: int = 0,
                  lora_name: str | None = None, trained: dict[int, int] | None = None,
                  eval_dataset=None):
+        check_eval_source(config, dataset, eval_dataset)
         for which, data in (("training", dataset), ("eval", eval_dataset)):
             columns = getattr(data, "column_names", None)
             if columns is not None and "prompt" not in columns:
@@ -141,6 +142,7 @@ class RolloutWorker:
         self.evals_asked = self.evals_done = 0   # evaluations asked for, and their lines read
         self.process = None
         self.channels: Channels | None = None
+        self.prompts_per_epoch = len(dataset) if hasattr(dataset, "__len__") else None
 
     def start(self, ready_timeout: float = 300.0) -> None:
         """Check picklability, spawn the process, and wait until it is connected and set up."""

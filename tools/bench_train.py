@@ -178,7 +178,7 @@ def _generation_only(samples: int, per_step: float, cores: tuple[int, int], args
     server = LocalServer(toy.ensure_saved(), *train.local_server_args(config))
     pin_threads(server.proc.pid, {cores[1]})
     config.vllm_server_base_url = server.url
-    worker = RolloutWorker(config, train.load_prompts(script),
+    worker = RolloutWorker(config, train.load_prompts(script.dataset, script.dataset_split),
                            [train.import_callable("toy:exact_reward")], tokenizer,
                            eos_token_ids=stop_token_ids(model, tokenizer))
     try:
