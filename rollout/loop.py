@@ -350,17 +350,15 @@ class AsyncRolloutLoop:
         advantages = np.zeros(len(rewards))
         if scored.any():
             r = rewards[scored]
-            scale = self.config.scale_rewards
-            if scale == "group":
-                advantages[scored] = (r - r.mean()) / (r.std() + 1e-4)
-            elif scale == "batch":
+            std = r.std()                                               # "group"
+            if self.config.scale_rewards == "batch":
                 rate = (self.channels.rate.value if self.channels is not None
                         else prior_rate(self.config, 1))
                 step = max(len(r), round(rate / self.config.weight_sync_steps))
                 self.recent_rewards = np.concatenate([self.recent_rewards, r])[-step:]
-                advantages[scored] = (r - r.mean()) / (self.recent_rewards.std() + 1e-4)
-            else:
-                advantages[scored] = r - r.mean()
+                std = self.recent_rewards.std()
+            scale = std + 1e-4 if self.config.scale_rewards != "none" else 1.0
+            advantages[scored] = (r - r.mean()) / scale
         return advantages
 
     async def setup(self) -> None:
@@ -511,9 +509,9 @@ class AsyncRolloutLoop:
     async def _score_eval(self, group: PendingGroup) -> None:
         """An eval group done: its rewards and figures (scoring.eval_result), or None's mark of a
         failed one (counted as eval/failed_prompts); its environments go back to the pool."""
-        built = None if group.failed else group.build()
         try:
-            if built is not None:
+            if not group.failed:
+                built = group.build()
                 columns = await score_rewards(self.reward_funcs, built,
                                               self.config.reward_tool_timeout)
                 group.result = eval_result(built, columns, self.eos_token_ids)
@@ -522,9 +520,7 @@ class AsyncRolloutLoop:
         finally:
             group.result = group.result or {"failed": True}
             self.evaluating -= 1
-            for slot in group.slots:
-                if slot is not None and slot.environment is not None:
-                    self.environments.give_back(slot.environment)
+            self._give_back(group.slots)
 
     async def _score_loop(self) -> None:
         """Per complete group: score_group (rollout/scoring.py) → its samples on the rollout queue;
@@ -618,9 +614,7 @@ class AsyncRolloutLoop:
             if group.evaluation is not None:
                 await self._score_eval(group)
             elif group.failed:
-                for slot in group.slots:
-                    if slot is not None and slot.environment is not None:
-                        self.environments.give_back(slot.environment)
+                self._give_back(group.slots)
                 self._finish_prompt(group.prompt_index, group.size, 0)
             else:
                 await self.score_queue.put(group.build(queued_at=time.monotonic()))
@@ -696,6 +690,12 @@ class AsyncRolloutLoop:
         if quiet > self.config.untrained_warning_s and not counts.warned and not ended:
             counts.warned = True
             log.warning(why)
+
+    def _give_back(self, slots: list) -> None:
+        """The environments of a dropped or evaluated group's finished rollouts, to the pool."""
+        for slot in slots:
+            if slot is not None and slot.environment is not None:
+                self.environments.give_back(slot.environment)
 
     def _rollout_ended(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
