@@ -69,7 +69,8 @@ def test_eval_lines_come_at_the_asked_steps_and_a_resume_does_not_repeat_one(tra
 def test_eval_strategy_epoch_evaluates_after_each_pass_over_the_prompts(train_server, toy_dir,
                                                                         tmp_path):
     """eval_strategy "epoch" over 2 passes of 8 prompts: one evaluation after each pass (the
-    second at the run's end); eval_delay 1 leaves out the first."""
+    second at the run's end); eval_delay 2 (epochs, as transformers reads it: the first may come
+    once 2 have passed) leaves out the first."""
     def run(out, **kw):
         config = AsyncGRPOConfig(output_dir=out, vllm_server_base_url=train_server.url,
                                  num_train_epochs=2, eval_strategy="epoch", save_strategy="no",
@@ -81,7 +82,7 @@ def test_eval_strategy_epoch_evaluates_after_each_pass_over_the_prompts(train_se
     both = run(str(tmp_path / "both"))
     steps = [r["step"] for r in lines(str(tmp_path / "both")) if "loss" in r]
     assert len(both) == 2 and both[-1]["step"] == steps[-1] and both[0]["step"] < steps[-1]
-    assert len(run(str(tmp_path / "delay"), eval_delay=1)) == 1
+    assert len(run(str(tmp_path / "delay"), eval_delay=2)) == 1
 
 
 def test_an_evaluation_without_eval_prompts_is_refused_in_transformers_words(toy_dir):
