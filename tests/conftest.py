@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -46,10 +47,12 @@ def refused(what: str):
 def pytest_runtest_protocol(item, nextitem):
     """The fast tier's guard: a test marked `fast` (its file's pytestmark) that starts a process
     (subprocess, multiprocessing, fork) or connects to a server over TCP fails, naming the call,
-    whether the test or a fixture it sets up does it."""
+    whether the test or a fixture it sets up does it. Its tensors are tiny, so it runs on one
+    thread: more only contend for the cores, most of all on a shared machine."""
     if item.get_closest_marker("fast") is None:
         yield
         return
+    threads = torch.get_num_threads()
     connect = socket.socket.connect
 
     def local_connect(sock, address):
@@ -62,7 +65,11 @@ def pytest_runtest_protocol(item, nextitem):
         patch.setattr(multiprocessing.process.BaseProcess, "start", refused("Process.start"))
         patch.setattr(os, "fork", refused("os.fork"))
         patch.setattr(socket.socket, "connect", local_connect)
-        yield
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
