@@ -145,12 +145,13 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             worker.start()
             log.evaluate(state, start=True)     # eval_on_start (or a resume's lost one)
             hooks.event("on_train_begin")
+        skipped = 0                             # non-finite steps in a row
 
         def save(last: bool = False) -> None:   # checkpoint-N/ when checkpoint.due says so
             if checkpoint.due(config, state.global_step, last):
                 checkpoint.save(output_dir, state, policy, optimizer, scheduler, tokenizer, config)
                 hooks.event("on_save")
-        skipped = 0                             # non-finite steps in a row
+
         while config.max_steps <= 0 or state.global_step < config.max_steps:
             started = time.perf_counter()
             # a callback's stop (control.should_training_stop): no step, which ends every rank
@@ -953,7 +954,7 @@ def main(argv: list[str] | None = None) -> None:
             server.stop()
     if result:
         shown = {k: round(v, 4) for k, v in result.items()
-                 if k in ("step", "reward", "loss", "perf/step_s")}
+                 if k in ("step", "reward", "loss", "perf/step_s") and v is not None}
         print(f"done: {shown}; metrics in {output_dir}/metrics.jsonl", flush=True)
 
 

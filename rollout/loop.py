@@ -93,7 +93,7 @@ class Counts:
 
 
 @dataclass
-class SinceEmit:
+class SinceLastEmit:
     """What accumulated since the last periodic emission (every metrics_interval_s): seconds
     the loops waited, by cause, and the tokens generated. take() reports and zeroes them."""
     backpressure_s: float = 0.0     # rollout/backpressure_s: the rollout queue was full
@@ -223,7 +223,7 @@ class AsyncRolloutLoop:
         self.fatal: BaseException | None = None  # a rollout's error: the generate loop raises it
         self.tasks: set[asyncio.Task] = set()    # the running rollouts
         self.wake = asyncio.Event()              # something the generate loop waits on changed
-        self.since_emit = SinceEmit()
+        self.since_emit = SinceLastEmit()
         self.totals: dict[str, float] = {}       # the tools/*_total counters since the start
         self.recent_rewards = np.zeros(0)        # scale_rewards="batch": about a step's rewards
         self.evaluating = 0                      # eval groups started and not yet scored

@@ -16,6 +16,8 @@ import rollout_helpers as h
 from config import AsyncGRPOConfig
 from conftest import ROOT
 
+pytestmark = pytest.mark.fast    # the fast tier: no server, no child process (conftest)
+
 
 def test_spec_defaults():
     c = AsyncGRPOConfig()

@@ -12,6 +12,8 @@ import loss
 import toy
 from train import AsyncGRPOConfig
 
+pytestmark = pytest.mark.fast    # the fast tier: no server, no child process (conftest)
+
 V, H = 105, 16
 
 

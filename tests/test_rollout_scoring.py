@@ -12,6 +12,8 @@ from rollout.samples import ToolCall
 from rollout.scoring import add_totals, score_group
 from rollout.tool_calls import CallTimeout
 
+pytestmark = pytest.mark.fast    # the fast tier: no server, no child process (conftest)
+
 
 def scored(tokenizer, group, reward_funcs=()):
     """score_group with the default loop's compute_advantages."""
