@@ -13,7 +13,8 @@ import pytest
 import toy
 import train
 from config import AsyncGRPOConfig
-from train_helpers import ROOT, SERVER_ARGS, SMALL, lines
+from rollout_helpers import rank_reward
+from train_helpers import ROOT, SMALL, lines
 
 
 class Recorder:
@@ -75,7 +76,7 @@ def test_eval_strategy_epoch_evaluates_after_each_pass_over_the_prompts(train_se
         config = AsyncGRPOConfig(output_dir=out, vllm_server_base_url=train_server.url,
                                  num_train_epochs=2, eval_strategy="epoch", save_strategy="no",
                                  **(SMALL | kw))
-        train.train(config, toy.make_dataset(8), [toy.sum_reward], model=toy_dir,
+        train.train(config, toy.make_dataset(8), [rank_reward], model=toy_dir,   # never flat
                     eval_dataset=toy.make_dataset(2, seed=5))
         return evals(out)
 
