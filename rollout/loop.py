@@ -490,7 +490,9 @@ class AsyncRolloutLoop:
         max_eval_rollouts of them in flight (per_device_eval_batch_size × ranks, whole groups), so
         training's generation slows by the share they take and the trainer trains on meanwhile.
         A sync may land during a long evaluation: each group runs under the version its first
-        rollout started with, and eval/model_version_min/max say which were evaluated."""
+        rollout started with, and eval/model_version_min/max say which were evaluated. It samples
+        with the run's own settings (temperature, top_p, top_k, min_p, max_completion_length):
+        pass@k measures the policy that trains, as it samples."""
         G = self.config.num_generations_eval or self.config.num_generations
         in_flight = max(1, self.max_eval_rollouts // G)        # whole groups
         start = time.monotonic()
