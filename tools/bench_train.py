@@ -86,14 +86,14 @@ def learn(argv):
     0.9 within 10 minutes."""
     import numpy as np
     seconds, records = _toy_run("runs/bench-learn", "--eval_strategy", "steps",
-                                "--eval_steps", "50", *argv)
+                                "--eval_steps", "50", "--eval_on_start", "true", *argv)
     steps = [r for r in records if "eval/prompts" not in r]
     rewards = [r["reward"] for r in steps if "reward" in r]
     evals = [r["eval/pass@1"] for r in sorted(records, key=lambda r: r["step"])
              if "eval/pass@1" in r]
     print(f"learn reward_start={np.mean(rewards[:10]):.3f} reward_end={np.mean(rewards[-10:]):.3f} "
-          f"eval_pass1_start={evals[0]:.3f} eval_pass1_end={evals[-1]:.3f} "
-          f"steps={len(steps)} minutes={seconds / 60:.2f}")
+          f"eval_pass1_start={evals[0]:.3f} eval_pass1_peak={max(evals):.3f} "
+          f"eval_pass1_end={evals[-1]:.3f} steps={len(steps)} minutes={seconds / 60:.2f}")
 
 
 def overlap(argv):
