@@ -79,9 +79,9 @@ def _pin_tree(process, cores: set[int]) -> None:
 
 
 def learn(argv):
-    """The toy demo as `python train.py` runs it (warm-up-only model, 2 CPU cores), evaluated
-    every 50 steps on its held-out sums (toy.HELD_OUT, never trained on): the mean reward of the
-    first and the last 10 steps beside the held-out pass@1 of the first and the last evaluation.
+    """The toy demo as `python train.py` runs it (the warmed-up model, 2 CPU cores), evaluated at
+    start and every 50 steps on its held-out sums (toy.HELD_OUT, never trained on): the mean reward
+    of the first and the last 10 steps beside the held-out pass@1 at start, at its peak and last.
     Further flags go to train.py (`--loss_type grpo`, `--beta 0.01`, ...). Target: reward_end >=
     0.9 within 10 minutes."""
     import numpy as np
