@@ -39,12 +39,13 @@ from rollout.tool_calls import call_maybe_async
 async def score_group(group: RolloutGroup, reward_funcs: list[Callable],
                       compute_advantages: Callable[[RolloutGroup], np.ndarray],
                       eos_token_ids: list[int], num_top: int | None, limit: float | None = None,
-                      offers_tools: bool = False,
+                      offers_tools: bool = False, executor=None,
                       ) -> tuple[list[RolloutSample], dict[str, float]]:
-    """Rewards (each call within `limit` seconds) → group.rewards → compute_advantages → drop the
-    group or build its samples; and the group's metrics (its tools/*_total counts are this
-    group's: add_totals makes them totals; offers_tools: tools/ rates also with no call)."""
-    columns = await score_rewards(reward_funcs, group, limit)
+    """Rewards (each call within `limit` seconds, a sync one on `executor`) → group.rewards →
+    compute_advantages → drop the group or build its samples; and the group's metrics (its
+    tools/*_total counts are this group's: add_totals makes them totals; offers_tools: tools/
+    rates also with no call)."""
+    columns = await score_rewards(reward_funcs, group, limit, executor)
     if columns:
         total = np.stack(list(columns.values()), axis=1)          # [G, sources]
     else:
@@ -90,16 +91,17 @@ def reward_name(func: Callable) -> str:
 
 
 async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup,
-                        limit: float | None = None) -> dict[str, np.ndarray]:
+                        limit: float | None = None, executor=None) -> dict[str, np.ndarray]:
     """Every reward source of a group as a column (NaN where a source did not score a rollout):
-    reward functions (sync ones in threads, all concurrently, each within `limit` seconds),
+    reward functions (sync ones in `executor`'s threads, None: asyncio's default, all
+    concurrently, each within `limit` seconds),
     environment rewards (named after the environment class) and Rollout.reward, each checked
     (checked_column). Every source keeps its own column, so each is summed once; a name already
     taken gets a suffix (_2, _3, ...) in the rewards/<name>/ metrics."""
     environments = {} if group.environments is None else {"environments": group.environments}
 
     async def call(func):
-        values = await call_maybe_async(func, None, limit, prompts=group.prompts,
+        values = await call_maybe_async(func, executor, limit, prompts=group.prompts,
                                         completions=group.completions,
                                         completion_ids=group.completions_ids, **environments,
                                         **group.reward_kwargs)
@@ -153,7 +155,8 @@ def group_metrics(group: RolloutGroup, eos_token_ids: list[int],
     lengths = [len(r.completion_ids) for r in rollouts]
     drifts = [d for s in stats for d in s["drifts"]]
     last_ids = [r.turns[-1].output_ids if r.turns else [] for r in rollouts]
-    clipped = [not ids or ids[-1] not in eos_token_ids for ids in last_ids]
+    clipped = [r.truncated or not ids or ids[-1] not in eos_token_ids
+               for r, ids in zip(rollouts, last_ids)]
     m = {"rollout/duration_s": float(np.mean([s["duration_s"] for s in stats])),
          "rollout/turns_mean": float(np.mean([len(r.turns) for r in rollouts])),
          "rollout/turns_max": max(len(r.turns) for r in rollouts),

@@ -185,22 +185,26 @@ ROWS = [{"prompt": [{"role": "user", "content": "1+1="}], "environment": "counte
 
 
 @pytest.mark.parametrize("kwargs, error", [
-    (dict(train_dataset=None), "no train_dataset: pass a dataset"),
+    (dict(train_dataset=None), "`train_dataset` is required"),
     (dict(train_dataset=None, reward_funcs=None, environment_factory=h.PromptEnv),
      "set max_steps > 0"),
     (dict(train_dataset=None, environment_factory={"counter": h.Counter}),
-     "one factory, not a dict"),
+     "requires a `train_dataset`"),
     (dict(train_dataset=Dataset.from_list(ROWS + [dict(ROWS[0], environment="chess")]),
           environment_factory={"counter": h.Counter}),
-     r"dataset row 2: environment 'chess' is not one of environment_factory's \['counter'\]"),
+     r"dataset row 2: environment 'chess' is not among the environments \['counter'\]"),
     (dict(train_dataset=Dataset.from_list([{"prompt": "1+1="}, {"prompt": None}])),
      "dataset row 1: the prompt is None"),
     (dict(train_dataset=Dataset.from_list([{"prompt": "1+1="}, {"prompt": ""}])),
      "dataset row 1: the prompt is ''"),
+    (dict(reward_funcs=None, train_dataset=toy.make_dataset(2)), "No reward source provided"),
 ], ids=["no dataset", "environment data without max_steps", "dict factory without dataset",
-        "unknown environment", "None prompt", "empty prompt"])
+        "unknown environment", "None prompt", "empty prompt", "no reward source"])
 def test_input_errors_are_refused_at_construction_naming_the_row(kwargs, error):
-    """AsyncGRPOTrainer refuses them before any model is loaded (the model here does not exist)."""
+    """AsyncGRPOTrainer refuses them before any model is loaded (the model here does not exist).
+    Where TRL's own constructor tests (AsyncGRPOTrainer's, GRPOTrainer's) match a phrase, the
+    error holds it: "`train_dataset` is required", "max_steps", "requires a `train_dataset`",
+    "not among the environments", "No reward source provided"."""
     kwargs = dict(reward_funcs=h.rank_reward) | kwargs
     with pytest.raises(ValueError, match=error):
         train.AsyncGRPOTrainer("no/such/model", **kwargs)
