@@ -87,7 +87,7 @@ class ServerProcess:
         if self.proc.poll() is None:
             return None
         tail = "".join(self.output().splitlines(keepends=True)[-10:])
-        return (f"the {self.name} server this process started at {self.url} exited with code "
+        return (f"{self.name} at {self.url}, started by this process, exited with code "
                 f"{self.proc.returncode}; its log ({self.log_path or 'not kept'}) ends:\n{tail}")
 
     def output(self) -> str:

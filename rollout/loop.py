@@ -653,7 +653,7 @@ class AsyncRolloutLoop:
     def _rollout_ended(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            self.fatal = task.exception()
+            self.fatal = self.fatal or task.exception()     # the first: the cause
         self.wake.set()
 
     def _finish_prompt(self, prompt_index: int, rollouts: int, samples: int) -> None:

@@ -229,3 +229,43 @@ def test_trackio_local_store_holds_the_metrics(tmp_path):
     logs = json.loads(out.strip().splitlines()[-1])
     assert [row["reward"] for row in logs if "reward" in row] == [0.25, 0.5]
     assert any("completions" in row for row in logs)
+
+
+@pytest.mark.parametrize("static, frozen", [("me/run-static", "me/run-static"), (None, None),
+                                            (False, "none")])
+def test_trackio_gets_its_space_bucket_and_static_space_as_transformers_passes_them(
+        tmp_path, monkeypatch, static, frozen):
+    """trackio_space_id and trackio_bucket_id reach trackio.init (TRL's gsm8k example sets the
+    first: it was refused); at the end the Space is frozen into trackio_static_space_id (None:
+    trackio names it; False: no freeze), as transformers' TrackioCallback does. trackio's own
+    init, log, finish and freeze are patched: no test reaches a hub."""
+    trackio = pytest.importorskip("trackio", reason="trackio is not installed")
+    calls = []
+    for name in ("init", "log", "finish", "freeze"):
+        monkeypatch.setattr(trackio, name,
+                            lambda *args, _name=name, **kwargs: calls.append((_name, kwargs)))
+    config = train.AsyncGRPOConfig(report_to="trackio", project="surface", run_name="run",
+                                   trackio_space_id="me/live", trackio_bucket_id="me/bucket",
+                                   trackio_static_space_id=static)
+    board, = metrics.open_dashboards(config, str(tmp_path))
+    board.log({"reward": 0.5}, 1)
+    board.close()
+    (_, init), log, finish, *freeze = calls
+    assert (init["project"], init["name"], init["space_id"], init["bucket_id"]) == (
+        "surface", "run", "me/live", "me/bucket")
+    assert log == ("log", {"step": 1}) and finish[0] == "finish"
+    assert freeze == ([] if frozen == "none" else [("freeze", {
+        "space_id": "me/live", "project": "surface", "new_space_id": frozen})])
+
+
+def test_trackio_without_a_space_logs_to_its_local_store_and_freezes_nothing(tmp_path,
+                                                                            monkeypatch):
+    trackio = pytest.importorskip("trackio", reason="trackio is not installed")
+    calls = []
+    for name in ("init", "finish", "freeze"):
+        monkeypatch.setattr(trackio, name,
+                            lambda *args, _name=name, **kwargs: calls.append((_name, kwargs)))
+    board, = metrics.open_dashboards(train.AsyncGRPOConfig(report_to="trackio"), str(tmp_path))
+    board.close()
+    assert [name for name, _ in calls] == ["init", "finish"]
+    assert calls[0][1]["space_id"] is None and calls[0][1]["bucket_id"] is None
