@@ -19,6 +19,10 @@ Departures from the spec, one line each (the why is on the code named):
 - A failed rollout drops its group; FAILED_GROUPS_TO_STOP groups in a row stop the run (_rollout);
   one whose replica stopped answering runs again on another (_reroute). A reward function, tool
   or environment past reward_tool_timeout (ours) fails its rollout, named (CallTimeout).
+- A prompt with no room in max_model_len skips its group, named and counted (_too_long): never an
+  empty rollout scored. A max_steps run whose whole pass over the prompts kept no group stops
+  (_untrained): the spec drops such groups and says nothing of a run that keeps none.
+- rollout/prompts_too_long_total (ours): the prompts skipped so.
 - *_total metrics are running totals; backpressure_s, score_block_s: seconds since the last one.
 - rollout/admission_wait_s (ours): seconds generation waited for staleness admission, not a full
   queue (the spec's rollout/backpressure_s, which counts only that).
