@@ -1,4 +1,5 @@
-"""チェックポイントと再開 (Checkpoints and resuming): save every save_steps; resume_from_checkpoint.
+"""Checkpoints and resuming: a checkpoint-N/ every save_steps, the resume from one, and one run per
+output_dir (spec: チェックポイントと再開 (Checkpoints and resuming): save_steps, resume_from_checkpoint).
 
     <output_dir>/checkpoint-20/       written as .checkpoint-20.tmp/, renamed when complete: a crash
       model.safetensors,              leaves the last complete checkpoint as it was
@@ -21,8 +22,9 @@ model files (AsyncGRPOTrainer.save_model); load_model() reads them back.
 One run per output_dir: a live run holds <output_dir>/.run.lock (hold: an flock, released by the
 kernel however the run dies), and another run into it while it lives is refused, whatever its
 flags; a run that does not resume refuses a directory holding another run's checkpoints or
-metrics (claim), or with overwrite_output_dir removes them first. Every file and
-directory is fsynced before the rename, and the rename before older checkpoints are pruned.
+metrics (claim), or with overwrite_output_dir removes them first. open_run does all of this, in
+one call, before a run writes anything; due() says which steps save. Every file and directory is
+fsynced before the rename, and the rename before older checkpoints are pruned.
 
 Resume (`resume_from_checkpoint=True`: the newest checkpoint in output_dir; or a path) restores
 all of it; the rollout process starts at prompt_index, the trainer syncs the saved weights to the
@@ -39,6 +41,7 @@ Departures from the spec, one line each:
 - A resume applies the current learning rate, schedule and AdamW settings (the Trainer keeps the
   checkpoint's).
 """
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -120,6 +123,23 @@ def check_resume(path: str, now: dict, say: bool = True) -> None:
     if changed["optimization"] and say:
         log.warning("resume_from_checkpoint=%s: applying the changed %s", path,
                     ", ".join(changed["optimization"]))
+
+
+@contextlib.contextmanager
+def open_run(output_dir: str, config, dataset, resume=None, rank0: bool = True, say: bool = True):
+    """A run into output_dir opens here, before anything else is done or written: find the
+    checkpoint to resume (`resume`, else config.resume_from_checkpoint: find), hold the directory
+    (rank 0: hold), then check the resume (check_resume; `say`: log what it changes) or claim the
+    directory (rank 0: claim). Yields (the checkpoint to resume or None, a TrainState holding
+    this run's settings); the directory is held until the block ends, however it ends."""
+    path = find(output_dir, resume or config.resume_from_checkpoint)
+    state = TrainState(settings=settings(config, dataset))
+    with hold(output_dir) if rank0 else contextlib.nullcontext():
+        if path:
+            check_resume(path, state.settings, say=say)
+        elif rank0:
+            claim(output_dir, config.overwrite_output_dir)
+        yield path, state
 
 
 def hold(output_dir: str):
@@ -228,6 +248,13 @@ def save(output_dir: str, state: TrainState, policy, optimizer, scheduler, token
         prune(output_dir, config.save_total_limit, state.global_step)
     dist.barrier()
     return final
+
+
+def due(config, step: int, last: bool = False) -> bool:
+    """Whether step `step` writes checkpoint-N (save()): every save_steps and, at the end (`last`),
+    a last step the schedule did not save; never with save_strategy="no"."""
+    on_schedule = step % config.every("save_steps") == 0
+    return config.save_strategy == "steps" and (not on_schedule if last else on_schedule)
 
 
 def exported(policy, config) -> dict[str, torch.Tensor]:

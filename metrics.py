@@ -1,6 +1,6 @@
-"""記録されたメトリクス (Logged metrics): the trainer's side of them, and the rollout metrics it
-drains from the rollout process. Per optimizer step rank 0 gathers, and every logging_steps steps
-writes one line of <output_dir>/metrics.jsonl:
+"""The logged metrics: the trainer's side of them, and the rollout metrics it drains from the
+rollout process (spec: 記録されたメトリクス (Logged metrics)). Per optimizer step rank 0 gathers,
+and every logging_steps steps writes one line of <output_dir>/metrics.jsonl:
 
     sample/*  the samples the step took from the queue  forwarded/trained tokens, queue size and
                                                          wait, staleness, dropped_stale_total;
@@ -195,7 +195,6 @@ class MetricsLog:
     def __init__(self, config, output_dir: str, state, model, device,
                  rollout_metrics: Callable[[], list[dict]], on_log=None):
         from tqdm import tqdm
-        os.makedirs(output_dir, exist_ok=True)
         self.config = config
         self.rollout_metrics = rollout_metrics   # the rollout process's since the last call
         self.window: list[dict] = []         # this logging window's per-step records
@@ -281,7 +280,9 @@ class MetricsLog:
     def waiting(self, state, final: bool = False) -> None:
         """While the trainer waits for samples: a window whose groups were all dropped gets its
         line (reward, frac_reward_zero_std, the drop counts) every WAITING_LINE_S, and when
-        `final` (a run that ends before its first line), so a run that trains nothing shows why."""
+        `final` (the run's end) if it wrote none, so a run that trains nothing shows why."""
+        if final and self.last:
+            return
         self.pending += self.rollout_metrics()
         dropped = [m["frac_reward_zero_std"] for m in self.pending if "frac_reward_zero_std" in m]
         due = final or time.monotonic() - self.line_at >= WAITING_LINE_S

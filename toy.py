@@ -1,5 +1,6 @@
-"""クイックスタート (Quick start), offline: the tiny model, tokenizer, prompts and rewards that
-stand in for the spec's hub model and dataset, so the demo and every test run with HF_HUB_OFFLINE=1.
+"""The toy task: the tiny model, tokenizer, prompts and rewards that stand in for the spec's hub
+model and dataset, so the demo and every test run with HF_HUB_OFFLINE=1 (spec: クイックスタート
+(Quick start), offline).
 
     python toy.py --save /tmp/toy       # config.json, model.safetensors, tokenizer.json, template
     VLLM_SERVER_DEV_MODE=1 python -m local_vllm.server --model toy   # the warmed-up model, cached

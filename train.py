@@ -1,6 +1,6 @@
-"""概要 (Overview), GRPOTrainerとの違い (Differences from GRPOTrainer), バッチ番号の構成 (Batch
-composition): the trainer, a torchrun/FSDP2 loop that trains on the rollout queue while the rollout
-process generates. train() is the whole loop; AsyncGRPOTrainer is the spec's class over it.
+"""The trainer: a torchrun/FSDP2 loop that trains on the rollout queue while the rollout process
+generates (spec: 概要 (Overview), GRPOTrainerとの違い (Differences from GRPOTrainer), バッチ番号の構成
+(Batch composition)). train() is the whole loop; AsyncGRPOTrainer is the spec's class over it.
 
     python train.py                                       # the toy task, end to end, on a CPU
     torchrun --nproc_per_node 4 train.py --model Qwen/Qwen3-4B --dataset trl-lib/DeepMath-103K \\
@@ -39,6 +39,7 @@ Departures from the spec, one line each:
   `if __name__ == "__main__":` (rollout.worker.check_main_guard); others need none.
 """
 import argparse
+import contextlib
 import importlib
 import logging
 import math
@@ -83,24 +84,16 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     check_main_guard(config, dataset, reward_funcs, processing_class, tools, environment_factory,
                      loop_cls)                  # what the rollout process will be handed
     output_dir = config.output_dir or "trainer_output"
-    resume = checkpoint.find(output_dir, resume_from_checkpoint or config.resume_from_checkpoint)
-    state = checkpoint.TrainState(settings=checkpoint.settings(config, dataset))
-    first = is_rank0()
-    if first and peft_config is not None and config.save_strategy == "no":   # spec: LoRA
+    rank0 = is_rank0()
+    if rank0 and peft_config is not None and config.save_strategy == "no":   # spec: LoRA
         logging.getLogger(__name__).warning(
             "save_strategy='no' with LoRA: this run will keep no adapter (.vllm_lora/ is the "
             "servers' cache, emptied as it goes; checkpoints keep the trained adapter)")
-    held = checkpoint.hold(output_dir) if first else None   # one live run per output_dir
-    sync = None                                 # chosen once the servers answer
-    feed = None                                 # rank 0: its end of the rollout queue
-    log = None                                  # rank 0: metrics.jsonl and the progress bar
-    clients = []
-    try:
-        if resume:                              # before any work: what it resumes is checked
-            checkpoint.check_resume(resume, state.settings, say=first)
-        elif first:                             # and not another's leftovers
-            checkpoint.claim(output_dir, config.overwrite_output_dir)
+    with contextlib.ExitStack() as stack:       # each release registered beside its acquisition
+        resume, state = stack.enter_context(checkpoint.open_run(  # one live run per output_dir
+            output_dir, config, dataset, resume_from_checkpoint, rank0=rank0, say=rank0))
         rank, world, device = setup_distributed(config)
+        stack.callback(dist.destroy_process_group)
         set_log_level(config, rank)
         hooks = hooks or Hooks([], config)
         from transformers import set_seed
@@ -117,21 +110,16 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
         hooks.state.global_step = state.global_step
         clients = [VLLMClient(url, timeout=config.vllm_server_timeout)
                    for url in server_urls(config)]
-        saving = config.save_strategy == "steps"
-        skipped = 0                             # non-finite steps in a row
-
-        def save() -> None:
-            checkpoint.save(output_dir, state, policy, optimizer, scheduler, tokenizer, config)
-            hooks.event("on_save")
-
+        stack.callback(lambda: [c.close() for c in clients])
         on_rank0(lambda: [c.wait_for_health() for c in clients])   # before anything reads them
         # full weights (weight_sync.py), or LoRA adapter-only or merged (lora_sync.py): once
         sync = (FullSync(policy, clients, config) if peft_config is None
                 else lora_sync.choose(policy, clients, config, peft_config, output_dir))
+        stack.callback(sync.close)              # LoRA: the servers unload this run's adapters
         on_rank0(lambda: check_servers(clients, config, tokenizer, device))
         sync.connect()
         sync.start(state.model_version)         # the servers may hold another run's weights
-        if rank == 0:
+        if rank == 0:                           # rank 0's end of the rollout queue
             budget = config.token_budget
             budget = clients[0].max_model_len() if budget is None else budget
             planner = Planner(world, budget, config.per_device_train_batch_size)
@@ -144,20 +132,24 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             log = metrics.MetricsLog(config, output_dir, state, policy.model, device,
                                      rollout_metrics=worker.drain_metrics,
                                      on_log=lambda line: hooks.event("on_log", logs=line))
+            stack.callback(log.close)
+            stack.callback(log.waiting, state, final=True)   # a run that logged nothing: why
             feed = Feed(worker, planner, config.gradient_accumulation_steps, state,
                         on_wait=lambda: log.waiting(state))
+            stack.callback(worker.stop)
             worker.start()
             hooks.event("on_train_begin")
+
+        def save(last: bool = False) -> None:   # checkpoint-N/ when checkpoint.due says so
+            if checkpoint.due(config, state.global_step, last):
+                checkpoint.save(output_dir, state, policy, optimizer, scheduler, tokenizer, config)
+                hooks.event("on_save")
+        skipped = 0                             # non-finite steps in a row
         while config.max_steps <= 0 or state.global_step < config.max_steps:
             started = time.perf_counter()
-            step = None                         # rank 0: what this step took and planned
             # a callback's stop (control.should_training_stop): no step, which ends every rank
-            if rank == 0 and not hooks.control.should_training_stop:
-                try:
-                    step = feed.next_step(state.model_version, config.max_staleness)
-                except BaseException as e:      # the other ranks must not wait for rows forever
-                    scatter_rows(None, rank, world, error=f"{type(e).__name__}: {e}")
-                    raise
+            plans = rank == 0 and not hooks.control.should_training_stop
+            step = plan_step(feed, state.model_version, config.max_staleness) if plans else None
             mine = scatter_rows(step, rank, world)
             if mine is None:                    # the prompts are done
                 break
@@ -168,9 +160,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                                       world, aux_coef, scaler, state.model_version)
             state.global_step += 1
             hooks.state.global_step = state.global_step
-            skipped = skipped + 1 if step_metrics["loss"] is None else 0     # not applied
-            state.skipped_steps_total += skipped > 0
-            step_metrics["skipped_steps_total"] = state.skipped_steps_total
+            skipped = count_skipped(step_metrics, state, skipped)
             every = config.torch_empty_cache_steps
             if every and state.global_step % every == 0 and device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -184,31 +174,13 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                 step_metrics["perf/step_s"] = time.perf_counter() - started
                 log.step(state, step_metrics, step)
                 hooks.event("on_step_end")
-            if skipped:
-                say_skipped(skipped, state.global_step, rank)
-            if saving and state.global_step % config.every("save_steps") == 0:
-                save()
-        if log is not None and log.window and log.every is not None:
+            check_skipped(skipped, state.global_step, rank)
+            save()                              # every save_steps
+        if rank == 0 and log.window and log.every is not None:
             log.flush(state.global_step)
-        if saving and state.global_step % config.every("save_steps") != 0:
-            save()
+        save(last=True)                         # the last step, unless it was saved
         hooks.event("on_train_end")
-        return log.last if log is not None else {}
-    finally:
-        if feed is not None:
-            feed.worker.stop()
-        if log is not None:
-            if not log.last:                    # a run that trained nothing: its dropped groups
-                log.waiting(state, final=True)
-            log.close()
-        if sync is not None:
-            sync.close()                        # LoRA: the servers unload this run's adapters
-        for c in clients:
-            c.close()
-        if dist.is_initialized():               # a failure may come before the group forms
-            dist.destroy_process_group()
-        if held is not None:
-            held.close()                        # the next run may write output_dir
+        return log.last if rank == 0 else {}
 
 
 # ── setup: processes, model, optimizer, sync ─────────────────────────────────────────────────
@@ -455,6 +427,16 @@ class Feed:
                     queue_s=queue_s, waited_s=waited_s, queue_size=queue_size)
 
 
+def plan_step(feed: Feed, version: int, max_staleness: int) -> Step | None:
+    """Rank 0: the next step (Feed.next_step). A failure is sent to the other ranks before it is
+    raised here: they must not wait for rows forever."""
+    try:
+        return feed.next_step(version, max_staleness)
+    except BaseException as e:
+        scatter_rows(None, 0, feed.planner.world_size, error=f"{type(e).__name__}: {e}")
+        raise
+
+
 def scatter_rows(step: Step | None, rank: int, world: int, error: str | None = None):
     """Rank 0 sends rank r its row of each micro-batch and the step's trained-token count (`step`:
     Feed.next_step's). Returns this rank's ([GA] PackedRow, count), or None when the prompts are
@@ -543,15 +525,25 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, num_tokens: int
 SKIPS_TO_STOP = 3           # non-finite optimizer steps in a row that stop the run
 
 
-def say_skipped(in_a_row: int, step: int, rank: int) -> None:
-    """A step train_step did not apply (its loss or gradient norm was not finite): a warning on
-    rank 0; SKIPS_TO_STOP in a row stop every rank (each counts the same global values)."""
+def count_skipped(step_metrics: dict, state: checkpoint.TrainState, in_a_row: int) -> int:
+    """Count a step train_step did not apply (loss None: its loss or gradient norm was not
+    finite) on the state and in its metrics (skipped_steps_total). Returns the steps not applied
+    in a row, ending with this one (0: it was applied)."""
+    in_a_row = in_a_row + 1 if step_metrics["loss"] is None else 0
+    state.skipped_steps_total += in_a_row > 0
+    step_metrics["skipped_steps_total"] = state.skipped_steps_total
+    return in_a_row
+
+
+def check_skipped(in_a_row: int, step: int, rank: int) -> None:
+    """After a step's metrics are logged: a step not applied (count_skipped) is warned about on
+    rank 0, and SKIPS_TO_STOP in a row stop every rank (each counts the same global values)."""
     if in_a_row >= SKIPS_TO_STOP:
         raise RuntimeError(f"optimizer steps {step - in_a_row + 1} to {step}: the loss or "
                            "gradient norm was not finite, so none was applied (the weights are "
                            f"those of step {step - in_a_row}); look for non-finite advantages "
                            "(compute_advantages) or log-probs, or lower learning_rate")
-    if rank == 0:
+    if in_a_row and rank == 0:
         logging.getLogger(__name__).warning(
             "step %d: the loss or gradient norm is not finite; the optimizer step is skipped (%d "
             "in a row, %d stop the run)", step, in_a_row, SKIPS_TO_STOP)
@@ -867,12 +859,13 @@ def main(argv: list[str] | None = None) -> None:
     output_dir = config.output_dir or "trainer_output"
     server = None
     if script.serve_local and is_rank0():     # rank 0 talks to servers
-        checkpoint.hold(output_dir).close()     # a live run's: refused before its log is replaced
-        import toy
-        path = toy.ensure_saved() if script.model == "toy" else script.model
-        log_path = os.path.join(output_dir, "serve_local.log")
-        from local_vllm.launch import LocalServer
-        server = LocalServer(path, *local_server_args(config, peft_config), log_path=log_path)
+        # train()'s checks first: a refused run leaves output_dir as it was, serve_local.log too
+        with checkpoint.open_run(output_dir, config, dataset, say=False):
+            import toy
+            path = toy.ensure_saved() if script.model == "toy" else script.model
+            log_path = os.path.join(output_dir, "serve_local.log")
+            from local_vllm.launch import LocalServer
+            server = LocalServer(path, *local_server_args(config, peft_config), log_path=log_path)
         config.vllm_server_base_url = server.url
         print(f"local_vllm on {server.url} (log: {log_path})", flush=True)
         if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:

@@ -1,5 +1,5 @@
-"""ツリーパッキング (Tree packing), AMD GPU: attention over a packed trie row (spec steps 3-4,
-"Packed row" and "Attention", and the flash kernel of each GPU). Gated DeltaNet layers are
+"""Attention over a packed trie row (spec: ツリーパッキング (Tree packing), steps 3-4, "Packed row"
+and "Attention"; AMD GPU: the flash kernel of each GPU). Gated DeltaNet layers are
 tree_gated_delta_rule.py's; install() and row_kwargs() bring them in, so a caller sees one API.
 
 A packed row (trie_pack.PackedRow) lays out unique tokens in DFS pre-order, so the ancestors of a

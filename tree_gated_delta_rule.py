@@ -1,5 +1,5 @@
-"""ツリーパッキング (Tree packing), "Gated DeltaNetハイブリッド" (Gated DeltaNet hybrids): the
-linear-attention layers of Qwen3.5, Qwen3.6 and Qwen3-Next over a packed trie row. The convolution
+"""The linear-attention layers of Qwen3.5, Qwen3.6 and Qwen3-Next over a packed trie row (spec:
+ツリーパッキング (Tree packing), "Gated DeltaNetハイブリッド" (Gated DeltaNet hybrids)). The convolution
 reads each token's own predecessors; the chunked delta rule starts each segment from its parent's
 final state. (AMD GPU: nothing of its own here; fla's kernel where installed, else torch.)
 

@@ -1,5 +1,6 @@
-"""ツリーパッキング (Tree packing), バッチ番号の構成 (Batch composition): prefix-trie rows, the
-planner and the packed DFS layout (AsyncGRPOConfig: token_budget, per_device_train_batch_size).
+"""Tree packing: prefix-trie rows, the planner and the packed DFS layout (spec: ツリーパッキング
+(Tree packing), バッチ番号の構成 (Batch composition); AsyncGRPOConfig: token_budget,
+per_device_train_batch_size).
 
 A row is what one DP rank forwards in one micro-batch. It is a prefix trie, not a concatenation:
 tokens that several samples share are forwarded once, and attention shows each sample only its

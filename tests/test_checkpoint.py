@@ -279,13 +279,27 @@ def test_a_second_run_into_a_used_output_dir_is_refused_or_replaces_the_first(
     assert state["global_step"] == 2
 
 
+def contents(directory: str) -> dict[str, bytes]:
+    """Every file under `directory` (its path there) and its bytes."""
+    return {os.path.relpath(os.path.join(root, name), directory):
+            open(os.path.join(root, name), "rb").read()
+            for root, _, names in os.walk(directory) for name in names}
+
+
+def demo(out: str, *flags: str) -> subprocess.CompletedProcess:
+    """`python train.py --output_dir out [flags]`: the toy demo, which starts its local server."""
+    return subprocess.run([sys.executable, "train.py", "--output_dir", out, *flags], text=True,
+                          capture_output=True, cwd=os.path.dirname(train.__file__), timeout=120)
+
+
 def test_a_live_run_holds_its_output_dir_until_it_ends_however_it_ends(saved_run, tmp_path):
     """A run that is still going (here another process holding checkpoint.hold, as train() does)
     keeps every other run out of its output_dir before anything is read or removed there: a
     resume, a fresh run, and a fresh run with overwrite_output_dir are refused, naming the
     directory, and leave it as it was; `python train.py` is refused before its local server starts
-    (the live run's serve_local.log stays). SIGKILLed, the holder's lock goes with it. A run that
-    fails in this process releases the lock at once, though its traceback is kept."""
+    (every file, the live run's serve_local.log too, is as it was, byte for byte). SIGKILLed, the
+    holder's lock goes with it. A run that fails in this process releases the lock at once, though
+    its traceback is kept."""
     server, saved, _ = saved_run
     out = str(tmp_path / "run")
     shutil.copytree(saved, out)
@@ -305,12 +319,11 @@ def test_a_live_run_holds_its_output_dir_until_it_ends_however_it_ends(saved_run
         assert sorted(os.listdir(out)) == before
         with open(os.path.join(out, "serve_local.log"), "w") as f:
             f.write("the live run's server\n")
-        toy_run = subprocess.run([sys.executable, "train.py", "--output_dir", out], text=True,
-                                 capture_output=True, cwd=os.path.dirname(train.__file__),
-                                 timeout=120)      # python train.py: the demo, its local server
+        files = contents(out)
+        toy_run = demo(out)
         assert toy_run.returncode != 0 and "is in use by a run that is still going" in (
             toy_run.stderr), toy_run.stderr[-2000:]
-        assert open(os.path.join(out, "serve_local.log")).read() == "the live run's server\n"
+        assert "local_vllm on" not in toy_run.stdout and contents(out) == files
     finally:
         holder.kill()
         holder.wait()
@@ -319,6 +332,28 @@ def test_a_live_run_holds_its_output_dir_until_it_ends_however_it_ends(saved_run
                     toy.make_dataset(64), [toy.sum_reward], model="toy")
     checkpoint.hold(out).close()     # free: the killed holder's, and the failed run's though
     del failed                       # its traceback (train()'s frame, `held` in it) lived to here
+
+
+@pytest.mark.parametrize("flags, refusal", [
+    ([], "holds another run"),
+    (["--resume_from_checkpoint", "true"], "would drop or repeat samples")],
+    ids=["fresh", "resume with another dataset"])
+def test_a_refused_python_train_py_leaves_a_finished_run_as_it_was(saved_run, tmp_path, flags,
+                                                                   refusal):
+    """`python train.py` (the demo, which starts a local server writing serve_local.log) into a
+    finished run's output_dir, fresh without --overwrite_output_dir, or resuming with another
+    dataset (the demo's prompts, not the saved run's): refused by train()'s own opening checks
+    (checkpoint.open_run) before the server starts, so every file of the first run, its
+    serve_local.log included, is as it was, byte for byte."""
+    _, saved, _ = saved_run
+    out = str(tmp_path / "run")
+    shutil.copytree(saved, out)
+    with open(os.path.join(out, "serve_local.log"), "w") as f:
+        f.write("the first run's server\n")
+    files = contents(out)
+    refused = demo(out, *flags)
+    assert refused.returncode != 0 and refusal in refused.stderr, refused.stderr[-2000:]
+    assert "local_vllm on" not in refused.stdout and contents(out) == files
 
 
 def test_a_resume_refuses_a_changed_data_cursor_and_applies_a_changed_learning_rate(

@@ -2,10 +2,12 @@
 spec sections they implement"). The algorithm at the top never imports the stand-in's server (it
 runs as a process; only its launcher is imported), the stand-in imports nothing of the trainer
 side, rollout/ (the spawned child's code) imports nothing of the top but vllm_client.py, no
-module imports itself back through others, and the scripts live in tools/."""
+module imports itself back through others, and the scripts live in tools/. Every module opens in
+English, saying what it is, before the spec's section title."""
 import ast
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -118,3 +120,18 @@ def test_the_scripts_and_the_stand_in_are_not_at_the_top():
                       "serve_http.py", "serve_local_engine.py"}
     assert {"bench.py", "walkthrough.py", "gpu_check.py", "vllm_cpu_venv.sh"} <= set(
         os.listdir(os.path.join(ROOT, "tools")))
+
+
+def test_every_module_opens_with_an_english_sentence_saying_what_it_is():
+    """Each module docstring begins in English, saying what the module is (at least three words
+    before the first Japanese character); the spec's section title, Japanese beside English,
+    comes after."""
+    paths = CORE + [p for d in FOLDERS for p in glob.glob(os.path.join(ROOT, d, "*.py"))]
+    japanese = re.compile(r"[\u3040-\u30ff\u3400-\u9fff]")
+    late = []
+    for path in paths:
+        doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read()), clean=False) or ""
+        opening = japanese.split(doc, maxsplit=1)[0]
+        if not (re.match(r"[A-Za-z`(]", opening) and len(opening.split()) >= 3):
+            late.append(f"{os.path.relpath(path, ROOT)}: {doc[:40]!r}")
+    assert not late, late

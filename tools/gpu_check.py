@@ -1,6 +1,6 @@
-"""ツリーパッキング (Tree packing: the speed-ups, Gated DeltaNet hybrids), AMD GPU (the attention
-kernels), mixed precision (bf16): everything a lent GPU should confirm, in one run and one
-table, in under 10 minutes on one H200 (LIMITS).
+"""The one GPU check: everything a lent GPU should confirm, in one run and one table, in under 10
+minutes on one H200 (LIMITS) (spec: ツリーパッキング (Tree packing: the speed-ups, Gated DeltaNet
+hybrids), AMD GPU (the attention kernels), mixed precision (bf16)).
 
     python -m tools.gpu_check            # on a CUDA machine; exit status 1 if a check fails
     python -m tools.gpu_check --cpu-smoke   # the CPU-safe parts, for CI (tests/test_gpu_check.py)

@@ -1,5 +1,6 @@
-"""記録されたメトリクス (Logged metrics), drawn: a run's metrics.jsonl (and completions.jsonl, with
-log_completions) as one PNG beside them, outside the trainer (metrics.py writes the files).
+"""A run's metrics drawn: its metrics.jsonl (and completions.jsonl, with log_completions) as one
+PNG beside them, outside the trainer (metrics.py writes the files; spec: 記録されたメトリクス
+(Logged metrics)).
 
     python -m tools.plot runs/toy          # → runs/toy/metrics.png (the path is printed)
 

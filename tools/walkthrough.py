@@ -1,5 +1,5 @@
-"""概要 (Overview), followed step by step: one prompt of the toy task through the whole system,
-with the values it really takes (WALKTHROUGH.md shows this script's output).
+"""One prompt of the toy task through the whole system, step by step, with the values it really
+takes (WALKTHROUGH.md shows this script's output; spec: 概要 (Overview), followed step by step).
 
     python -m tools.walkthrough                    # every step's values, in ~15 s on one CPU core
     python -m tools.walkthrough --write WALKTHROUGH.md # refresh the document's output blocks

@@ -1,4 +1,5 @@
-"""概要 (Overview: weight_sync_steps) on a CPU: a `gloo` weight-transfer backend for real vLLM.
+"""A `gloo` weight-transfer backend for real vLLM, so that full weight sync runs on a CPU (spec:
+概要 (Overview: weight_sync_steps)).
 
 vLLM ships no weight-transfer backend that runs without CUDA (nccl, ipc, sparse_nccl and nccl_m2n
 need it, sharded_rdt needs Ray). This plugin, pip-installed into vLLM's environment, registers one:
