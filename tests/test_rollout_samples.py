@@ -91,7 +91,8 @@ def test_check_turn_refuses_what_cannot_be_trained_on():
     check(ids=(5, 3), logprobs=(-1.0, -1.0))                       # the turn ends on one
     for bad, message in [(dict(ids=(2, 6)), "the reply goes on past stop token 2 at 0"),
                          (dict(ids=(5, 3, 3), logprobs=(-1.0,) * 3),
-                          "the reply goes on past stop token 3 at 1"),(dict(ids=(5, 10)), r"token ids \[10\] lie outside the tokenizer's "
+                          "the reply goes on past stop token 3 at 1"),
+                         (dict(ids=(5, 10)), r"token ids \[10\] lie outside the tokenizer's "
                                              "vocabulary of 10"),
                          (dict(ids=(-1, 6)), r"token ids \[-1\]"),
                          (dict(logprobs=(-1.0, 2e-4)), r"log-probs \[0.0002\] are not finite"),
