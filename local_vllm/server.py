@@ -303,14 +303,13 @@ def worker_error(message: str, param: str | None = None) -> APIError:
     return APIError(500, message, "InternalServerError", param)
 
 
-def needs_transfer(eng, initialised: bool = False, updating: bool | None = None) -> None:
-    """vLLM's worker checks, in its order and words: configured, initialised, in a session."""
+def needs_transfer(eng, updating: bool | None = None) -> None:
+    """vLLM's worker checks, in its order and words: configured, in a session (or not). Whether
+    the engine joined a group is its own check, at the update (receive_weights): a restarted
+    server opens a session before it has one, as vLLM does."""
     if eng.args.weight_transfer_config is None:
         raise worker_error("Weight transfer not configured. "
                            "Please set weight_transfer_config to enable weight transfer.")
-    if initialised and eng.group is None:
-        raise worker_error("Weight transfer engine not initialised: "
-                           "POST /init_weight_transfer_engine first")
     if updating is True and not eng.updating:
         raise worker_error("start_weight_update must be called before update_weights.")
     if updating is False and eng.updating:
@@ -343,14 +342,18 @@ def init_weight_transfer_engine(eng, body, query):
 
 @route("POST", "/start_weight_update", dev=True)
 def start_weight_update(eng, body, query):
-    needs_transfer(eng, initialised=True, updating=False)
+    needs_transfer(eng, updating=False)
     eng.updating = True
     return {"message": "Weight update started"}
 
 
 @route("POST", "/update_weights", dev=True)
 def update_weights(eng, body, query):
-    needs_transfer(eng, initialised=True, updating=True)
+    needs_transfer(eng, updating=True)
+    if eng.group is None:                          # vLLM's engine: the session ends with it
+        eng.updating = False
+        raise worker_error("weight transfer not initialized: POST /init_weight_transfer_engine "
+                           "first")
     info = body.get("update_info")
     if isinstance(info, list):                     # one dict per worker rank; we are one worker
         info = info[0] if len(info) == 1 else None
@@ -387,7 +390,7 @@ def update_weights(eng, body, query):
 
 @route("POST", "/finish_weight_update", dev=True)
 def finish_weight_update(eng, body, query):
-    needs_transfer(eng, initialised=True)
+    needs_transfer(eng)
     if not eng.updating:
         raise worker_error("finish_weight_update called without a matching "
                            "start_weight_update.")
@@ -399,6 +402,8 @@ def finish_weight_update(eng, body, query):
 @route("POST", "/shutdown_weight_transfer_engine", dev=True)
 def shutdown_weight_transfer_engine(eng, body, query):
     needs_transfer(eng)
+    if eng.updating:
+        raise worker_error("Cannot release a trainer connection during a weight update")
     eng.group = None
     return {"message": "Weight transfer shut down"}
 

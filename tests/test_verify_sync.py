@@ -33,7 +33,8 @@ from local_vllm.launch import free_port
 from local_vllm_helpers import reference_logprobs
 from train import AsyncGRPOConfig
 from train_helpers import SERVER_ARGS, SMALL, lines
-from verify_sync import Probe, chosen, policy_logprobs, refusal
+import weight_sync
+from verify_sync import Probe, Verifier, refusal, tensors_to_verify
 from vllm_client import VLLMClient, VLLMError
 from vllm_plugin.weight_digests import fingerprint
 from weight_sync import FullSync, full_tensor
@@ -51,12 +52,12 @@ def test_every_tensor_is_verified_within_verify_every_syncs():
     names = [f"t{i}" for i in range(19)]
     always = {"base_model.model.t0", "t18"}                 # a prefix names the same tensor
     for every in (1, 4, 8):
-        seen = [chosen(names, v, every, always) for v in range(10, 10 + every)]
+        seen = [tensors_to_verify(names, v, every, always) for v in range(10, 10 + every)]
         assert set().union(*seen) == set(names)
         assert all({"t0", "t18"} <= set(s) for s in seen)
         assert max(map(len, seen)) <= len(names) // every + 3
-    assert chosen(names, 5, 8, always, first=True) == names         # a run's first sync: all
-    assert chosen(names, 5, 0, always) == []                         # off
+    assert tensors_to_verify(names, 5, 8, always, first=True) == names   # a run's first: all
+    assert tensors_to_verify(names, 5, 0, always) == []                   # off
 
 
 def test_the_stand_in_shows_what_it_holds_as_our_extension_does(start_server, toy_dir):
@@ -101,8 +102,9 @@ def test_a_corrupted_replica_is_named_with_its_tensor_and_fingerprints_and_taken
     CORRUPT holds other bytes: the warning names b, the tensor and both fingerprints, and b is
     taken out, resumed); a later sync verifies a slice, the embedding and head always."""
     a, b = start_server(*SERVER_ARGS), corrupted()
+    verifier = Verifier(policy, AsyncGRPOConfig())
     sync = FullSync(policy, [VLLMClient(s.url, timeout=30, max_retries=1) for s in (a, b)],
-                    AsyncGRPOConfig())
+                    AsyncGRPOConfig(), verifier)
     sync.connect()
     sent = full_tensor(dict(policy.model.named_parameters())[CORRUPT])
     stats = sync.push(1)
@@ -115,25 +117,24 @@ def test_a_corrupted_replica_is_named_with_its_tensor_and_fingerprints_and_taken
         assert requests.get(s.url + "/is_paused").json() == {"is_paused": False}
     assert requests.get(b.url + "/weight_info").json() == {"weight_version": "unverified-1"}
     stats = sync.push(2)              # b answers /health: back in, CORRUPT not in this slice
-    sync.settle()                     # the probe asked as they resumed, scored
+    verifier.score_probe()            # the probe asked as they resumed, scored
     assert 2 <= stats["sync/verified_tensors"] < len(sync.specs())      # a slice, ends included
-    assert sync.parity["sync/probe_kl/0"] < 1e-6                         # fp32: the same model
-    assert sync.parity["sync/probe_kl/1"] == sync.parity["sync/probe_kl"] > 1e-5   # the figure
+    assert verifier.probe_kl["sync/probe_kl/0"] < 1e-6                   # fp32: the same model
+    assert verifier.probe_kl["sync/probe_kl/1"] == verifier.probe_kl["sync/probe_kl"] > 1e-5
 
 
 def test_when_the_only_server_is_corrupted_the_sync_raises_naming_it(corrupted, policy):
     server = corrupted()
     sync = FullSync(policy, [VLLMClient(server.url, timeout=30, max_retries=1)],
-                    AsyncGRPOConfig())
+                    AsyncGRPOConfig(), Verifier(policy, AsyncGRPOConfig()))
     sync.connect()
     with pytest.raises(RuntimeError, match=f"did not land as sent: {server.url}: .*{CORRUPT}: "
                                            f"sent [0-9a-f]{{64}}, served [0-9a-f]{{64}}"):
         sync.push(1)
     assert requests.get(server.url + "/is_paused").json() == {"is_paused": False}
-    off = FullSync(policy, [VLLMClient(server.url, timeout=30)],
-                   AsyncGRPOConfig(weight_sync_verify_every=0))
-    off.connect()
-    assert off.push(2)["sync/verified_tensors"] == 0 and off.parity == {}
+    off = FullSync(policy, [VLLMClient(server.url, timeout=30)], AsyncGRPOConfig())
+    off.connect()                                           # no verifier: verification off
+    assert "sync/verified_tensors" not in off.push(2)
 
 
 def test_a_server_that_cannot_show_its_weights_is_said_once_and_synced_unverified(
@@ -146,15 +147,17 @@ def test_a_server_that_cannot_show_its_weights_is_said_once_and_synced_unverifie
             from vllm_client import VLLMError
             raise VLLMError("Method 'weight_digests' is not implemented.", self.base_url, 500)
 
-    sync = FullSync(policy, [Unverifiable(server.url, timeout=30)], AsyncGRPOConfig())
+    verifier = Verifier(policy, AsyncGRPOConfig())
+    sync = FullSync(policy, [Unverifiable(server.url, timeout=30)], AsyncGRPOConfig(), verifier)
     sync.connect()
+    sync.push(1)
     assert re.search("cannot show the weights it holds.*not verified.*--worker-extension-cls "
                      "weight_digests.WeightDigests", caplog.text)
-    for version in (1, 2):
+    for version in (2, 3):
         assert sync.push(version)["sync/verified_tensors"] == 0
-        sync.settle()
-        assert sync.parity["sync/probe_kl"] < 1e-6          # the probe still measures parity
-    assert requests.get(server.url + "/weight_info").json() == {"weight_version": "2"}
+        verifier.score_probe()
+        assert verifier.probe_kl["sync/probe_kl"] < 1e-6    # the probe still measures parity
+    assert requests.get(server.url + "/weight_info").json() == {"weight_version": "3"}
 
 
 # ── the probe ───────────────────────────────────────────────────────────────────────────────
@@ -166,7 +169,7 @@ def test_the_policys_own_forward_scores_as_a_plain_forward(policy, toy_dir):
     model = AutoModelForCausalLM.from_pretrained(toy_dir).eval()
     prompt = verify_sync.probe_prompt(model.config.vocab_size)
     sequences = [(prompt, [5, 9, 11]), (prompt, [5, 7])]
-    got = policy_logprobs(policy, sequences)
+    got = policy.token_logprobs(sequences)
     for (p, tokens), ours in zip(sequences, got):
         ref = reference_logprobs(model, p, tokens)                          # [T, V]
         expected = torch.stack([ref[j, t] for j, t in enumerate(tokens)])
@@ -396,8 +399,8 @@ def test_dtype_mismatch_warns_and_data_parallel_refuses_adapter_sync():
     import torch
     info = {"model_config": {"dtype": "torch.bfloat16"},
             "parallel_config": {"data_parallel_size": 2}}
-    assert verify_sync.dtype_warning("http://a", info, torch.bfloat16) is None
-    assert "vllm serve --dtype float32" in verify_sync.dtype_warning("http://a", info,
+    assert weight_sync.dtype_warning("http://a", info, torch.bfloat16) is None
+    assert "vllm serve --dtype float32" in weight_sync.dtype_warning("http://a", info,
                                                                          torch.float32)
     lora = {"lora_config": {"max_lora_rank": 8, "max_loras": 3}}
     peft = LoraConfig(r=4)
