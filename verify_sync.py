@@ -46,16 +46,14 @@ Departures, one line each:
 import contextlib
 import json
 import logging
-import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from vllm_client import VLLMError
 from vllm_plugin.weight_digests import fingerprint
-from weight_sync import FAILED, from_rank0, on_rank0, served_dtype
+from weight_sync import FAILED, from_rank0, in_background, on_rank0, served_dtype
 
 log = logging.getLogger(__name__)
 EXTENSION = "weight_digests.WeightDigests"       # vllm serve --worker-extension-cls (vllm_plugin/)
@@ -92,8 +90,8 @@ class Verifier:
         self.checks = 0                      # full syncs checked: the first checks every tensor
         self.showing: dict[str, bool] = {}   # rank 0: URL → it shows its fingerprints (asked once)
         self.unreadable: set[str] = set()    # rank 0: URLs whose unreadable tensors were said
-        self.asked: Future | None = None     # rank 0: the last full sync's probe, in flight
-        self.pending = False                 # every rank: that probe waits to be scored
+        self.probe_reply = None              # rank 0: the last full sync's probe (a future)
+        self.probe_waiting = False           # every rank: that probe waits to be scored
         self.probe_kl: dict[str, float] = {}   # sync/probe_kl of the last probe
         self.noise = NOISE_FLOOR             # adapter sync: the run's own, the start probe's
         self.previous: list[torch.Tensor] | None = None   # adapter sync: the adapter last loaded
@@ -126,16 +124,17 @@ class Verifier:
 
         names = on_rank0(chosen, FAILED) or set()
         self.checks += 1
-        self.pending = True
+        self.probe_waiting = True
         return FullCheck(self, names)
 
     def score_probe(self) -> None:
         """Every rank, before the weights change again (train.py: before each step): the last
         full sync's probe, asked as its servers resumed, scored by the policy (sync/probe_kl), so
         its generation never holds up a step. An adapter's probe was scored as it loaded."""
-        if self.pending:
-            self.pending = False
-            self.probe_kl = kl_figures(self.scored(on_rank0(lambda: self.asked.result(), FAILED)))
+        if self.probe_waiting:
+            self.probe_waiting = False
+            reply = on_rank0(lambda: self.probe_reply.result(), FAILED)   # bounded: Members.call
+            self.probe_kl = kl_figures(self.scored(reply))
 
     # ── adapter sync ──
 
@@ -144,9 +143,9 @@ class Verifier:
         if given) on its base card, scored with the adapter switched off (the trainer's base).
         Sets the run's noise (what refusal judges against) from the servers that serve the
         trained base; returns {url: why} of those that serve another (its k3 over BASE_KL)."""
-        asked = on_rank0(lambda: ask(self.policy, members, base_card, only, 4 * PROBE_TOKENS),
-                         FAILED)
-        probes = self.scored(asked, under=lambda: swapped(self.adapter))
+        replies = on_rank0(lambda: ask(self.policy, members, base_card, only, 4 * PROBE_TOKENS),
+                           FAILED)
+        probes = self.scored(replies, under=lambda: swapped(self.adapter))
         self.probe_kl = kl_figures(probes)
         bounds = from_rank0(on_rank0(lambda: {c.base_url: served_dtype(c.server_info())
                                               for c in members.live}))
@@ -172,9 +171,9 @@ class Verifier:
             others["the previous adapter"] = lambda: swapped(self.adapter, self.previous)
         refused: dict[str, str] = {}
         for attempt in range(2):
-            asked = on_rank0(lambda: ask(self.policy, members, lambda c: name,
-                                         set(refused) if attempt else None), FAILED)
-            probes = self.scored(asked, others=others)
+            replies = on_rank0(lambda: ask(self.policy, members, lambda c: name,
+                                           set(refused) if attempt else None), FAILED)
+            probes = self.scored(replies, others=others)
             if not attempt:
                 self.probe_kl = kl_figures(probes)
             refused = {p.url: why for p in probes if (why := refusal(p, self.noise))}
@@ -186,13 +185,13 @@ class Verifier:
 
     # ── the probe, scored ──
 
-    def scored(self, asked, under=None, others: dict | None = None) -> list["Probe"]:
-        """Every rank: rank 0's `asked` (ask's; None elsewhere) scored by the policy, under the
+    def scored(self, replies, under=None, others: dict | None = None) -> list["Probe"]:
+        """Every rank: rank 0's `replies` (ask's; None elsewhere) scored by the policy, under the
         context `under()` if given (the adapter as zeros: the base), and under each of `others`
         (what → a context: a failed delivery). The findings, the same on every rank."""
-        asked = from_rank0(asked)
+        replies = from_rank0(replies)
         prompt = probe_prompt(self.policy.model.get_input_embeddings().num_embeddings)
-        sequences = [(prompt, tokens) for _, _, _, tokens, _ in asked]
+        sequences = [(prompt, tokens) for _, _, _, tokens, _ in replies]
         if not sequences:
             return []
         with (under or contextlib.nullcontext)():
@@ -202,7 +201,7 @@ class Verifier:
             with context():
                 theirs[what] = self.policy.token_logprobs(sequences)
         return [Probe(url, torch.tensor(served), ours[i], {w: t[i] for w, t in theirs.items()},
-                      index, several) for i, (url, index, several, _, served) in enumerate(asked)]
+                      index, several) for i, (url, index, several, _, served) in enumerate(replies)]
 
 
 @dataclass
@@ -229,9 +228,9 @@ class FullCheck:
         back exactly are said once and not counted. Then the probe is asked of the others, in
         the background (scored by Verifier.score_probe)."""
         start = time.perf_counter()
-        verifier, asked = self.verifier, list(self.fingerprints)
+        verifier, names = self.verifier, list(self.fingerprints)
         showing = {url for url, yes in verifier.showing.items() if yes}
-        shown = members.call(lambda c: served_digests(c, asked), only=showing) if asked else {}
+        shown = members.call(lambda c: served_digests(c, names), only=showing) if names else {}
         failed, verified = [], []
         for c, (served, excluded) in shown.items():
             if excluded and c.base_url not in verifier.unreadable:
@@ -240,13 +239,13 @@ class FullCheck:
                             "not verified: %s", c.base_url, len(excluded), excluded)
             if wrong := mismatches(self.fingerprints, served, excluded):
                 failed.append((c, f"it holds other bytes than were sent in {len(wrong)} of "
-                                  f"{len(asked)} verified tensors: {'; '.join(wrong[:3])}"))
+                                  f"{len(names)} verified tensors: {'; '.join(wrong[:3])}"))
             else:
-                verified.append(len(asked) - len(excluded))
+                verified.append(len(names) - len(excluded))
         self.verified = min(verified, default=0)
         self.seconds += time.perf_counter() - start
         good = {c.base_url for c in members.live} - {c.base_url for c, _ in failed}
-        verifier.asked = in_background(lambda: ask(verifier.policy, members, base_card, good))
+        verifier.probe_reply = in_background(lambda: ask(verifier.policy, members, base_card, good))
         return failed
 
     def metrics(self) -> dict[str, float]:
@@ -378,19 +377,6 @@ def ask(policy, members, model_of, only: set[str] | None = None,
     found = members.call(lambda c: served_logprobs(c, model_of(c), prompt, tokens), only=only)
     several = len(members.clients) > 1
     return [(c.base_url, members.clients.index(c), several, *reply) for c, reply in found.items()]
-
-
-def in_background(fn) -> Future:
-    """fn() on a daemon thread (it never holds up the process's exit): its future."""
-    future = Future()
-
-    def run():
-        try:
-            future.set_result(fn())
-        except Exception as e:          # noqa: BLE001 (raised where the result is read)
-            future.set_exception(e)
-    threading.Thread(target=run, daemon=True).start()
-    return future
 
 
 @dataclass

@@ -386,10 +386,12 @@ class VLLMClient:
                            f"{last}); is it running, and is vllm_server_base_url right?")
 
     def healthy(self) -> bool:
-        """One GET /health probe (HEALTH_PROBE_S at most, no retry): does the server answer 200?"""
+        """One GET /health probe (HEALTH_PROBE_S at most, no retry) over a connection of its own:
+        does the server answer 200? (It follows a failure, after which a pooled connection may
+        be one the server closed: uvicorn closes one after a 500.)"""
         try:
-            return self._session.get(self.base_url + "/health",
-                                     timeout=HEALTH_PROBE_S).status_code == 200
+            return requests.get(self.base_url + "/health", headers=self._headers,
+                                timeout=HEALTH_PROBE_S).status_code == 200
         except requests.RequestException:
             return False
 

@@ -43,15 +43,14 @@ Departures from the spec, one line each:
 - On a CPU both ends form a torch.distributed gloo group (local_vllm, or vLLM with vllm_plugin/).
 - A vision-language model syncs only its language model: the vision tower is frozen (train.py).
 """
-import glob
 import importlib.util
 import logging
 import math
-import os
 import socket
+import threading
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,6 +62,7 @@ import torch.distributed as dist
 from checkpoint import full_tensor
 from config import dtype_name
 from vllm_client import UNVERIFIED, VLLMClient, VLLMError
+from vllm_plugin.weight_packing import buckets, checkpoint_shapes
 
 log = logging.getLogger(__name__)
 
@@ -206,30 +206,11 @@ def dtype_warning(url: str, info: dict, compute_dtype) -> str | None:
             f"--dtype {ours}`, or set bf16/fp16 to match it")
 
 
-def served_shapes(model: str) -> dict[str, list[int]] | None:
-    """{name: shape} of the checkpoint a server loaded (/server_info's model_config.model: a
-    directory, or a hub id in this machine's cache), read from its safetensors headers; None when
-    it cannot be read here."""
-    from safetensors import safe_open
-    if not os.path.isdir(model):
-        try:
-            from huggingface_hub import snapshot_download
-            model = snapshot_download(model, local_files_only=True,
-                                      allow_patterns=["*.safetensors"])
-        except Exception:  # noqa: BLE001 (not in the cache, or not a hub id)
-            return None
-    shapes = {}
-    for path in glob.glob(os.path.join(model, "*.safetensors")):
-        with safe_open(path, "pt") as f:
-            shapes |= {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
-    return shapes or None
-
-
 def check_served(specs: list[tuple[str, torch.Size]], model: str, url: str) -> None:
     """Refuse, before anything is sent, a sync whose names or shapes the server's model lacks:
     real vLLM answers such an update with a 500 and is left unable to generate. A checkpoint this
     machine cannot read is only warned about (vLLM checks while loading)."""
-    served = served_shapes(model)
+    served = checkpoint_shapes(model)
     if served is None:
         log.warning("%s serves %r, which this machine cannot read: a sync's names and shapes are "
                     "not checked before they are sent", url, model)
@@ -271,29 +252,6 @@ def host_ip(server_url: str) -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
-
-
-def buckets(sizes: list[int], buffer_bytes: int) -> list[range]:
-    """vLLM's packed chunking: a bucket closes right after its running total first exceeds the
-    buffer, so it may overshoot by its last tensor. vLLM's consumer recomputes the same boundaries
-    from the declared names, dtypes and shapes. Worked: a 100-byte buffer and tensors of 40, 40, 80
-    and 16 bytes: running totals 40, 80, then 160 > 100 closes [40 40 80]; [16] is the last bucket.
-
-    >>> buckets([40, 40, 80, 16], 100)
-    [range(0, 3), range(3, 4)]
-    """
-    out = []
-    start = 0
-    total = 0
-    for i, n in enumerate(sizes):
-        total += n
-        if total > buffer_bytes:
-            out.append(range(start, i + 1))
-            start = i + 1
-            total = 0
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
-    return out
 
 
 class WeightSync:
@@ -458,17 +416,15 @@ class WeightSync:
     def _begin(self, specs, resend: bool) -> list:
         """Rank 0: open the update on every live server (begin_update), re-form the group if one
         stopped answering just now, and post each one's /update_weights, which blocks inside the
-        receive (so each in a thread of its own): their futures."""
+        receive (so each in a thread of its own, which never holds up this process's exit):
+        their futures."""
         self.members.call(lambda c: begin_update(c, resend))
         if self.grouped != self.members.live:
             self._regroup()
         info = {"names": [n for n, _ in specs],
                 "dtype_names": [dtype_name(self.dtype)] * len(specs),
                 "shapes": [list(s) for _, s in specs]}
-        pool = ThreadPoolExecutor(len(self.grouped))
-        update = [pool.submit(c.update_weights, info) for c in self.grouped]
-        pool.shutdown(wait=False)           # the posts run on; their futures still resolve
-        return update
+        return [in_background(lambda c=c: c.update_weights(info)) for c in self.grouped]
 
     def _lost(self) -> bool:
         """Rank 0, after a failed transfer: take out every server of the group that fails
@@ -709,6 +665,19 @@ def from_rank0(value):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def in_background(fn: Callable[[], object]) -> Future:
+    """fn() on a daemon thread (it never holds up the process's exit): its future."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn())
+        except Exception as e:          # noqa: BLE001 (raised where the result is read)
+            future.set_exception(e)
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 def _result(future, timeout: float, what: str):

@@ -350,8 +350,25 @@ def start_weight_update(eng, body, query):
 @route("POST", "/update_weights", dev=True)
 def update_weights(eng, body, query):
     needs_transfer(eng, updating=True)
-    if eng.group is None:                          # vLLM's engine: the session ends with it
-        eng.updating = False
+    try:
+        names, dtype_names, shapes = update_info(eng, body)
+        dtypes = [getattr(torch, d) for d in dtype_names]
+        received = eng.receive(names, dtypes, shapes)
+        eng.check_update(names, shapes)            # the model's own shapes, before it is touched
+    except BaseException as e:
+        eng.updating = False                       # vLLM's worker ends the session on any error
+        if isinstance(e, RuntimeError):            # the transport: the trainer is gone, or late
+            raise worker_error(f"Weight update failed while receiving: {e}") from e
+        raise
+    eng.update_weights(names, received)
+    eng.last_update = (names, dtype_names, shapes)
+    return {"message": "Weights updated"}
+
+
+def update_info(eng, body) -> tuple[list, list, list]:
+    """(names, dtype_names, shapes) of an /update_weights body, checked as vLLM's engine checks
+    them (after its group: an engine that never joined one refuses first)."""
+    if eng.group is None:
         raise worker_error("weight transfer not initialized: POST /init_weight_transfer_engine "
                            "first")
     info = body.get("update_info")
@@ -371,21 +388,10 @@ def update_weights(eng, body, query):
         raise APIError(400, "update_info: names, dtype_names and shapes must have the same length")
     if not names:                                  # all empty: the previous round's metadata
         names, dtype_names, shapes = eng.last_update or ([], [], [])
-    dtypes = [getattr(torch, d, None) for d in dtype_names]
-    if not all(isinstance(d, torch.dtype) for d in dtypes):
+    if not all(isinstance(getattr(torch, d, None), torch.dtype) for d in dtype_names):
         raise APIError(400, f"update_info: unknown dtype in {dtype_names[:20]}",
                        param="dtype_names")
-    try:
-        received = eng.receive(names, dtypes, shapes)
-        eng.check_update(names, shapes)            # the model's own shapes, before it is touched
-    except BaseException as e:
-        eng.updating = False                       # vLLM's worker ends the session on any error
-        if isinstance(e, RuntimeError):            # the transport: the trainer is gone, or late
-            raise worker_error(f"Weight update failed while receiving: {e}") from e
-        raise
-    eng.update_weights(names, received)
-    eng.last_update = (names, dtype_names, shapes)
-    return {"message": "Weights updated"}
+    return names, dtype_names, shapes
 
 
 @route("POST", "/finish_weight_update", dev=True)

@@ -6,7 +6,6 @@ holds W + s·B·A computed on our side), so its log-probs must equal those of th
 forward.
 """
 import json
-import logging
 import os
 import re
 import shutil
@@ -25,6 +24,7 @@ from lora_sync import adapter_refusal, max_lora_rank, merge_plan, merged
 from local_vllm_helpers import PROMPT, reference_logprobs
 from train import AsyncGRPOConfig
 from train_helpers import SERVER_ARGS, SMALL
+from vllm_client import VLLMClient
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_ARGS = SERVER_ARGS + ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "3")
@@ -274,8 +274,7 @@ def test_lora_with_save_strategy_no_is_warned_about_at_start(tmp_path, caplog):
                                  vllm_server_base_url="http://127.0.0.1:9", save_strategy="no",
                                  **LORA_SMALL | {"vllm_server_timeout": 1.0})
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="train"), pytest.raises(Exception,
-                                                                           match="127.0.0.1:9"):
+        with pytest.raises(Exception, match="127.0.0.1:9"):
             train.train(config, toy.make_dataset(8), [toy.sum_reward], model="toy",
                         peft_config=peft_config)
         assert (said in caplog.text) == (peft_config is not None), caplog.text
@@ -306,3 +305,31 @@ def test_a_run_removes_the_adapter_folders_a_killed_run_left(servers, toy_dir, t
         run(servers(1, *LORA_ARGS), toy_dir, tmp_path,
             LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS), steps=1)
     assert removed[0] == ".vllm_lora" and os.listdir(root) == []
+
+
+def test_a_lora_run_sends_its_base_only_where_the_served_base_differs(start_server, toy_dir,
+                                                                     tmp_path, monkeypatch,
+                                                                     caplog):
+    """Two replicas with weight transfer beside runtime LoRA: a serves the trained base, b a
+    random-init toy of the same shape (a long-lived server another job changed). The start
+    probe tells them apart: b is sent the trained base (one line says so) and joins a
+    weight-transfer group for it; a joins none and gets adapters only (its weight version stays
+    vLLM's "default"); both then serve the trained adapter."""
+    other = str(tmp_path / "other-base")
+    toy.build_model(len(toy.build_tokenizer()), seed=5).save_pretrained(other)
+    toy.build_tokenizer().save_pretrained(other)
+    a, b = start_server(*LORA_ARGS), start_server(*LORA_ARGS, model_dir=other)
+    joined = []
+    init = VLLMClient.init_weight_transfer_engine
+
+    def recorded(client, init_info):
+        joined.append(client.base_url)
+        init(client, init_info)
+    monkeypatch.setattr(VLLMClient, "init_weight_transfer_engine", recorded)
+    last = run([a, b], toy_dir, tmp_path / "out", LoraConfig(r=4, lora_alpha=8,
+                                                             target_modules=TARGETS), steps=2)
+    assert last["step"] == 2 and last["sync/probe_kl"] < 1e-5
+    assert joined == [b.url]
+    assert f"LoRA sync: sending the trained base model to ['{b.url}']" in caplog.text
+    assert requests.get(a.url + "/weight_info").json() == {"weight_version": "default"}
+    assert requests.get(b.url + "/weight_info").json() == {"weight_version": "0"}

