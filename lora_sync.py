@@ -190,35 +190,37 @@ class AdapterSync:
         """Every rank, before generation starts: the adapters' directory (rank 0; what is there
         a killed run left: a live run holds output_dir, checkpoint.hold), the servers' base made
         the trained one (_send_base), and a resumed run's saved adapter loaded."""
-        on_rank0(lambda: shutil.rmtree(self.root, ignore_errors=True) or os.makedirs(self.root))
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.root, ignore_errors=True)
+            os.makedirs(self.root)
         self._send_base(version)
         if version > 0:
             self.push(version)
 
     def _send_base(self, version: int) -> None:
         """Every rank: the servers whose base is not the trained one (the start probe's finding;
-        without verification, every server) are sent it, once, by a full sync (BaseSync) where
-        they all have weight transfer; without, a probed server whose base differs stops the
-        run here, and an unprobed one is trusted."""
-        clients = self.members.clients
+        without verification, every server, unprobed) are sent it, once, by a full sync
+        (BaseSync), where they have weight transfer. A probed server whose base differs and that
+        has none stops the run; unprobed servers are sent it only if all of them have it."""
         differ = self.verifier.check_bases(self.members) if self.verifier else None
-        transfer = from_rank0(on_rank0(lambda: [bool(c.server_info().get(
-            "weight_transfer_config")) for c in clients]))
-        targets = [c for c, t in zip(clients, transfer) if differ is None and all(transfer)
-                   or differ and c.base_url in differ]
-        for c, t in zip(clients, transfer):
-            if differ and c.base_url in differ and not t:
-                raise ValueError(f"LoRA sync: {c.base_url} serves another base model than the "
-                                 f"trained one: {differ[c.base_url]}, and an adapter cannot fix "
-                                 f"the base, nor can this run send it (no --weight-transfer-"
-                                 f"config): serve the checkpoint the trainer loads "
-                                 f"({self.policy.model.config._name_or_path})")
+        transfer = from_rank0(on_rank0(lambda: {c.base_url: bool(c.server_info().get(
+            "weight_transfer_config")) for c in self.members.clients}))
+        if stuck := [url for url in differ or {} if not transfer[url]]:
+            raise ValueError(f"LoRA sync: {stuck[0]} serves another base model than the trained "
+                             f"one: {differ[stuck[0]]}, and an adapter cannot fix the base, nor "
+                             f"can this run send it (no --weight-transfer-config): serve the "
+                             f"checkpoint the trainer loads "
+                             f"({self.policy.model.config._name_or_path})")
+        if differ is None:                      # unprobed: to every server, or to none
+            targets = self.members.clients if all(transfer.values()) else []
+        else:
+            targets = [c for c in self.members.clients if c.base_url in differ]
         if not targets:
             return
         if dist.get_rank() == 0:
             log.warning("LoRA sync: sending the trained base model to %s (%s), once, by a full "
                         "sync", [c.base_url for c in targets],
-                        "its base differs" if differ else "not probed: verification is off")
+                        "its base differs" if differ else "unprobed: verification is off")
         BaseSync(self.policy, targets, self.config).start(version)
         if differ and (still := self.verifier.check_bases(self.members, set(differ))):
             raise ValueError(f"LoRA sync: the trained base was sent, yet {still}")

@@ -6,21 +6,21 @@ Spec: 概要 (Overview: weight_sync_steps) and the adapter-sync note (アダプ�
 how only the adapter is synced) send the weights; this file checks that they arrived. The syncs
 call it at one point each, and act on what it finds:
 
-    when                         how                                           the finding
-    start (lora_sync.choose:     one 1-token completion of the trained         ValueError: it
-    check_start)                 tokenizer's largest id (check_vocab)          serves another model
-    every full sync (FullSync:   rank 0 fingerprints the tensors               a server that holds
-    WeightSync.push, check)      tensors_to_verify() picks as it sends them,   other bytes, named with
-                                 then each server those it holds (our worker   the tensor and both:
-                                 extension, vllm_plugin/weight_digests.py)     it is taken out
-    then, as the servers run     the probe: each server samples PROBE_TOKENS   sync/probe_kl, scored
-                                 with their log-probs (ask); every rank        before the next step
-                                 scores them with the policy itself            (score_probe)
-    a LoRA run's start           the probe on each server's base, the          the run's noise; a
-    (AdapterSync: check_bases)   adapter switched off (swapped)                base that differs
-    every adapter load           the probe under the new adapter, scored       refused: loaded once
-    (AdapterSync: check_adapter) also as each failed delivery (the base, the   more, then the
-                                 previous adapter) would serve it              replica is taken out
+    when                        how                                         the finding
+    start (lora_sync.choose:    one 1-token completion of the trained       ValueError: it
+    check_start)                tokenizer's largest id (check_vocab)        serves another one
+    every full sync (FullSync:  rank 0 fingerprints the tensors             a server that holds
+    WeightSync.push, check)     tensors_to_verify() picks as it sends       other bytes, named
+                                them, then each server those it holds       with the tensor and
+                                (our worker extension, vllm_plugin/)        both: taken out
+    then, as the servers run    the probe: each server samples              sync/probe_kl, scored
+                                PROBE_TOKENS with their log-probs (ask);    before the next step
+                                every rank scores them with the policy      (score_probe)
+    a LoRA run's start          the probe on each server's base, the        the run's noise; a
+    (AdapterSync: check_bases)  adapter switched off (swapped)              base that differs
+    every adapter load          the probe under the new adapter, scored     refused: loaded once
+    (AdapterSync: check_adapter) also as each failed delivery (the base,    more, then the
+                                the previous adapter) would serve it        replica is taken out
 
 Fingerprints (vllm_plugin/weight_digests.fingerprint) are integer sums on the tensor's device,
 bit-exact on CPU and CUDA, one read of its bytes. Which tensors (tensors_to_verify): a rotating
@@ -34,8 +34,9 @@ sync` measures the share (CPU).
 The probe's scoring is the policy's own forward (train.Policy.token_logprobs): no copy of the
 policy, the loss's own log-probs. The adapter verdict (refusal) holds in bf16 because it is
 relative: the served log-probs must not lie MARGIN times nearer a failed delivery's than the
-trained policy's, nor both GAP times the run's start noise and farther than any failed delivery
-from the trained ones. A full sync's verdict is its fingerprints; its probe is the figure only.
+trained policy's (where the two lie APART times the run's start noise apart, else the probe cannot
+tell them), nor both GAP times that noise and farther than any failed delivery from the trained
+ones. A full sync's verdict is its fingerprints; its probe is the figure only.
 
 Departures, one line each:
 - vLLM's /weight_checker is not used: it hashes vLLM's fused tensors, and on a CPU each linear
@@ -64,6 +65,7 @@ PROBE_LENGTH = 16         # the probe's prompt tokens
 PROBE_TOKENS = 8          # tokens the server samples after them (32 at start: the run's noise)
 PROBE_SEED = 27
 MARGIN = 3.0              # served this many times nearer a failed delivery than trained: refused
+APART = 5.0               # ... if that delivery lies this many times the start noise off trained
 GAP = 20.0                # served this many times the start noise off the trained (and farther
                           # than every failed delivery): refused
 NOISE_FLOOR = 1e-4        # the least noise assumed (fp32 servers agree to ~1e-6)
@@ -420,27 +422,32 @@ def refusal(probe: Probe, noise: float) -> str | None:
     """Why the probe says the server does not serve the trained policy (None: it does, or the
     deliveries cannot be told apart). Two rules, neither a fixed tolerance:
 
-    - nearest: for each failed delivery a (probe.others: the base, the previous adapter), the
-      served log-probs lying MARGIN times nearer a's than the trained policy's, in rms over the
-      probe's tokens. Scale-free, so bf16's noise, however it grows as training sharpens the
-      policy, cannot fire it: noise would have to land within a third of its own size of a's
-      point. Where a is the trained policy's twin (a step that moved nothing), both distances
-      are the noise and nothing fires, rightly: nothing to tell apart.
+    - nearest: for each failed delivery a (probe.others: the base, the previous adapter) that
+      lies over APART times the run's start noise (`noise`) from the trained policy, the served
+      log-probs lying MARGIN times nearer a's than the trained policy's, in rms over the probe's
+      tokens. Relative, so bf16's noise, however it grows as training sharpens the policy, does
+      not fire it. A delivery within APART times the noise is not judged: a previous adapter
+      that the last step moved by about the noise lies as near the served log-probs as the
+      trained policy does, both distances are noise, and noise differs 3x now and then. A stale
+      adapter is caught once the trained policy has moved APART from what it serves.
     - far: rms(served - ours) over GAP times the run's start noise (`noise`: the start probe's,
       32 tokens on identical weights) and over every failed delivery's own distance from ours.
       What is none of the deliveries (a corrupt load, say) but far. The start noise alone is no
       scale: bf16's error on an uncertain token grows with the logits as training sharpens the
       policy, and the trained policy's distance from the base grows with it.
 
-    Worked, T = 2: ours (-1.0, -2.0), the base (-1.4, -1.6). Served (-1.02, -1.97): 0.03 from ours,
-    0.38 from the base: accepted. Served (-1.36, -1.64), a stale load: 0.36 from ours, 0.04 from
-    the base, 9x nearer: refused. Sharpened, start noise 0.01: ours (0, -2.36), the base (-1.5,
-    -4.0), 1.57 from ours. Served (0, -2.82): 0.33 from ours, over 20 x 0.01 but within 1.57,
-    and 1.35 from the base: accepted.
+    Worked, T = 2, start noise 0.01: ours (-1.0, -2.0), the base (-1.4, -1.6), 0.4 apart. Served
+    (-1.02, -1.97): 0.03 from ours, 0.38 from the base: accepted. Served (-1.36, -1.64), a stale
+    load: 0.36 from ours, 0.04 from the base, 9x nearer: refused. A step that moved little: the
+    previous adapter (-1.03, -2.03), 0.03 from ours, within 5 x 0.01; served (-1.031, -2.029):
+    30x nearer it, but the two cannot be told apart: accepted. Sharpened: ours (0, -2.36), the
+    base (-1.5, -4.0), 1.57 from ours. Served (0, -2.82): 0.33 from ours, over 20 x 0.01 but
+    within 1.57, and 1.35 from the base: accepted.
     """
     ours = rms(probe.served - probe.ours)
     for what, theirs in probe.others.items():
-        if MARGIN * (nearer := rms(probe.served - theirs)) < ours:
+        apart = rms(probe.ours - theirs) > APART * noise
+        if apart and MARGIN * (nearer := rms(probe.served - theirs)) < ours:
             return (f"on the probe its log-probs lie {ours / max(nearer, 1e-30):.0f}x nearer "
                     f"{what}'s ({nearer:.3g}, rms) than the trained policy's ({ours:.3g})")
     reach = max([rms(probe.ours - theirs) for theirs in probe.others.values()], default=0.0)

@@ -10,6 +10,7 @@ on a server.
 The checks at start: a dtype mismatch warned (and lora_sync.adapter_refusal: data parallelism
 refuses adapter sync), a server with a smaller vocabulary refused."""
 import inspect
+import math
 import os
 import re
 import shutil
@@ -183,7 +184,13 @@ def test_the_refusal_replays_its_worked_example():
     stale = Probe("u", torch.tensor([-1.36, -1.64]), ours, {"the base": base})
     assert refusal(good, noise=0.01) is None
     assert "9x nearer the base's (0.04, rms) than the trained policy's (0.36)" in refusal(
-        stale, noise=1.0)                                    # nearest: whatever the noise
+        stale, noise=0.01)
+    assert refusal(stale, noise=0.08) is None                # the base within 5 x 0.08: untold
+    moved_little = torch.tensor([-1.03, -2.03])                # the previous adapter, 0.03 off
+    near_twin = Probe("u", torch.tensor([-1.031, -2.029]), ours,
+                      {"the previous adapter": moved_little})
+    assert refusal(near_twin, noise=0.01) is None            # 30x nearer, but within 5 x 0.01
+    assert "nearer the previous adapter's" in refusal(near_twin, noise=0.005)
     twin = Probe("u", torch.tensor([-1.03, -1.98]), ours, {"a step that moved nothing": ours})
     assert refusal(twin, noise=0.01) is None                 # both distances are the noise
     far = Probe("u", torch.tensor([-2.0, -1.0]), ours)       # none of the deliveries: far off
@@ -254,9 +261,12 @@ def verdicts(monkeypatch) -> list[float]:
     refusal = verify_sync.refusal
 
     def recorded(probe, noise):
-        ours = verify_sync.rms(probe.served - probe.ours)
-        nearest = min(verify_sync.rms(probe.served - t) for t in probe.others.values())
-        reach = max(verify_sync.rms(probe.ours - t) for t in probe.others.values())
+        rms = verify_sync.rms
+        ours = rms(probe.served - probe.ours)
+        told = [t for t in probe.others.values()
+                if rms(probe.ours - t) > verify_sync.APART * noise]
+        nearest = min([rms(probe.served - t) for t in told], default=math.inf)
+        reach = max(rms(probe.ours - t) for t in probe.others.values())
         seen.append(max(ours / max(nearest, 1e-30) / verify_sync.MARGIN,
                         ours / max(verify_sync.GAP * noise, reach)))
         return refusal(probe, noise)

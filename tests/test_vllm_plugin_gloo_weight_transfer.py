@@ -1,7 +1,8 @@
 """vllm_plugin/gloo_weight_transfer.py's pure parts, without vLLM installed: what it refuses before
 the model is touched, its fault switch (the stand-in's noise), the checkpoint shapes it checks
-against (weight_packing.py, the trainer's too) and which of vLLM's reload calls it makes. The engine itself runs against real
-vLLM in test_vllm_real.py. And (marker vllm) the NCCL path's plan against vLLM's own packed
+against (weight_packing.py, the trainer's too) and which of vLLM's reload calls it makes (a
+stand-in for vLLM's reload module). The engine itself runs against real vLLM in
+test_vllm_real.py. And (marker vllm) the NCCL path's plan against vLLM's own packed
 transfer code, without a GPU."""
 import inspect
 import os

@@ -223,10 +223,10 @@ def sync(argv):
     CPU, gloo) to one local_vllm server, 1 + 2·weight_sync_verify_every syncs each; then the byte
     ratio of the spec's two setups (Qwen2.5-7B r=32, Qwen2.5-Math-1.5B r=1) from their shapes.
     Seconds and the verification's share of them (sync/verify_s over perf/weight_sync_s: the
-    fingerprints of full sync, verify_sync.tensors_to_verify, at most 5% the goal; the probe after it,
-    probe_share; the probe of adapter sync) are over the syncs after the first, which verifies
-    every tensor (its share: first_verify_share). --verify-every sets the rotation for the run
-    (the tuning)."""
+    fingerprints of full sync, verify_sync.tensors_to_verify, at most 5% the goal; the probe
+    after it, probe_share; the probe of adapter sync) are over the syncs after the first, which
+    verifies every tensor (its share: first_verify_share). --verify-every sets the rotation for
+    the run (the tuning)."""
     import argparse
     import os
     import tempfile
