@@ -13,7 +13,9 @@ run unchanged on a CPU laptop, in CI and in tests.
 
 A bad request gets a 4xx in vLLM's JSON shape before it reaches the engine (parse_sampling); a
 failure while generating fails its own request (500) and no other. As in vLLM, what its worker
-refuses in a weight-sync call is a 500, and the connection closes after any 5xx (uvicorn). Flags
+refuses in a weight-sync call is a 500, and the connection closes after any 5xx (uvicorn); any
+failed /update_weights ends the session, and an engine that joined no group (a restarted server:
+weight version "default") opens a session but refuses the update, as vLLM's worker does. Flags
 a client may check: /server_info → vllm_config (server_info; enable_scale_out is ours: with
 vLLM, probe for a 403). As in vLLM, the pause, weight-transfer and server-info routes (dev=True)
 exist only with VLLM_SERVER_DEV_MODE=1 (launch.LocalServer sets it); without it they answer 404.

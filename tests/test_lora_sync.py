@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen
 import lora_sync
 import toy
 import train
+import weight_sync
 from lora_sync import adapter_refusal, max_lora_rank, merge_plan, merged
 from local_vllm_helpers import PROMPT, reference_logprobs
 from train import AsyncGRPOConfig
@@ -153,7 +154,7 @@ def test_adapter_refusals_name_the_problem_and_the_flags():
     assert "v serves no LoRA" in adapter_refusal([lora, none], ["u", "v"], plain, 4)
     assert "--max-lora-rank 64" in adapter_refusal([lora], ["u"], LoraConfig(r=48), 4)
     assert "DoRA" in adapter_refusal([lora], ["u"], LoraConfig(r=8, use_dora=True), 4)
-    data_parallel = lora | {"parallel_config": {"data_parallel_size": 2}}      # seed 003 refuses
+    data_parallel = lora | {"parallel_config": {"data_parallel_size": 2}}   # the spec refuses
     assert "v runs --data-parallel-size 2" in adapter_refusal([lora, data_parallel], ["u", "v"],
                                                               plain, 4)
     whole = LoraConfig(r=8, modules_to_save=["lm_head"])
@@ -310,15 +311,17 @@ def test_a_run_removes_the_adapter_folders_a_killed_run_left(servers, toy_dir, t
 def test_a_lora_run_sends_its_base_only_where_the_served_base_differs(start_server, toy_dir,
                                                                      tmp_path, monkeypatch,
                                                                      caplog):
-    """Two replicas with weight transfer beside runtime LoRA: a serves the trained base, b a
-    random-init toy of the same shape (a long-lived server another job changed). The start
-    probe tells them apart: b is sent the trained base (one line says so) and joins a
-    weight-transfer group for it; a joins none and gets adapters only (its weight version stays
-    vLLM's "default"); both then serve the trained adapter."""
-    other = str(tmp_path / "other-base")
-    toy.build_model(len(toy.build_tokenizer()), seed=5).save_pretrained(other)
-    toy.build_tokenizer().save_pretrained(other)
-    a, b = start_server(*LORA_ARGS), start_server(*LORA_ARGS, model_dir=other)
+    """Two replicas of the trained model with weight transfer beside runtime LoRA; another job
+    left b holding other weights (a random-init toy, sent by weight transfer). The start probe
+    tells them apart: b is sent the trained base (one line says so) and joins a weight-transfer
+    group for it; a joins none and gets adapters only (its weight version stays vLLM's
+    "default"); both then serve the trained adapter."""
+    a, b = start_server(*LORA_ARGS), start_server(*LORA_ARGS)
+    other = toy.build_model(len(toy.build_tokenizer()), seed=5)
+    weights = [(n, p.detach()) for n, p in weight_sync.language_parameters(other)]
+    job = weight_sync.WeightSync([VLLMClient(b.url, timeout=30.0)], 30.0)
+    job.connect()
+    job.push([(n, t.shape) for n, t in weights], lambda: (t for _, t in weights), version=7)
     joined = []
     init = VLLMClient.init_weight_transfer_engine
 
