@@ -87,7 +87,10 @@ class Server:
         pass
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        pass
+        self.version = weight_version
+
+    def weight_info(self) -> str:
+        return getattr(self, "version", "default")
 
     start_weight_update = resume = reset_prefix_cache = pause   # calls that need only an answer
 
