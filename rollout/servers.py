@@ -250,7 +250,7 @@ async def drop_unverified(replicas: list[Replica], model: str, adapter: bool) ->
         if r.down is None:
             try:
                 if adapter:
-                    held = None if await lists(r.client, model) else f"no adapter {model}"
+                    held = None if await lists_model(r.client, model) else f"no adapter {model}"
                 else:
                     held = await asyncio.to_thread(r.client.weight_info)
                     held = f"weight version {held!r}" if held.startswith(UNVERIFIED) else None
@@ -291,14 +291,14 @@ async def serves(replica: Replica, model: str, version: int, adapter: bool) -> b
         return False
     try:
         if adapter:
-            return await lists(client, model)
+            return await lists_model(client, model)
         held = await asyncio.to_thread(client.weight_info)
     except (VLLMError, TimeoutError):
         return False
     return held.isdigit() and int(held) >= version
 
 
-async def lists(client: VLLMClient, model: str) -> bool:
+async def lists_model(client: VLLMClient, model: str) -> bool:
     """Does GET /v1/models list a card named `model` (an adapter loaded under that name)?"""
     cards = (await asyncio.to_thread(client.models))["data"]
     return any(c["id"] == model for c in cards)

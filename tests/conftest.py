@@ -5,10 +5,14 @@ short training run against it that the trainer's test files read (session-scoped
 however many files ask for it).
 Plain helper functions live in train_helpers.py, rollout_helpers.py and local_vllm_helpers.py."""
 import json
+import multiprocessing.process
 import os
+import socket
+import subprocess
 import sys
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,6 +33,43 @@ VLLM_ARGS = ("--served-model-name", "toy", "--dtype", "float32", "--max-model-le
              "--weight-transfer-config", '{"backend":"gloo"}', "--enable-lora",
              "--max-lora-rank", "8", "--max-loras", "4",
              "--worker-extension-cls", "weight_digests.WeightDigests")
+
+
+def refused(what: str):
+    """A stand-in for `what` that fails the fast test calling it (pytest_runtest_protocol)."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{what} under the fast tier (marker `fast`: no server, no child "
+                           "process): move the test to a file without the marker")
+    return refuse
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The fast tier's guard: a test marked `fast` (its file's pytestmark) that starts a process
+    (subprocess, multiprocessing, fork) or connects to a server over TCP fails, naming the call,
+    whether the test or a fixture it sets up does it. Its tensors are tiny, so it runs on one
+    thread: more only contend for the cores, most of all on a shared machine."""
+    if item.get_closest_marker("fast") is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    connect = socket.socket.connect
+
+    def local_connect(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            refused(f"a connection to {address}")()
+        return connect(sock, address)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refused("subprocess.Popen"))
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refused("Process.start"))
+        patch.setattr(os, "fork", refused("os.fork"))
+        patch.setattr(socket.socket, "connect", local_connect)
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -3,13 +3,18 @@ spec sections they implement"). The algorithm at the top never imports the stand
 runs as a process; only its launcher is imported), the stand-in imports nothing of the trainer
 side, rollout/ (the spawned child's code) imports nothing of the top but vllm_client.py, no
 module imports itself back through others, and the scripts live in tools/. Every module opens in
-English, saying what it is, before the spec's section title."""
+English, saying what it is, before the spec's section title; the fast tier's guard holds."""
 import ast
 import glob
+import multiprocessing
 import os
 import re
+import socket
 import subprocess
 import sys
+import types
+
+import pytest
 
 from conftest import ROOT
 
@@ -135,3 +140,25 @@ def test_every_module_opens_with_an_english_sentence_saying_what_it_is():
         if not (re.match(r"[A-Za-z`(]", opening) and len(opening.split()) >= 3):
             late.append(f"{os.path.relpath(path, ROOT)}: {doc[:40]!r}")
     assert not late, late
+
+
+def test_the_fast_tier_fails_a_test_that_starts_a_process_or_reaches_a_server():
+    """conftest's guard over a test marked `fast` (pytest -m fast): a subprocess, a
+    multiprocessing child and a TCP connection raise, naming what was tried; after the test,
+    all three work again."""
+    import conftest
+    marked = types.SimpleNamespace(get_closest_marker=lambda name: name == "fast")
+    guard = conftest.pytest_runtest_protocol(marked, None)
+    next(guard)                                  # the test runs here
+    try:
+        with pytest.raises(RuntimeError, match="subprocess.Popen under the fast tier"):
+            subprocess.run(["true"])
+        with pytest.raises(RuntimeError, match="Process.start under the fast tier"):
+            multiprocessing.get_context("spawn").Process(target=int).start()
+        with pytest.raises(RuntimeError, match=r"a connection to \('127.0.0.1', 9\) under"):
+            socket.create_connection(("127.0.0.1", 9), timeout=1)
+    finally:
+        guard.close()
+    assert subprocess.run(["true"]).returncode == 0
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", 9), timeout=1)

@@ -7,6 +7,8 @@ import toy
 from config import AsyncGRPOConfig
 from rollout.prompts import ResumeIndex, filtered_stream, first_prompt_index, prompt_stream
 
+pytestmark = pytest.mark.fast    # the fast tier: no server, no child process (conftest)
+
 
 def test_prompt_stream_epochs_resume_and_streaming():
     ds = toy.make_dataset(4)

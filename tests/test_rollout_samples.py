@@ -8,6 +8,8 @@ import pytest
 from rollout.samples import (FinishedRollout, PendingGroup, Rollout, TurnRecord, check_turn,
                              parse_completion, parse_generate, reconcile, to_sample)
 
+pytestmark = pytest.mark.fast    # the fast tier: no server, no child process (conftest)
+
 
 def test_reconcile_clean_turns_make_one_sequence():
     turns = [TurnRecord([1, 2], [3, 4], [-0.1, -0.2]),

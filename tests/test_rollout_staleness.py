@@ -5,6 +5,8 @@ import pytest
 from config import AsyncGRPOConfig
 from rollout.staleness import Window, admits, prior_rate
 
+pytestmark = pytest.mark.fast    # the fast tier: no server, no child process (conftest)
+
 
 def admits_now(**counts) -> bool:
     """admits() for G = 4, max_staleness = 1, R = 8, C_v = 0 unless `counts` say otherwise."""

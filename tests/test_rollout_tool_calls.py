@@ -12,6 +12,8 @@ from rollout.tool_calls import (CallTimeout, EnvironmentPool, check_tools, envir
                                 environment_tools, parse_tool_calls, parse_turn, run_tool_calls,
                                 start_environment, tool_call_format)
 
+pytestmark = pytest.mark.fast    # the fast tier: no server, no child process (conftest)
+
 MISTRAL_LIKE = {                      # a response template for a format that is not Qwen's
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {"content": {},

@@ -9,6 +9,8 @@ from rollout.samples import RolloutSample
 import trie_pack
 from trie_pack import Planner, TreeRow, build_row
 
+pytestmark = pytest.mark.fast    # the fast tier: no server, no child process (conftest)
+
 SETTINGS = settings(max_examples=60, deadline=None)
 
 

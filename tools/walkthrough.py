@@ -39,7 +39,8 @@ import torch  # noqa: E402
 
 import toy  # noqa: E402
 from config import AsyncGRPOConfig  # noqa: E402
-from loss import centering_term, importance_bands, policy_loss, token_logprobs  # noqa: E402
+from loss import (StepTotals, centering_term, importance_bands, policy_loss,  # noqa: E402
+                  token_logprobs)
 from rollout import AsyncRolloutLoop  # noqa: E402
 from rollout.samples import RolloutGroup, reconcile  # noqa: E402
 from rollout.scoring import score_group  # noqa: E402
@@ -227,7 +228,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
         lp_g = token_logprobs(hidden, head.weight, head.bias, packed.token_index, packed.targets,
                               top_ids=packed.top_ids)
         loss, _ = policy_loss(lp_g, packed.sampler_logprobs, packed.advantages,
-                              packed.trained_tokens, cfg, packed.top_logprobs)
+                              packed.sample_ids, StepTotals.of([packed]), cfg, packed.top_logprobs)
         grads[centred] = (loss.item(), torch.autograd.grad(loss, head.weight)[0])
     (loss_c, g_c), (loss_p, g_p) = grads[True], grads[False]
     say(f"loss = Σ keep·-min(r·A, clip(r)·A) / n = {fmt(loss_c, 6)} with centering, "
@@ -235,7 +236,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
         f"LM-head gradient norm {fmt(float(g_p.norm()), 5)} → {fmt(float(g_c.norm()), 5)} "
         f"with centering; they differ by {fmt(float((g_c - g_p).norm()), 5)}")
     optimizer, scheduler = build_optimizer(policy, config)
-    step = train_step(policy, optimizer, scheduler, [packed], packed.trained_tokens, config,
+    step = train_step(policy, optimizer, scheduler, [packed], StepTotals.of([packed]), config,
                       world=1, aux_coef=0.0)
     say(f"train_step: loss {fmt(step['loss'], 6)}, grad_norm {fmt(step['grad_norm'])}, "
         f"ratio mean {fmt(step['sampling/importance_sampling_ratio/mean'])}, "
