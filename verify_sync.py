@@ -65,7 +65,9 @@ PROBE_LENGTH = 16         # the probe's prompt tokens
 PROBE_TOKENS = 8          # tokens the server samples after them (32 at start: the run's noise)
 PROBE_SEED = 27
 MARGIN = 3.0              # served this many times nearer a failed delivery than trained: refused
-APART = 5.0               # ... if that delivery lies this many times the start noise off trained
+APART = 3.0               # ... if that delivery lies this many times the start noise off trained:
+                          # a correct load lies up to ~2.3 of it off (bf16), and a delivery within
+                          # (1 + 1/MARGIN) of that error can lie as near the served as trained does
 GAP = 20.0                # served this many times the start noise off the trained (and farther
                           # than every failed delivery): refused
 NOISE_FLOOR = 1e-4        # the least noise assumed (fp32 servers agree to ~1e-6)
@@ -439,8 +441,8 @@ def refusal(probe: Probe, noise: float) -> str | None:
     Worked, T = 2, start noise 0.01: ours (-1.0, -2.0), the base (-1.4, -1.6), 0.4 apart. Served
     (-1.02, -1.97): 0.03 from ours, 0.38 from the base: accepted. Served (-1.36, -1.64), a stale
     load: 0.36 from ours, 0.04 from the base, 9x nearer: refused. A step that moved little: the
-    previous adapter (-1.03, -2.03), 0.03 from ours, within 5 x 0.01; served (-1.031, -2.029):
-    30x nearer it, but the two cannot be told apart: accepted. Sharpened: ours (0, -2.36), the
+    previous adapter (-1.02, -2.02), 0.02 from ours, within 3 x 0.01; served (-1.021, -2.019):
+    20x nearer it, but the two cannot be told apart: accepted. Sharpened: ours (0, -2.36), the
     base (-1.5, -4.0), 1.57 from ours. Served (0, -2.82): 0.33 from ours, over 20 x 0.01 but
     within 1.57, and 1.35 from the base: accepted.
     """

@@ -185,12 +185,12 @@ def test_the_refusal_replays_its_worked_example():
     assert refusal(good, noise=0.01) is None
     assert "9x nearer the base's (0.04, rms) than the trained policy's (0.36)" in refusal(
         stale, noise=0.01)
-    assert refusal(stale, noise=0.08) is None                # the base within 5 x 0.08: untold
-    moved_little = torch.tensor([-1.03, -2.03])                # the previous adapter, 0.03 off
-    near_twin = Probe("u", torch.tensor([-1.031, -2.029]), ours,
+    assert refusal(stale, noise=0.14) is None                # the base within 3 x 0.14: untold
+    moved_little = torch.tensor([-1.02, -2.02])                # the previous adapter, 0.02 off
+    near_twin = Probe("u", torch.tensor([-1.021, -2.019]), ours,
                       {"the previous adapter": moved_little})
-    assert refusal(near_twin, noise=0.01) is None            # 30x nearer, but within 5 x 0.01
-    assert "nearer the previous adapter's" in refusal(near_twin, noise=0.005)
+    assert refusal(near_twin, noise=0.01) is None            # 20x nearer, but within 3 x 0.01
+    assert "20x nearer the previous adapter's" in refusal(near_twin, noise=0.005)
     twin = Probe("u", torch.tensor([-1.03, -1.98]), ours, {"a step that moved nothing": ours})
     assert refusal(twin, noise=0.01) is None                 # both distances are the noise
     far = Probe("u", torch.tensor([-2.0, -1.0]), ours)       # none of the deliveries: far off
@@ -235,6 +235,7 @@ def peaky_dir(tmp_path_factory) -> str:
 
 
 BF16_LORA = dict(bf16=True, learning_rate=2e-3, max_staleness=1)
+STALE = dict(learning_rate=1e-2)         # the stale run: steps that move its adapters apart
 PEFT = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
@@ -275,9 +276,12 @@ def verdicts(monkeypatch) -> list[float]:
 
 
 def bf16_correct_then_stale(server, model_dir, tmp_path, monkeypatch, caplog, **fields) -> str:
-    """A correct bf16 LoRA run of 6 syncs (no alarm, the replica kept), then the same run
-    against a server that keeps its first adapter (refused: loaded once more, then the run stops,
-    it was the only replica); the margin between the two verdicts, said."""
+    """A correct bf16 LoRA run of 6 syncs (no alarm, the replica kept), then a run against a
+    server that keeps its first adapter (refused: loaded once more, then the run stops, it was
+    the only replica); the margin between the two verdicts, said. The correct run's steps are
+    small (learning_rate 2e-3), the hard case for an alarm; the stale run's 5x larger, so that
+    its adapters move apart within its 6 syncs (one that stays within the noise of the trained
+    policy cannot be told from it, by design: verify_sync.refusal)."""
     correct = verdicts(monkeypatch)
     last = run([server], tmp_path / "ok", 6, model_dir, PEFT, **BF16_LORA, **fields)
     assert last["step"] == 6 and "LoRA sync" not in caplog.text, caplog.text
@@ -287,7 +291,7 @@ def bf16_correct_then_stale(server, model_dir, tmp_path, monkeypatch, caplog, **
     loads = stale_loads(monkeypatch, str(tmp_path / "first-adapter"))
     with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*on the "
                                            r"probe its log-probs (lie|are)"):
-        run([server], tmp_path / "stale", 6, model_dir, PEFT, **BF16_LORA, **fields)
+        run([server], tmp_path / "stale", 6, model_dir, PEFT, **BF16_LORA | STALE, **fields)
     assert len(loads) <= 6 + 1                # caught before the run's end, after one reload
     said = (f"bf16 adapter verdicts (refused at 1): the correct run's {len(ok)} at most "
             f"{max(ok):.3f}, the stale adapter's at least {min(correct[-2:]):.3f}: "
