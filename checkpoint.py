@@ -60,8 +60,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from weight_sync import full_tensor
-
 log = logging.getLogger(__name__)
 LOCK = ".run.lock"                # held by the run that writes output_dir (hold)
 RUN_FILES = ("metrics.jsonl", "completions.jsonl", "metrics.png")   # besides checkpoint-N/
@@ -255,6 +253,13 @@ def due(config, step: int, last: bool = False) -> bool:
     a last step the schedule did not save; never with save_strategy="no"."""
     on_schedule = step % config.every("save_steps") == 0
     return config.save_strategy == "steps" and (not on_schedule if last else on_schedule)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard, detached; a plain tensor as it is. For a shard this is an
+    all-gather: every rank must call it, in the same order."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def exported(policy, config) -> dict[str, torch.Tensor]:

@@ -1,4 +1,7 @@
-"""LoRA (LoRA adapters) and the adapter-sync note (seeds/003, アダプタだけを同期する仕組み: how
+"""LoRA's sync: only the adapter goes to the vLLM servers where they can load it, else the merged
+weights; chosen once at start, with the servers' checks (choose).
+
+Spec: LoRA (LoRA adapters) and the adapter-sync note (アダプタだけを同期する仕組み: how
 only the adapter is synced): "アダプタを <output_dir>/.vllm_lora/trl-policy-v{N} に保存し、
 原子的なリネームで公開" (save the adapter there, publish it by an atomic rename), then the path goes
 to /v1/load_lora_adapter. Chosen once at start, on rank 0, from every server's /server_info:
@@ -13,17 +16,20 @@ AdapterSync of run 3f9a1c, one sync to version 5 with max_staleness = 2 (3 versi
     write   .vllm_lora/.policy-3f9a1c-v5.tmp/ → rename → policy-3f9a1c-v5/    atomic: vLLM never
                                                                               reads half of one
     load    POST /v1/load_lora_adapter {"lora_name": "policy-3f9a1c-v5", "lora_path": ...}  every
-    probe   a completion under policy-3f9a1c-v5 shows the trained adapter,    replica; loaded:
-            not the base nor v4 (verify_sync.refusal; else loaded again,     v3-5
-            then the replica is taken out)
+    probe   (verification on) a completion under policy-3f9a1c-v5 shows the   replica; loaded:
+            trained adapter, not the base nor v4 (verify_sync; else loaded    v3-5
+            again, then the replica is taken out)
     unload  POST /v1/unload_lora_adapter policy-3f9a1c-v2; delete its dir
     end     unload (and delete) v3 v4 v5: a long-lived server keeps no name of a finished run
     A rollout started under version N requests model="policy-<run>-vN" to its end (rollout/loop.py,
     lora_name), so the oldest loaded version may still be in use: max_loras needs a spare slot.
 
-At start the servers' base must be the trainer's: with weight transfer (--weight-transfer-config
-beside --enable-lora, as the spec starts vLLM) the base weights are sent once, as a full sync
-would; without, a server whose base differs on the start probe is refused.
+At start the servers' base must be the trainer's. The start probe (verify_sync.Verifier.
+check_bases) finds a server whose base differs; only that one is sent the trained base (BaseSync, a
+full sync, said on a line) where it has weight transfer (--weight-transfer-config beside
+--enable-lora, as the spec starts vLLM), else the run stops. A server that serves the trained base
+gets adapters only and joins no weight-transfer group. With verification off there is no probe:
+the base is sent wherever every server has weight transfer.
 
 MergedSync is a weight_sync.FullSync of W + s·B·A (merged()) under the base model's names, as
 peft's merge_and_unload() merges it: the bias of lora_B too (lora_bias), GPT-2's transposed
@@ -34,23 +40,20 @@ Departures from the spec, one line each:
   it is unloaded, so a second run (or a crashed one) against the same server never collides.
 - Several replicas are served without a proxy: each load and unload goes to each (TRL refuses that).
 """
-import contextlib
 import dataclasses
 import logging
 import os
 import secrets
 import shutil
-import time
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from checkpoint import exported
-from verify_sync import BASE_KL, NOISE_FLOOR, PROBE_TOKENS, base_card, refusal, served_dtype
+from checkpoint import exported, full_tensor
 from vllm_client import VLLMError
-from weight_sync import (FAILED, FullSync, Members, SyncStats, ask, full_tensor,
-                         language_parameters, on_rank0, parity, probe, shared)
+from weight_sync import (FAILED, FullSync, Members, SyncStats, check_servers, from_rank0,
+                         language_parameters, on_rank0)
 
 PREFIX = "policy"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values
@@ -130,167 +133,136 @@ def adapter_refusal(infos: list[dict], urls: list[str], peft_config,
     return None
 
 
-def choose(policy, clients, config, peft_config, output_dir: str):
-    """AdapterSync when every server allows it, else MergedSync; rank 0 decides and says why."""
-    why = None
-    if dist.get_rank() == 0:
-        infos = [c.server_info() for c in clients]
-        why = adapter_refusal(infos, [c.base_url for c in clients], peft_config,
-                              config.max_staleness)
+def choose(policy, clients, config, tokenizer, peft_config, output_dir: str, verifier=None):
+    """Every rank, at start: the servers checked (rank 0: weight_sync.check_servers waits for
+    them first), then this run's sync: FullSync without LoRA; with it, AdapterSync when every
+    server allows it, else MergedSync (rank 0 decides and says why). `verifier`: verify_sync's,
+    or None (verification off)."""
+    def decide() -> str:
+        if peft_config is not None and config.save_strategy == "no":        # spec: LoRA
+            log.warning("save_strategy='no' with LoRA: this run will keep no adapter (.vllm_lora/ "
+                        "is the servers' cache, emptied as it goes; checkpoints keep the trained "
+                        "adapter)")
+        check_servers(clients, config, policy.head().weight.device)
+        if verifier is not None:
+            verifier.check_start(clients, tokenizer)
+        if peft_config is None:
+            return "full"
+        why = adapter_refusal([c.server_info() for c in clients], [c.base_url for c in clients],
+                              peft_config, config.max_staleness)
         if why is None:
             log.info("LoRA sync: adapter only (%s-<run>-v<N> under %s/.vllm_lora/, %d server(s))",
                      PREFIX, output_dir, len(clients))
-        else:
-            log.warning("LoRA sync: merged weights (the full model every sync), because %s", why)
-    if shared(why) is None:
-        return AdapterSync(policy, clients, config, output_dir)
-    return MergedSync(policy, clients, config)
+            return "adapter"
+        log.warning("LoRA sync: merged weights (the full model every sync), because %s", why)
+        return "merged"
+
+    kind = from_rank0(on_rank0(decide))
+    if kind == "adapter":
+        return AdapterSync(policy, clients, config, output_dir, verifier)
+    return (FullSync if kind == "full" else MergedSync)(policy, clients, config, verifier)
 
 
 # ── adapter only ────────────────────────────────────────────────────────────────────────────
 
 
-@contextlib.contextmanager
-def swapped(params: list[torch.Tensor], values: list[torch.Tensor] | None = None):
-    """`params` hold `values` (None: zeros) inside the block, their own after it (every rank: its
-    shards). An adapter of zeros is the base model exactly: base + 0 (peft's disable_adapter also
-    marks the adapter frozen, which FSDP2, initialised in the first forward, would keep)."""
-    own = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        for p, v in zip(params, values or [0.0] * len(params)):
-            p.copy_(v) if torch.is_tensor(v) else p.zero_()
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, v in zip(params, own):
-                p.copy_(v)
-
-
 class AdapterSync:
     """Adapter-only sync over disk and /v1/load_lora_adapter (state is real: the loaded window).
-    Every load is proven by the probe (verify_sync.refusal), scored by the policy itself on every
-    rank: under the trained adapter, with the adapter off (the base) and with the previous one (a
-    stale load; each rank keeps its shards of it). weight_sync_verify_every=0: no probe."""
+    With verification on, every load is proven by the probe (verify_sync.Verifier.check_adapter)
+    and a replica that does not show it, loaded twice, is taken out.
 
-    def __init__(self, policy, clients, config, output_dir: str):
+        sync = AdapterSync(policy, clients, config, output_dir, verifier)   # every rank
+        sync.start(version)           # the servers' base checked (or sent), a resumed adapter
+        metrics = sync.push(version)  # every rank, each sync
+    """
+
+    def __init__(self, policy, clients, config, output_dir: str, verifier=None):
         self.policy = policy
         self.members = Members(clients, config.vllm_server_timeout, "LoRA sync")
         self.config = config
+        self.verifier = verifier                       # verify_sync.Verifier, or None: off
         self.root = os.path.join(os.path.abspath(output_dir), ".vllm_lora")
         self.prefix = f"{PREFIX}-{secrets.token_hex(3)}"    # this run's names: policy-<run>-v<N>
         self.worker_kwargs = {"lora_name": self.prefix}     # rollouts ask for policy-<run>-v<N>
         self.loaded: list[int] = []                    # versions loaded on every server, oldest 1st
-        self.verify = config.weight_sync_verify_every > 0   # probes (0: off)
-        self.adapter = [p for p in policy.parameters() if p.requires_grad]   # this rank's shards
-        self.previous: list[torch.Tensor] | None = None  # the adapter at the last sync (shards)
-        self.noise = NOISE_FLOOR                       # the run's own: the start probe's
-        self.parity: dict[str, float] = {}             # sync/probe_kl of the last probe
-        self.base = None                               # MergedSync of the base, with transfer
-
-    def connect(self) -> None:
-        """Every rank: the adapters' directory (rank 0); where every server has weight transfer
-        (--weight-transfer-config beside --enable-lora), a sync of the base weights, joined."""
-        transfer = None
-        if dist.get_rank() == 0:
-            # what is here a killed run left: a live run holds output_dir (checkpoint.hold)
-            shutil.rmtree(self.root, ignore_errors=True)
-            os.makedirs(self.root)
-            transfer = all(c.server_info().get("weight_transfer_config")
-                           for c in self.members.clients)
-        if shared(transfer):
-            self.base = MergedSync(self.policy, self.members.clients, self.config, adapter=False)
-            self.base.connect()
 
     def start(self, version: int) -> None:
-        """Every rank, before generation starts: the servers' base must be the trainer's. With
-        weight transfer it is sent (a full sync of the base, verified as one); then the start
-        probe, the adapter switched off, measures the run's own noise (what refusal judges
-        against) and, where the base could not be sent, refuses a base farther than BASE_KL:
-        an adapter cannot fix its base. A resumed run then loads its saved adapter."""
-        if self.base is not None:
-            self.base.push(version, probe_after=False)
-        if self.verify:
-            asked = on_rank0(lambda: ask(self.policy, self.members, base_card, None,
-                                         4 * PROBE_TOKENS), FAILED)
-            probes = probe(self.policy, asked, under=lambda: swapped(self.adapter))
-            self.parity = parity(probes, self.members.clients)
-            self.noise = max([NOISE_FLOOR] + [p.noise for p in probes])
-            if self.base is None:
-                on_rank0(lambda: self._check_bases(probes))
+        """Every rank, before generation starts: the adapters' directory (rank 0; what is there
+        a killed run left: a live run holds output_dir, checkpoint.hold), the servers' base made
+        the trained one (_send_base), and a resumed run's saved adapter loaded."""
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.root, ignore_errors=True)
+            os.makedirs(self.root)
+        self._send_base(version)
         if version > 0:
             self.push(version)
 
-    def settle(self) -> None:
-        """Nothing waits: each adapter load is proven before its version is published."""
-
-    def _check_bases(self, probes) -> None:
-        """Rank 0: ValueError naming the first server whose base's probe KL exceeds BASE_KL."""
-        for c, p in zip(self.members.clients, probes):          # at start every server is live
-            dtype = served_dtype(c.server_info())
-            if p.kl > (bound := BASE_KL.get(dtype, max(BASE_KL.values()))):
-                raise ValueError(f"LoRA sync: {p.url} serves another base model than the trained "
-                                 f"one: on the start probe its log-probs are {p.kl:.3g} (k3 KL) "
-                                 f"from the trainer's base model's (bound {bound:g} for {dtype}), "
-                                 f"and an adapter cannot fix the base, nor can this run send it "
-                                 f"(no --weight-transfer-config): serve the checkpoint the "
-                                 f"trainer loads ({self.policy.model.config._name_or_path})")
+    def _send_base(self, version: int) -> None:
+        """Every rank: the servers whose base is not the trained one (the start probe's finding;
+        without verification, every server, unprobed) are sent it, once, by a full sync
+        (BaseSync), where they have weight transfer. A probed server whose base differs and that
+        has none stops the run; unprobed servers are sent it only if all of them have it."""
+        differ = self.verifier.check_bases(self.members) if self.verifier else None
+        transfer = from_rank0(on_rank0(lambda: {c.base_url: bool(c.server_info().get(
+            "weight_transfer_config")) for c in self.members.clients}))
+        if stuck := [url for url in differ or {} if not transfer[url]]:
+            raise ValueError(f"LoRA sync: {stuck[0]} serves another base model than the trained "
+                             f"one: {differ[stuck[0]]}, and an adapter cannot fix the base, nor "
+                             f"can this run send it (no --weight-transfer-config): serve the "
+                             f"checkpoint the trainer loads "
+                             f"({self.policy.model.config._name_or_path})")
+        if differ is None:                      # unprobed: to every server, or to none
+            targets = self.members.clients if all(transfer.values()) else []
+        else:
+            targets = [c for c in self.members.clients if c.base_url in differ]
+        if not targets:
+            return
+        if dist.get_rank() == 0:
+            log.warning("LoRA sync: sending the trained base model to %s (%s), once, by a full "
+                        "sync", [c.base_url for c in targets],
+                        "its base differs" if differ else "unprobed: verification is off")
+        BaseSync(self.policy, targets, self.config).start(version)
+        if differ and (still := self.verifier.check_bases(self.members, set(differ))):
+            raise ValueError(f"LoRA sync: the trained base was sent, yet {still}")
 
     def push(self, version: int) -> dict[str, float]:
         """Every rank: gather the adapter; rank 0 writes it and loads it on every live replica
-        (_publish); every rank proves the loads (_verify); rank 0 unloads the version that left
-        the staleness window. An error on rank 0 is raised on every rank together."""
-        start = time.perf_counter()
+        (_publish); with verification on, each load is proven and a replica that fails, loaded
+        twice, is taken out (_take_out); rank 0 unloads the version that left the staleness
+        window. An error on rank 0 is raised on every rank together."""
         state = exported(self.policy, self.config)      # the adapter, as a checkpoint's
-        stats = SyncStats()
+        stats, figures = SyncStats(), {}
         name = f"{self.prefix}-v{version}"
-        path = on_rank0(lambda: self._publish(version, state, stats))
-        if self.verify:
-            t = time.perf_counter()
-            self._verify(name, path)
-            stats.verify_s = time.perf_counter() - t
-        self.previous = [p.detach().clone() for p in self.adapter]
-        on_rank0(self._retire)
-        stats.s = time.perf_counter() - start
-        return stats.metrics()
+        with stats.timed("s"):
+            path = on_rank0(lambda: self._publish(name, version, state, stats))
+            if self.verifier is not None:     # verification (verify_sync.py): act on its verdict
+                refused, figures = self.verifier.check_adapter(
+                    name, self.members, lambda only: on_rank0(lambda: self._load(
+                        name, path, only), FAILED))
+                on_rank0(lambda: self._take_out(name, refused))
+            on_rank0(self._retire)
+        return stats.metrics() | figures
 
-    def _publish(self, version: int, state: dict[str, torch.Tensor], stats: SyncStats) -> str:
+    def _publish(self, name: str, version: int, state: dict[str, torch.Tensor],
+                 stats: SyncStats) -> str:
         """Rank 0: write the adapter (atomically), load it on every live replica; its path."""
-        name = f"{self.prefix}-v{version}"
         final = os.path.join(self.root, name)
         tmp = os.path.join(self.root, f".{name}.tmp")     # neither is there: a run's own names
         self.policy.model.save_pretrained(tmp, state_dict=state)
         os.rename(tmp, final)
         stats.bytes = os.path.getsize(os.path.join(final, "adapter_model.safetensors"))
-        t = time.perf_counter()
-        self.members.returning()               # back since the last sync: it gets this adapter
-        self.members.call(lambda c: c.load_lora_adapter(name, final), f"loading {name}")
+        with stats.timed("transfer_s"):
+            self.members.readmit_healthy()          # back since the last sync: it gets this one
+            self._load(name, final)
         self.loaded.append(version)
-        stats.transfer_s = time.perf_counter() - t
         return final
 
-    def _verify(self, name: str, path: str | None) -> None:
-        """Every rank: each live replica's probe under `name` must show the trained adapter, not
-        a failed delivery (verify_sync.refusal). One that does not is sent the adapter once more
-        (loaded in place) and probed again; then it is taken out (Members) and the adapter
-        unloaded there, or, if it is the last one, the sync raises."""
-        others = {"the base": lambda: swapped(self.adapter)}
-        if self.previous is not None:
-            others["the previous adapter"] = lambda: swapped(self.adapter, self.previous)
-        refused: dict[str, str] = {}
-        for attempt in range(2):
-            asked = on_rank0(lambda: ask(self.policy, self.members, lambda c: name,
-                                         set(refused) if attempt else None), FAILED)
-            probes = probe(self.policy, asked, others=others)
-            if not attempt:
-                self.parity = parity(probes, self.members.clients)
-            refused = {p.url: why for p in probes if (why := refusal(p, self.noise))}
-            if not refused:
-                return
-            if not attempt:
-                on_rank0(lambda: self.members.call(lambda c: c.load_lora_adapter(name, path, True),
-                                                   f"loading {name} again", only=set(refused)))
-        on_rank0(lambda: self._take_out(name, refused))
+    def _load(self, name: str, path: str, again: set[str] | None = None) -> None:
+        """Rank 0: load adapter `name` on every live replica, or once more, in place, on those
+        whose URLs are `again`."""
+        what = f"loading {name}" + (" again" if again else "")
+        self.members.call(lambda c: c.load_lora_adapter(name, path, again is not None), what,
+                          only=again)
 
     def _take_out(self, name: str, refused: dict[str, str]) -> None:
         """Rank 0: out of the syncs (the last one: the sync raises), and of routing: the adapter
@@ -318,8 +290,6 @@ class AdapterSync:
     def close(self) -> None:
         """Rank 0, at the end of the run (also after a failure): unload this run's adapters from
         every server that still answers; a server that does not is warned about, not waited for."""
-        if self.base is not None:
-            self.base.close()
         if dist.get_rank() != 0:
             return
         for version in self.loaded:
@@ -343,20 +313,27 @@ def unload(client, name: str) -> None:
 # ── merged ──────────────────────────────────────────────────────────────────────────────────
 
 
-class MergedSync(FullSync):
-    """A full sync of the merged weights W + s·B·A under the base names; the shards never change.
-    adapter=False: of the base weights W alone (AdapterSync's base, sent at start)."""
+class BaseSync(FullSync):
+    """A full sync of a peft model's base weights W under the base names: AdapterSync sends it at
+    start to a server whose base is not the trained one (the shards never change)."""
 
-    def __init__(self, policy, clients, config, adapter: bool = True):
-        super().__init__(policy, clients, config)
+    def __init__(self, policy, clients, config, verifier=None):
+        super().__init__(policy, clients, config, verifier)
         self.plan = merge_plan(policy.model)
-        self.with_adapter = adapter
 
     def specs(self) -> list[tuple[str, torch.Size]]:
         return [(name, base.shape) for name, base, _ in self.plan]
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        return (merged(base, delta if self.with_adapter else None) for _, base, delta in self.plan)
+        return (full_tensor(base) for _, base, _ in self.plan)
+
+
+class MergedSync(BaseSync):
+    """A full sync of the merged weights W + s·B·A under the base names: every sync of a LoRA run
+    whose servers cannot load its adapter."""
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        return (merged(base, delta) for _, base, delta in self.plan)
 
 
 @dataclasses.dataclass

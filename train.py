@@ -53,6 +53,7 @@ from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -62,16 +63,18 @@ import checkpoint
 import lora_sync
 import metrics
 import tree_attention
+import verify_sync
+from checkpoint import full_tensor
 from config import AsyncGRPOConfig, dtype_name   # the spec imports the first from here
 from loss import (MOE_EXPERT_FIELDS, StepTotals, compute_loss, extreme, finalize_metrics,
-                  reduce_metrics, router_aux_loss_coef, row_logprobs)
+                  reduce_metrics, router_aux_loss_coef, row_logprobs, token_logprobs)
 from rollout import (AsyncRolloutLoop, Rollout, RolloutGroup,  # noqa: F401 (the spec's records)
-                     TurnRecord)
+                     RolloutSample, TurnRecord)
 from rollout.prompts import check_eval_source, check_prompt_source
 from rollout.worker import RolloutWorker, check_main_guard
-from trie_pack import Planner
+from trie_pack import Planner, build_row
 from vllm_client import VLLMClient, server_urls
-from weight_sync import FullSync, check_servers, full_tensor, language_parameters, on_rank0
+from weight_sync import language_parameters
 
 # ── the loop ─────────────────────────────────────────────────────────────────────────────────
 
@@ -88,10 +91,6 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     check_eval_source(config, dataset, eval_dataset)
     output_dir = config.output_dir or "trainer_output"
     rank0 = is_rank0()
-    if rank0 and peft_config is not None and config.save_strategy == "no":   # spec: LoRA
-        logging.getLogger(__name__).warning(
-            "save_strategy='no' with LoRA: this run will keep no adapter (.vllm_lora/ is the "
-            "servers' cache, emptied as it goes; checkpoints keep the trained adapter)")
     with contextlib.ExitStack() as stack:       # each release registered beside its acquisition
         resume, state = stack.enter_context(checkpoint.open_run(  # one live run per output_dir
             output_dir, config, dataset, resume_from_checkpoint, rank0=rank0, say=rank0))
@@ -115,13 +114,13 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
         clients = [VLLMClient(url, timeout=config.vllm_server_timeout)
                    for url in server_urls(config)]
         stack.callback(lambda: [c.close() for c in clients])
-        on_rank0(lambda: [c.wait_for_health() for c in clients])   # before anything reads them
-        # full weights (weight_sync.py), or LoRA adapter-only or merged (lora_sync.py): once
-        sync = (FullSync(policy, clients, config) if peft_config is None
-                else lora_sync.choose(policy, clients, config, peft_config, output_dir))
+        # verify_sync.py, the proof that each sync landed: optional (weight_sync_verify_every)
+        verifier = verify_sync.Verifier(policy, config) if config.weight_sync_verify_every else None
+        # full weights (weight_sync.py), or LoRA adapter-only or merged (lora_sync.py): chosen
+        # once the servers answer and pass the start checks
+        sync = lora_sync.choose(policy, clients, config, tokenizer, peft_config, output_dir,
+                                verifier)
         stack.callback(sync.close)              # LoRA: the servers unload this run's adapters
-        on_rank0(lambda: check_servers(clients, config, tokenizer, device))
-        sync.connect()
         sync.start(state.model_version)         # the servers may hold another run's weights
         if rank == 0:                           # rank 0's end of the rollout queue
             budget = config.token_budget
@@ -162,7 +161,8 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                 break
             rows, totals = mine
             hooks.event("on_step_begin")
-            sync.settle()                       # the last sync's probe, before the weights change
+            if verifier is not None:            # the last sync's probe, before the weights change
+                verifier.score_probe()
             step_metrics = train_step(policy, optimizer, scheduler, rows, totals, config,
                                       world, aux_coef, scaler, state.model_version, reference)
             state.global_step += 1
@@ -177,7 +177,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                 if rank == 0:
                     feed.worker.set_model_version(state.model_version)
             if rank == 0:
-                step_metrics |= sync.parity             # the last sync's probe: every step has one
+                step_metrics |= verifier.probe_kl if verifier else {}   # the last sync's probe
                 step_metrics["perf/step_s"] = time.perf_counter() - started
                 log.step(state, step_metrics, step)
                 hooks.event("on_step_end")
@@ -304,6 +304,30 @@ class Policy(torch.nn.Module):
 
     def head(self) -> torch.nn.Linear:
         return self.model.get_output_embeddings()
+
+    def token_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+        """Every rank (FSDP2 gathers in the forward): the [T] log-probs the policy gives the
+        tokens of each (prompt, tokens), as the loss computes them, from one no-grad forward of
+        all of them packed as one trie row (dropout off); fp32 on the CPU. verify_sync's probe
+        scores the servers' tokens with it."""
+        samples = [RolloutSample(input_ids=np.array(p + t, np.int64), advantage=0.0, group_id=0,
+                                 completion_mask=np.array([0] * len(p) + [1] * len(t), np.int8),
+                                 sampler_logprobs=np.zeros(len(p) + len(t), np.float32),
+                                 model_version=0) for p, t in sequences]
+        row = build_row(samples).pack()
+        softcap = getattr(tree_attention.text_config(self.model), "final_logit_softcapping", None)
+        training = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                hidden = self(row).last_hidden_state[0]                               # [N, H]
+                head = self.head()
+                device = head.weight.device
+                lp = token_logprobs(hidden, head.weight, head.bias, row.token_index.to(device),
+                                    row.targets.to(device), final_logit_softcapping=softcap)
+        finally:
+            self.train(training)
+        return list(lp.target.float().cpu().split([len(t) for _, t in sequences]))  # [T] each
 
 
 def shard(policy: Policy, config, device: torch.device) -> Policy:

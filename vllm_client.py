@@ -22,6 +22,7 @@ plain http to a host that is not loopback, a warning says so).
                      POST /start_weight_update             start_weight_update
                      POST /update_weights                  update_weights              (collective)
                      POST /finish_weight_update            finish_weight_update
+                     POST /shutdown_weight_transfer_engine shutdown_weight_transfer_engine
                      GET  /weight_info                     weight_info
                      POST /update_weight_version           update_weight_version
     workers          POST /collective_rpc                  collective_rpc  (a worker extension's)
@@ -80,7 +81,8 @@ ENABLED_BY = {
                      "/update_weight_version", "/collective_rpc"], (_DEV_MODE, None)),
     # the same routers, and a weight transfer engine behind them
     **dict.fromkeys(["/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                     "/finish_weight_update"], (_DEV_MODE, _TRANSFER)),
+                     "/finish_weight_update", "/shutdown_weight_transfer_engine"],
+                    (_DEV_MODE, _TRANSFER)),
     # runtime LoRA updating
     **dict.fromkeys(["/v1/load_lora_adapter", "/v1/unload_lora_adapter"], (_LORA, None)),
 }
@@ -384,10 +386,12 @@ class VLLMClient:
                            f"{last}); is it running, and is vllm_server_base_url right?")
 
     def healthy(self) -> bool:
-        """One GET /health probe (HEALTH_PROBE_S at most, no retry): does the server answer 200?"""
+        """One GET /health probe (HEALTH_PROBE_S at most, no retry) over a connection of its own:
+        does the server answer 200? (It follows a failure, after which a pooled connection may
+        be one the server closed: uvicorn closes one after a 500.)"""
         try:
-            return self._session.get(self.base_url + "/health",
-                                     timeout=HEALTH_PROBE_S).status_code == 200
+            return requests.get(self.base_url + "/health", headers=self._headers,
+                                timeout=HEALTH_PROBE_S).status_code == 200
         except requests.RequestException:
             return False
 
@@ -478,6 +482,11 @@ class VLLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = None if weight_version is None else {"weight_version": weight_version}
         self._request("POST", "/finish_weight_update", "weights", json=body)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Release the server's end of the weight-transfer group (vLLM refuses it during an
+        update): a broadcast it never took ends at once."""
+        self._request("POST", "/shutdown_weight_transfer_engine", "weights", retries=0)
 
     def weight_info(self) -> str:
         return str(self._json("GET", "/weight_info", "weight_version"))

@@ -1,39 +1,43 @@
-"""概要 (Overview: weight_sync_steps): the trainer's full weights into every vLLM server.
+"""The trainer's full weights into every vLLM server: one sync, the replicas it reaches, and the
+checks at start that make it safe to send.
 
-Spec: "weight_sync_steps 回の学習ステップごとに、更新された重みが NCCL を介して vLLM サーバーに転送され"
-(every weight_sync_steps steps the updated weights go to the servers over NCCL); 記録されたメトリクス
-(Logged metrics): perf/weight_sync_*. One sync, FullSync.push, in the order of vllm_api.md §6:
+Spec: 概要 (Overview: weight_sync_steps): "weight_sync_steps 回の学習ステップごとに、更新された重みが
+NCCL を介して vLLM サーバーに転送され" (every weight_sync_steps steps the updated weights go to the
+servers over NCCL); 記録されたメトリクス (Logged metrics): perf/weight_sync_*. One sync,
+WeightSync.push, in the order of vLLM's weight-transfer API (POST /pause ... /resume):
 
     rank 0                          servers (HTTP)                    every rank
     ──────                          ──────────────                    ──────────
-    (once, at connect: every name and shape checked against the checkpoint each server loaded)
+    (at start: the servers healthy, their vocabulary, dtype and every name and shape checked)
     POST /pause?mode=keep ────────► freeze the scheduler               ┐ perf/weight_sync_pause_s
-    barrier ◄───────────────────────────────────────────────────────── ┘ perf/weight_sync_barrier_s
+      (+ GET /weight_info: a server that restarted is regrouped)       ┘
+    barrier ◄───────────────────────────────────────────────────────── perf/weight_sync_barrier_s
     POST /start_weight_update ────► ready to receive                   ┐ perf/weight_sync_start_s
     POST /update_weights (thread) ► blocks inside the collective       ┘
     for each parameter, in order:                                      ┐ perf/weight_sync_transfer_s
         full_tensor(p): all-gather the FSDP2 shards ◄───────────────── │ (every rank gathers)
-        cast to the server dtype (rank 0: fingerprint those verified)  │
+        cast to the server dtype                                       │
         bucket > packed_buffer_size_bytes → broadcast(bucket) ───────► │ receive, load by HF name
     join the thread ◄──────────────── "Weights updated"                ┘
     POST /finish_weight_update {"weight_version": "N"} ► reload ends    perf/weight_sync_finish_s
-    verify: POST /collective_rpc ───► each server's fingerprints        sync/verify_s (verify_sync)
     POST /reset_prefix_cache ───────► no KV of the old weights is kept (vLLM 0.33: not by /pause)
-    POST /resume  (every path; after a failure over fresh connections,   perf/weight_sync_resume_s
-                   confirmed by /is_paused)
-    (rank 0) the probe ─────────────► 8 tokens    then settle(), before the next optimizer step:
-                                                  the policy scores them: sync/probe_kl per server
+    POST /resume  (on every exit path, SIGTERM's included)             perf/weight_sync_resume_s
 
-Only one bucket (buckets()) is held at a time, never the whole model. Learned from real vLLM 0.32
-(reference/vllm_cpu.md): a refused update leaves its model on the meta device and the next forward
-kills the engine, so nothing is sent that the server could refuse; uvicorn closes a connection
-after a 500, so the closing /resume never reuses a pooled one.
+Only one bucket (buckets()) is held at a time, never the whole model. From real vLLM 0.32: a
+refused update leaves its model on the meta device and the next forward kills the engine, so
+nothing is sent that the server could refuse (check_served); uvicorn closes a connection after a
+500, so the closing /resume after a failure never reuses a pooled one; a broadcast a server never
+took holds the trainer's exit for vllm_server_timeout unless the group is torn down (_ungroup).
 
-Replicas can die (Members): one that fails a call and /health is taken out and the group re-formed
-over the rest (one that dies mid-transfer: the sync is sent once more); back on /health, it rejoins.
-A server whose fingerprints differ from what was sent is named with the tensor and both and taken
-out the same way (resumed, sent the weights again at the next sync); if it was the last, the sync
-raises. lora_sync.MergedSync, a FullSync, sends W + s·B·A.
+Replicas come and go (Members): one that fails a call and /health is taken out and the group
+re-formed over the rest (one that dies mid-transfer: the sync is sent once more); back on /health,
+it rejoins and is given the weights. One that restarted on its URL shows the weight version a
+fresh vLLM reports ("default"), not the one this run published: it is regrouped at the next sync,
+or, mid-transfer, the transfer is sent once more.
+
+Verification is optional and lives in verify_sync.py: FullSync hands its check to push, which
+fingerprints what streams by and takes out a server that then holds other bytes.
+lora_sync.MergedSync, a FullSync, sends W + s·B·A.
 
 Departures from the spec, one line each:
 - On a CPU both ends form a torch.distributed gloo group (local_vllm, or vLLM with vllm_plugin/).
@@ -43,10 +47,11 @@ import importlib.util
 import logging
 import math
 import socket
+import threading
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterator
@@ -54,12 +59,10 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from checkpoint import full_tensor
 from config import dtype_name
-from verify_sync import (ENABLE, PROBE_TOKENS, Fingerprints, Probe, base_card,
-                         cannot_show, check_served, check_vocab, chosen, dtype_warning, mismatches,
-                         served_dtype, policy_logprobs, probe_prompt, served_digests,
-                         served_logprobs)
 from vllm_client import UNVERIFIED, VLLMClient, VLLMError
+from vllm_plugin.weight_packing import buckets, checkpoint_shapes
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +72,8 @@ FAILED = "weight sync failed"     # how every rank's error begins when a phase o
 
 @dataclass
 class SyncStats:
-    """perf/weight_sync_* (seconds; bytes sent by rank 0) and sync/* (ours) of one sync."""
-    s: float = 0.0                # perf/weight_sync_s: the whole sync
+    """perf/weight_sync_* of one sync: seconds, and the bytes rank 0 sent."""
+    s: float = 0.0                # the whole sync
     pause_s: float = 0.0          # pausing every server
     barrier_s: float = 0.0        # waiting for every rank
     start_s: float = 0.0          # opening the update: /start_weight_update, posting the receive
@@ -78,13 +81,18 @@ class SyncStats:
     finish_s: float = 0.0         # /finish_weight_update: the servers' reload ends
     resume_s: float = 0.0         # /resume, every server
     bytes: int = 0                # what rank 0 sent: the tensors' bytes, or the adapter file's
-    verify_s: float = 0.0         # sync/verify_s: proving it landed (fingerprints; an adapter's
-                                  # probe)
-    verified_tensors: int = 0     # sync/verified_tensors: each verifiable server showed as sent
+
+    @contextmanager
+    def timed(self, name: str):
+        """Adds the block's seconds to the field `name`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, name, getattr(self, name) + time.perf_counter() - start)
 
     def metrics(self) -> dict[str, float]:
-        return {("sync/" if k.startswith("verif") else "perf/weight_sync_") + k: float(v)
-                for k, v in vars(self).items()}
+        return {f"perf/weight_sync_{k}": float(v) for k, v in vars(self).items()}
 
 
 # ── what a sync sends ───────────────────────────────────────────────────────────────────────
@@ -98,42 +106,19 @@ def language_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if id(p) in ids]
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an FSDP2 shard, detached; a plain tensor as it is. For a shard this is an
-    all-gather: every rank must call it, in the same order."""
-    t = t.detach()
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def embedding_names(model) -> set[str]:
-    """The names of the input embedding's and the LM head's weights (one name when tied): every
-    sync verifies them (verify_sync.chosen)."""
-    ends = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
-    return {name for name, p in model.named_parameters() if id(p) in ends}
-
-
 class FullSync:
-    """The sync of a model without LoRA: every sync sends the language model's full weights,
-    verified by fingerprints, then probed (the parity figure, `parity`: sync/probe_kl).
+    """The sync of a model without LoRA: every sync sends the language model's full weights.
 
-        sync = FullSync(policy, clients, config)   # every rank
-        sync.connect()                             # rank 0 joins the servers
+        sync = FullSync(policy, clients, config, verifier)   # every rank; verifier: None is off
+        sync.start(version)                        # the group joined, this run's weights sent
         metrics = sync.push(version)               # every rank, each sync: perf/weight_sync_*
     """
 
-    def __init__(self, policy, clients: list[VLLMClient], config):
+    def __init__(self, policy, clients: list[VLLMClient], config, verifier=None):
         self.policy = policy
         self.weights = WeightSync(clients, config.vllm_server_timeout)
-        self.every = config.weight_sync_verify_every             # 0: no verification, no probe
-        self.always = embedding_names(policy.model)              # verified at every sync
-        self.pushes = 0                                          # the first verifies every tensor
-        self.showing: set[str] = set()       # rank 0: the URLs that show their fingerprints
-        self.unreadable: set[str] = set()    # rank 0: URLs whose unreadable tensors were said
-        self.parity: dict[str, float] = {}   # sync/probe_kl of the last sync, logged every step
+        self.verifier = verifier             # verify_sync.Verifier, or None: syncs unverified
         self.worker_kwargs: dict = {}        # RolloutWorker's: rollouts ask for the base card
-        self.asked = False                   # every rank: a probe waits to be scored (settle)
-        self.asking = None                   # rank 0: its request, in flight ...
-        self.prober = ThreadPoolExecutor(1)  # ... on this thread, one at a time
 
     def specs(self) -> list[tuple[str, torch.Size]]:
         """(name, shape) of what every sync sends, in order: the server's names."""
@@ -144,136 +129,46 @@ class FullSync:
         return (full_tensor(p) for _, p in language_parameters(self.policy.model))
 
     def connect(self) -> None:
-        """Rank 0: join the servers (WeightSync.connect); say once which cannot show what they
-        hold, and how to enable it."""
+        """Rank 0: join the servers, every name and shape checked first (WeightSync.connect)."""
         self.weights.connect(self.specs())
-        for c in self.weights.members.clients if self.weights.rank == 0 and self.every else []:
-            if why := cannot_show(c):
-                log.warning("weight sync: %s cannot show the weights it holds (%s), so syncs to it "
-                            "are not verified; %s", c.base_url, why, ENABLE)
-            else:
-                self.showing.add(c.base_url)
 
     def start(self, version: int) -> None:
-        """Every rank, before generation starts: a long-lived server holds whatever the last run
-        sent it, so this run's weights are sent, and the first push verifies every tensor."""
+        """Every rank, before generation starts: join, and send this run's weights (a long-lived
+        server holds whatever the last run sent it)."""
+        self.connect()
         self.push(version)
 
     def close(self) -> None:
-        """The probe's thread ends (a request in flight is bounded: Members.call); the servers
-        keep the last weights sent."""
-        self.prober.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: the servers keep the last weights sent."""
 
-    def push(self, version: int, probe_after: bool = True) -> dict[str, float]:
-        """Every rank: send, verify (rank 0, between finish and resume: _verify); the probe is
-        asked as the servers resume (settle scores it)."""
-        specs = self.specs()
-        names = chosen([n for n, _ in specs], version, self.every, self.always, self.pushes == 0)
-        check = Fingerprints(set(names) if self.showing else set())     # empty off rank 0
-        w = self.weights
-        stats = w.push(specs, lambda: check.record(specs, self.tensors(), w.device, w.dtype),
-                       version, lambda: self._verify(check, version))
-        self.pushes += 1
-        if probe_after and self.every and w.rank == 0:   # asked now, scored in settle()
-            self.asking = self.prober.submit(ask, self.policy, w.members, base_card)
-        self.asked = probe_after and self.every > 0
-        stats.verify_s += check.seconds
-        return stats.metrics()
-
-    def settle(self) -> None:
-        """Every rank, before the weights change again (train.py: before each step): the last
-        sync's probe, asked when the servers resumed, scored by the policy (the parity figure),
-        so its generation never holds up a step."""
-        if self.asked:
-            self.asked = False
-            found = on_rank0(lambda: self.asking.result(), FAILED)   # bounded: Members.call
-            self.parity = parity(probe(self.policy, found), self.weights.members.clients)
-
-    def _verify(self, check: Fingerprints, version: int) -> int:
-        """Rank 0, after /finish_weight_update and before /resume: every live server that can
-        shows the fingerprints of the tensors `check` sent; one that holds other bytes is named
-        with the tensors and both fingerprints, taken out (Members) and resumed, since rollouts
-        may still reach it; if it was the last one, the sync raises. Tensors a server cannot read
-        back exactly are said once and not counted. Returns the tensors every server verified."""
-        if not check.sent:
-            return 0
-        asked = list(check.sent)
-        shown = self.weights.members.call(lambda c: served_digests(c, asked), only=self.showing)
-        bad, verified = [], []
-        for c, (served, excluded) in shown.items():
-            if excluded and c.base_url not in self.unreadable:
-                self.unreadable.add(c.base_url)
-                log.warning("weight sync: %s cannot read back %d tensor(s) exactly, which are "
-                            "not verified: %s", c.base_url, len(excluded), excluded)
-            if wrong := mismatches(check.sent, served, excluded):
-                bad.append((c, f"it holds other bytes than were sent in {len(wrong)} of "
-                               f"{len(asked)} verified tensors: {'; '.join(wrong[:3])}"))
-            else:
-                verified.append(len(asked) - len(excluded))
-        self.weights.members.take_out_failed(bad, "failed the sync's verification",
-                                             f"weight sync to version {version} did not land "
-                                             "as sent")
-        for c, _ in bad:
-            _attempt(lambda: c.update_weight_version(f"{UNVERIFIED}{version}"))  # out of routing
-            if still := c.resume_confirmed():      # out of the syncs, not left paused
-                log.warning("weight sync: %s", still)
-        return min(verified, default=0)
+    def push(self, version: int) -> dict[str, float]:
+        """Every rank: the weights to every server (WeightSync.push), checked there by
+        verification when it is on (verify_sync: a server that holds other bytes is taken out)."""
+        check = self.verifier.full_check(self.specs(), version, self.weights.members) \
+            if self.verifier else None
+        stats = self.weights.push(self.specs(), self.tensors, version, check)
+        return stats.metrics() | (check.metrics() if check else {})
 
 
-# ── the probe: what each server's log-probs say (verify_sync measures, this gathers) ──────────
+# ── at start: is the served model the one we train, and how must the servers be started? ─────
+# (spec: AsyncGRPOConfig.dtype: 「不一致は、トレーニング開始時に警告としてログに記録されます」, a
+# dtype mismatch is logged as a warning at training start.) `info`: a server's /server_info.
 
 
-def ask(policy, members: "Members", model_of: Callable[[VLLMClient], str],
-        only: set[str] | None = None, tokens: int = PROBE_TOKENS) -> list[tuple]:
-    """Rank 0: (url, tokens, their log-probs) of the probe each live server of `members` (in
-    `only`, if given) samples under model_of(server), asked in parallel, in the servers' order."""
-    prompt = probe_prompt(policy.model.get_input_embeddings().num_embeddings)
-    found = members.call(lambda c: served_logprobs(c, model_of(c), prompt, tokens), only=only)
-    return [(c.base_url, *reply) for c, reply in found.items()]
-
-
-def probe(policy, asked, under=None, others: dict | None = None) -> list[Probe]:
-    """Every rank: rank 0's `asked` (ask's; None elsewhere) scored by the policy, under the
-    context `under()` if given (e.g. the adapter as zeros: the base), and under each of `others`
-    (what → a context: a failed delivery). The findings, on every rank."""
-    prompt = probe_prompt(policy.model.get_input_embeddings().num_embeddings)
-    asked = shared(asked)
-    sequences = [(prompt, tokens) for _, tokens, _ in asked]
-    if not sequences:
-        return []
-    with (under or nullcontext)():
-        ours = policy_logprobs(policy, sequences)
-    theirs = {}
-    for what, context in (others or {}).items():
-        with context():
-            theirs[what] = policy_logprobs(policy, sequences)
-    return [Probe(url, torch.tensor(served), ours[i], {w: t[i] for w, t in theirs.items()})
-            for i, (url, _, served) in enumerate(asked)]
-
-
-def parity(probes: list[Probe], clients: list[VLLMClient]) -> dict[str, float]:
-    """sync/probe_kl (ours): the largest probe KL, and with several servers each one's as
-    sync/probe_kl/<its index in vllm_server_base_url>."""
-    if not probes:
-        return {}
-    out = {"sync/probe_kl": max(p.kl for p in probes)}
-    if len(clients) > 1:
-        index = {c.base_url: i for i, c in enumerate(clients)}
-        out |= {f"sync/probe_kl/{index[p.url]}": p.kl for p in probes}
-    return out
-
-
-# ── at start: what the servers must be started with, and a pause a dead run left ──────────────
-
-
-def transfer_flags() -> str:
-    """The server flags full sync needs, with the backend this trainer's hardware can use."""
-    flags = "`--weight-transfer-config '{{\"backend\":\"{}\"}}'` and VLLM_SERVER_DEV_MODE=1"
-    if torch.cuda.is_available():
-        return flags.format("nccl")
-    # no vLLM backend runs without CUDA: ours (vllm_plugin/, tools/vllm_cpu_venv.sh)
-    return flags.format("gloo") + (" (vLLM on a CPU: `bash tools/vllm_cpu_venv.sh DIR` makes an "
-                                   "environment with our gloo backend)")
+def check_servers(clients, config, device) -> None:
+    """Rank 0, at start, before anything reads the servers: each one healthy (within
+    vllm_server_timeout); one a dead run left paused resumed (a warning); its dtype is the
+    trainer's compute dtype (a warning, spec: dtype)."""
+    for c in clients:
+        c.wait_for_health()
+    for c in clients:
+        resume_leftover_pause(c)
+        try:
+            info = c.server_info()
+        except VLLMError:                       # no dev mode: weight sync says what is missing
+            continue
+        if why := dtype_warning(c.base_url, info, config.compute_dtype(device)):
+            log.warning(why)
 
 
 def resume_leftover_pause(client) -> None:
@@ -293,20 +188,50 @@ def resume_leftover_pause(client) -> None:
     client.resume()
 
 
-def check_servers(clients, config, tokenizer, device) -> None:
-    """Rank 0, at start: a server a dead run left paused is resumed (a warning); the served
-    vocabulary must hold the trained tokenizer's (an error, verify_sync.check_vocab); the served
-    dtype should be the trainer's compute dtype (a warning, spec: dtype). Each check costs at
-    most one 1-token request."""
-    for c in clients:
-        resume_leftover_pause(c)
-        check_vocab(c, tokenizer)
-        try:
-            info = c.server_info()
-        except VLLMError:                       # no dev mode: weight sync says what is missing
-            continue
-        if why := dtype_warning(c.base_url, info, config.compute_dtype(device)):
-            log.warning(why)
+def served_dtype(info: dict) -> str | None:
+    """The server's dtype ("bfloat16"), or None if it is not said."""
+    dtype = (info.get("model_config") or {}).get("dtype")
+    return dtype_name(dtype) if dtype else None
+
+
+def dtype_warning(url: str, info: dict, compute_dtype) -> str | None:
+    """Why the trainer's and the server's log-probs differ in precision, with the fix; None when
+    they agree (or the server does not say)."""
+    served = served_dtype(info)
+    ours = dtype_name(compute_dtype)
+    if served is None or served == ours:
+        return None
+    return (f"the vLLM server at {url} serves {served} but the trainer computes in {ours}, so "
+            f"every importance ratio carries the precision gap: restart it with `vllm serve "
+            f"--dtype {ours}`, or set bf16/fp16 to match it")
+
+
+def check_served(specs: list[tuple[str, torch.Size]], model: str, url: str) -> None:
+    """Refuse, before anything is sent, a sync whose names or shapes the server's model lacks:
+    real vLLM answers such an update with a 500 and is left unable to generate. A checkpoint this
+    machine cannot read is only warned about (vLLM checks while loading)."""
+    served = checkpoint_shapes(model)
+    if served is None:
+        log.warning("%s serves %r, which this machine cannot read: a sync's names and shapes are "
+                    "not checked before they are sent", url, model)
+        return
+    unknown = [n for n, _ in specs if n not in served]
+    wrong = [f"{n} {list(s)} (served {served[n]})" for n, s in specs
+             if n in served and list(s) != served[n]]
+    if unknown or wrong:
+        raise ValueError(f"{url} serves {model!r}, whose weights are not the trained model's: "
+                         f"unknown names {unknown[:5]}, other shapes {wrong[:5]}; nothing was "
+                         f"sent (vLLM cannot survive a refused update): serve the model you train")
+
+
+def transfer_flags() -> str:
+    """The server flags full sync needs, with the backend this trainer's hardware can use."""
+    flags = "`--weight-transfer-config '{{\"backend\":\"{}\"}}'` and VLLM_SERVER_DEV_MODE=1"
+    if torch.cuda.is_available():
+        return flags.format("nccl")
+    # no vLLM backend runs without CUDA: ours (vllm_plugin/, tools/vllm_cpu_venv.sh)
+    return flags.format("gloo") + (" (vLLM on a CPU: `bash tools/vllm_cpu_venv.sh DIR` makes an "
+                                   "environment with our gloo backend)")
 
 
 # ── the transfer ────────────────────────────────────────────────────────────────────────────
@@ -329,78 +254,13 @@ def host_ip(server_url: str) -> str:
             return "127.0.0.1"
 
 
-def buckets(sizes: list[int], buffer_bytes: int) -> list[range]:
-    """vLLM's packed chunking: a bucket closes right after its running total first exceeds the
-    buffer, so it may overshoot by its last tensor. vLLM's consumer recomputes the same boundaries
-    from the declared names, dtypes and shapes. Worked: a 100-byte buffer and tensors of 40, 40, 80
-    and 16 bytes: running totals 40, 80, then 160 > 100 closes [40 40 80]; [16] is the last bucket.
-
-    >>> buckets([40, 40, 80, 16], 100)
-    [range(0, 3), range(3, 4)]
-    """
-    out = []
-    start = 0
-    total = 0
-    for i, n in enumerate(sizes):
-        total += n
-        if total > buffer_bytes:
-            out.append(range(start, i + 1))
-            start = i + 1
-            total = 0
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
-    return out
-
-
-# ── rank 0 acts, every rank raises together ─────────────────────────────────────────────────
-
-
-def agree(error: BaseException | None, failed: str | None = None, lost: bool = False) -> None:
-    """One collective: rank 0's failure (`error`, or None; the other ranks pass None) reaches
-    every rank, and all raise together, or none does, so no rank is left waiting in a collective
-    for one that left. With `failed`, every rank raises RuntimeError("<failed>: <the error>"), or
-    _Lost where rank 0 says `lost`; without, rank 0 raises the error itself and the others a
-    RuntimeError("rank 0 stopped: <the error>")."""
-    message = [None if error is None else f"{type(error).__name__}: {error}", lost]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(message, src=0)
-    said, lost = message
-    if said is None:
-        return
-    if failed is not None:
-        raise (_Lost if lost else RuntimeError)(f"{failed}: {said}") from error
-    if error is not None:
-        raise error
-    raise RuntimeError(f"rank 0 stopped: {said}")
-
-
-def on_rank0(fn: Callable[[], object], failed: str | None = None):
-    """fn() on rank 0, and its failure (or none) raised on every rank together (agree, with
-    `failed`); its value on rank 0, None on the others."""
-    value, error = None, None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            value = fn()
-        except Exception as e:                  # noqa: BLE001 (raised by agree, on every rank)
-            error = e
-    agree(error, failed)
-    return value
-
-
-def shared(value):
-    """Rank 0's `value` on every rank (a picklable object; the other ranks pass anything)."""
-    box = [value]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 class WeightSync:
-    """The trainer's end of the weight-transfer group (state is real: the group joined once).
+    """The trainer's end of the weight-transfer group (state is real: the group joined, and the
+    version it was last given).
 
         sync = WeightSync(clients, timeout=config.vllm_server_timeout)   # every rank
         sync.connect(specs)                                               # rank 0 joins the servers
-        stats = sync.push(specs, tensors, version, verify)                # every rank, each sync
+        stats = sync.push(specs, tensors, version)                        # every rank, each sync
     """
 
     def __init__(self, clients: list[VLLMClient], timeout: float,
@@ -411,6 +271,7 @@ class WeightSync:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.group = None           # rank 0: the group with the servers' workers
         self.grouped: list[VLLMClient] = []   # rank 0: the servers in that group
+        self.published: str | None = None     # rank 0: the weight version the group last got
         self.paused: list[VLLMClient] = []    # rank 0: the servers this sync paused
         self.backend = "gloo"
         self.vllm_group = False     # joined through vLLM's helpers (real vLLM, NCCL)
@@ -440,9 +301,167 @@ class WeightSync:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._regroup()
 
+    def push(self, specs: list[tuple[str, torch.Size]],
+             tensors: Callable[[], Iterator[torch.Tensor]], version: int, check=None) -> SyncStats:
+        """Send the tensors as `specs` names and shapes, in that order, and publish `version`.
+        Every rank calls it and iterates `tensors()` (FSDP2's gathers are collectives); rank 0
+        talks to the servers. Each phase ends in one agreement (agree: rank 0's error reaches
+        every rank and all raise together), so no rank is left waiting in a collective. The
+        servers are resumed on every way out, a stop (SystemExit, KeyboardInterrupt) included.
+        `check` (verify_sync's, or None) fingerprints what is sent (check.record) and, the servers
+        running again, names those that hold other bytes (check.failed), which are taken out."""
+        stats = SyncStats()
+        with stats.timed("s"):
+            try:
+                with stats.timed("pause_s"):
+                    error = _attempt(self._pause) if self.rank == 0 else None
+                with stats.timed("barrier_s"):
+                    agree(error, FAILED)        # every rank waits for rank 0's pause: the barrier
+                try:
+                    self._transfer(stats, specs, tensors, check, resend=False)
+                except _Lost:                   # a server died or restarted mid-transfer:
+                    self._transfer(stats, specs, tensors, check, resend=True)   # to the rest
+                with stats.timed("finish_s"):
+                    on_rank0(lambda: self.members.call(
+                        lambda c: c.finish_weight_update(str(version))), FAILED)
+                self.published = str(version)
+                on_rank0(lambda: self.members.call(lambda c: c.reset_prefix_cache()), FAILED)
+            except BaseException as e:
+                if self.rank == 0:
+                    self._resume_after(e)
+                raise
+            with stats.timed("resume_s"):
+                if self.rank == 0 and _attempt(lambda: self.members.call(lambda c: c.resume())):
+                    if still := [why for c in self.members.live if (why := c.resume_confirmed())]:
+                        raise RuntimeError(f"weight sync to version {version} landed, but "
+                                           f"{'; '.join(still)}")
+        if check is not None:               # verification (verify_sync.py): act on its findings
+            on_rank0(lambda: self._take_out_unverified(check.failed(self.members), version),
+                     FAILED)
+        return stats
+
+    def _pause(self) -> None:
+        """Rank 0: pause every live server (and those back since the last sync: Members), and
+        read its weight version; one that stopped answering is taken out. A server left, came
+        back, or restarted (it no longer holds the version the group was given): re-form the
+        group. The caches are reset after the update (/reset_prefix_cache), not by /pause:
+        vLLM 0.33 ignores clear_cache in keep mode."""
+        def pause(client: VLLMClient) -> str:
+            client.pause(mode="keep", clear_cache=False)
+            return client.weight_info()
+
+        self.members.readmit_healthy()
+        self.paused = self.members.live     # resumed whatever happens (one dead since: named)
+        held = self.members.call(pause)
+        restarted = [c for c in self.grouped if self._restarted(c, held.get(c))]
+        if restarted or self.grouped != self.members.live:
+            self._regroup()
+
+    def _restarted(self, client: VLLMClient, held: str | None) -> bool:
+        """Rank 0: whether a grouped server restarted since the group was given its weights: it
+        reports another weight version (a fresh vLLM: "default"), and so no longer has the
+        group; said with a warning. Before a first version was published, never."""
+        if held is None or self.published is None or held == self.published:
+            return False
+        log.warning("weight sync: %s restarted (it reports weight version %r, not %r): it "
+                    "rejoins the group and is given the weights", client.base_url, held,
+                    self.published)
+        return True
+
+    def _resume_after(self, error: BaseException) -> None:
+        """Rank 0, after a failed or stopped sync: resume every server it paused, over fresh
+        connections; one that may still be paused is named, in the error raised (a failure) or
+        in a warning (a stop: SystemExit, KeyboardInterrupt, which go on)."""
+        still = [why for c in self.paused if (why := c.resume_confirmed())]
+        if still and isinstance(error, Exception):
+            raise RuntimeError(f"{error}; {'; '.join(still)}") from error
+        if still:
+            log.warning("weight sync: %s", "; ".join(still))
+
+    def _transfer(self, stats: SyncStats, specs, tensors, check, resend: bool) -> None:
+        """Every rank gathers every tensor; rank 0 first opens the update on every server
+        (_begin), then broadcasts the buckets while they receive. A failure while sending stops
+        the sending, never the gathering; the group is then torn down (_ungroup), and the
+        agreement at the end raises it on every rank: as _Lost when a server died or restarted
+        and some are left (not on a resend)."""
+        with stats.timed("start_s"):
+            # rank 0: each server's POST /update_weights, receiving (the other ranks: None)
+            update = on_rank0(lambda: self._begin(specs, resend), FAILED)
+        error, lost = None, False
+        with stats.timed("transfer_s"):
+            try:
+                sizes = [math.prod(shape) * self.dtype.itemsize for _, shape in specs]
+                it = iter(tensors())
+                for chunk in buckets(sizes, self.buffer_bytes):
+                    parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]
+                    if check is not None:
+                        check.record([specs[i][0] for i in chunk], parts)
+                    if self.rank == 0 and error is None:
+                        flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])  # [Σ B]
+                        error = _attempt(lambda: self._broadcast(flat, update))
+                        stats.bytes += flat.numel()
+                if self.rank == 0:
+                    for c, u in zip(self.grouped, update):   # a server's own error comes first
+                        what = f"POST {c.base_url}/update_weights"
+                        error = _attempt(lambda: _result(u, self.timeout, what)) or error
+            except BaseException:
+                if self.rank == 0:
+                    self._ungroup(update)
+                raise
+            if error is not None:
+                lost = not resend and self._lost()
+                self._ungroup(update)
+        agree(error, FAILED, lost)
+
+    def _begin(self, specs, resend: bool) -> list:
+        """Rank 0: open the update on every live server (begin_update), re-form the group if one
+        stopped answering just now, and post each one's /update_weights, which blocks inside the
+        receive (so each in a thread of its own, which never holds up this process's exit):
+        their futures."""
+        self.members.call(lambda c: begin_update(c, resend))
+        if self.grouped != self.members.live:
+            self._regroup()
+        info = {"names": [n for n, _ in specs],
+                "dtype_names": [dtype_name(self.dtype)] * len(specs),
+                "shapes": [list(s) for _, s in specs]}
+        return [in_background(lambda c=c: c.update_weights(info)) for c in self.grouped]
+
+    def _lost(self) -> bool:
+        """Rank 0, after a failed transfer: take out every server of the group that fails
+        /health; whether any was, or any restarted, and some are left (then it is sent again)."""
+        lost = False
+        for c in self.grouped:
+            if not c.healthy():
+                self.members.take_out(c, "it stopped answering during the weight transfer")
+                lost = True
+            else:
+                lost |= self._restarted(c, _weight_version(c))
+        return lost and bool(self.members.live)
+
+    def _ungroup(self, update: list | None) -> None:
+        """Rank 0, after a failed or stopped transfer: tear the group down now, so that neither
+        this process's exit nor a server waits for a broadcast the other end never took (a
+        refused update: the wait would be vllm_server_timeout). A server whose update already
+        ended releases its end first (/shutdown_weight_transfer_engine); the next transfer
+        re-forms the group."""
+        for c, u in zip(self.grouped, update or []):
+            if u.done():
+                _attempt(c.shutdown_weight_transfer_engine)
+        self.group, self.grouped = None, []
+
+    def _take_out_unverified(self, failed: list[tuple[VLLMClient, str]], version: int) -> None:
+        """Rank 0: each (server, why) that verification found holding other bytes than were sent
+        is taken out of the syncs (if it was the last one, the sync raises) and of routing: its
+        weight version says so (rollout.servers.drop_unverified); the next sync that reaches it
+        (back on /health) gives it the weights again."""
+        self.members.take_out_failed(failed, "failed the sync's verification",
+                                     f"weight sync to version {version} did not land as sent")
+        for c, _ in failed:
+            _attempt(lambda: c.update_weight_version(f"{UNVERIFIED}{version}"))
+
     def _regroup(self) -> None:
         """Rank 0: one group with the workers of every live server (at connect, and after a
-        server left or came back). The trainer is rank 0; replica i's workers start at
+        server left, came back or restarted). The trainer is rank 0; replica i's workers start at
         rank_offset 1 + the sizes (GET /get_world_size) of the live replicas before it."""
         live = self.members.live
         sizes = [c.world_size(include_dp=True) for c in live]
@@ -485,116 +504,6 @@ class WeightSync:
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, 0, info["world_size"], options)
 
-    def push(self, specs: list[tuple[str, torch.Size]],
-             tensors: Callable[[], Iterator[torch.Tensor]], version: int,
-             verify: Callable[[], int] | None = None) -> SyncStats:
-        """Send the tensors as `specs` names and shapes, in that order, and publish `version`.
-        Every rank calls it and iterates `tensors()` (FSDP2's gathers are collectives); rank 0
-        talks to the servers. Each phase ends in one agreement (agree: rank 0's error reaches
-        every rank and all raise together), so no rank is left waiting in a collective. A server
-        that died mid-transfer is taken out and the transfer sent once more, to the others. After
-        /finish_weight_update, `verify()` (rank 0; the tensors it verified) and the prefix-cache
-        reset; then /resume. On any failure the servers are resumed before the error is raised."""
-        stats = SyncStats()
-        start = time.perf_counter()
-        try:
-            error = _attempt(self._pause) if self.rank == 0 else None
-            stats.pause_s = time.perf_counter() - start
-            t = time.perf_counter()
-            agree(error, FAILED)            # every rank waits for rank 0's pause: the barrier
-            stats.barrier_s = time.perf_counter() - t
-            t = time.perf_counter()
-            try:
-                stats.bytes, stats.start_s = self._transfer(specs, tensors, resend=False)
-            except _Lost:                   # a server died mid-transfer: once more, to the others
-                stats.bytes, stats.start_s = self._transfer(specs, tensors, resend=True)
-            stats.transfer_s = time.perf_counter() - t - stats.start_s
-            t = time.perf_counter()
-            on_rank0(lambda: self.members.call(lambda c: c.finish_weight_update(str(version))),
-                     FAILED)
-            stats.finish_s = time.perf_counter() - t
-            t = time.perf_counter()
-            stats.verified_tensors = on_rank0(verify or (lambda: 0), FAILED) or 0
-            stats.verify_s = time.perf_counter() - t
-            on_rank0(lambda: self.members.call(lambda c: c.reset_prefix_cache()), FAILED)
-        except Exception as e:
-            if self.rank == 0:
-                still = [why for c in self.paused if (why := c.resume_confirmed())]
-                if still:
-                    raise RuntimeError(f"{e}; {'; '.join(still)}") from e
-            raise
-        t = time.perf_counter()
-        if self.rank == 0 and _attempt(lambda: self.members.call(lambda c: c.resume())):
-            still = [why for c in self.members.live if (why := c.resume_confirmed())]
-            if still:
-                raise RuntimeError(f"weight sync to version {version} landed, but "
-                                   f"{'; '.join(still)}")
-        stats.resume_s = time.perf_counter() - t
-        stats.s = time.perf_counter() - start
-        return stats
-
-    def _pause(self) -> None:
-        """Rank 0: pause every live server (and those back since the last sync: Members); one
-        that stopped answering is taken out. A server left or came back: re-form the group. The
-        caches are reset after the update (/reset_prefix_cache), not by /pause: vLLM 0.33 ignores
-        clear_cache in keep mode."""
-        self.members.returning()
-        self.paused = self.members.live     # resumed whatever happens (one dead since: named)
-        self.members.call(lambda c: c.pause(mode="keep", clear_cache=False))
-        if self.grouped != self.members.live:
-            self._regroup()
-
-    def _transfer(self, specs, tensors, resend: bool) -> tuple[int, float]:
-        """Every rank gathers every tensor; rank 0 first opens the update on every server
-        (_begin), then broadcasts the buckets while they receive. A failure while sending stops
-        the sending, never the gathering; the agreement at the end raises it on every rank: as
-        _Lost when it took a dead server out and others are left (not on a resend). Returns
-        (bytes sent, seconds opening the update)."""
-        start = time.perf_counter()
-        # rank 0: each server's POST /update_weights, receiving (the other ranks: None)
-        update = on_rank0(lambda: self._begin(specs, resend), FAILED)
-        start_s = time.perf_counter() - start
-        error, sent = None, 0
-        sizes = [math.prod(shape) * self.dtype.itemsize for _, shape in specs]
-        it = iter(tensors())
-        for chunk in buckets(sizes, self.buffer_bytes):
-            parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]  # all ranks
-            if self.rank == 0 and error is None:
-                flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])  # [Σ bytes] uint8
-                error = _attempt(lambda: self._broadcast(flat, update))
-                sent += flat.numel()
-        lost = False
-        if self.rank == 0:
-            for c, u in zip(self.grouped, update):      # a server's own error comes first
-                what = f"POST {c.base_url}/update_weights"
-                error = _attempt(lambda: _result(u, self.timeout, what)) or error
-            lost = error is not None and not resend and self._take_out_dead()
-        agree(error, FAILED, lost)
-        return sent, start_s
-
-    def _begin(self, specs, resend: bool) -> list:
-        """Rank 0: open the update on every live server (begin_update), re-form the group if one
-        stopped answering just now, and post each one's /update_weights, which blocks inside the
-        receive (so each in a thread of its own): their futures."""
-        self.members.call(lambda c: begin_update(c, resend))
-        if self.grouped != self.members.live:
-            self._regroup()
-        info = {"names": [n for n, _ in specs],
-                "dtype_names": [dtype_name(self.dtype)] * len(specs),
-                "shapes": [list(s) for _, s in specs]}
-        pool = ThreadPoolExecutor(len(self.grouped))
-        update = [pool.submit(c.update_weights, info) for c in self.grouped]
-        pool.shutdown(wait=False)           # the posts run on; their futures still resolve
-        return update
-
-    def _take_out_dead(self) -> bool:
-        """Rank 0, after a failed transfer: take out every server of the group that fails
-        /health; whether any was and some are left."""
-        dead = [c for c in self.grouped if not c.healthy()]
-        for c in dead:
-            self.members.take_out(c, "it stopped answering during the weight transfer")
-        return bool(dead) and bool(self.members.live)
-
     def _broadcast(self, flat: torch.Tensor, update: list) -> None:
         """Send one bucket and wait for it, polling: a server that refused the update (its POST
         already failed) or stopped receiving ends the wait with that reason, or after
@@ -629,7 +538,7 @@ class Members:
     error comes only when none is left.
 
         members = Members(clients, timeout, "weight sync")
-        members.returning()                    # each sync first: who is back
+        members.readmit_healthy()              # each sync first: who is back
         members.call(lambda c: c.pause())      # on every live server; the dead are taken out
     """
 
@@ -643,7 +552,7 @@ class Members:
     def live(self) -> list[VLLMClient]:
         return [c for c in self.clients if c.base_url not in self.out]
 
-    def returning(self) -> None:
+    def readmit_healthy(self) -> None:
         """The servers taken out that answer /health again are live from now on."""
         back = [c for c in self.clients if c.base_url in self.out and c.healthy()]
         for c in back:
@@ -715,6 +624,62 @@ def begin_update(client: VLLMClient, resend: bool = False) -> None:
         client.start_weight_update()
 
 
+# ── rank 0 acts, every rank raises together ─────────────────────────────────────────────────
+
+
+def agree(error: BaseException | None, failed: str | None = None, lost: bool = False) -> None:
+    """One collective: rank 0's failure (`error`, or None; the other ranks pass None) reaches
+    every rank, and all raise together, or none does, so no rank is left waiting in a collective
+    for one that left. With `failed`, every rank raises RuntimeError("<failed>: <the error>"), or
+    _Lost where rank 0 says `lost`; without, rank 0 raises the error itself and the others a
+    RuntimeError("rank 0 stopped: <the error>")."""
+    message = [None if error is None else f"{type(error).__name__}: {error}", lost]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
+    said, lost = message
+    if said is None:
+        return
+    if failed is not None:
+        raise (_Lost if lost else RuntimeError)(f"{failed}: {said}") from error
+    if error is not None:
+        raise error
+    raise RuntimeError(f"rank 0 stopped: {said}")
+
+
+def on_rank0(fn: Callable[[], object], failed: str | None = None):
+    """fn() on rank 0, and its failure (or none) raised on every rank together (agree, with
+    `failed`); its value on rank 0, None on the others."""
+    value, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            value = fn()
+        except Exception as e:                  # noqa: BLE001 (raised by agree, on every rank)
+            error = e
+    agree(error, failed)
+    return value
+
+
+def from_rank0(value):
+    """Rank 0's `value` on every rank (a picklable object; the other ranks pass anything)."""
+    box = [value]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def in_background(fn: Callable[[], object]) -> Future:
+    """fn() on a daemon thread (it never holds up the process's exit): its future."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn())
+        except Exception as e:          # noqa: BLE001 (raised where the result is read)
+            future.set_exception(e)
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
 def _result(future, timeout: float, what: str):
     try:
         return future.result(timeout=timeout)
@@ -722,6 +687,14 @@ def _result(future, timeout: float, what: str):
         raise TimeoutError(f"{what}: no answer within vllm_server_timeout={timeout:g}s") from e
     except Exception as e:
         raise RuntimeError(f"{what} failed: {e}") from e
+
+
+def _weight_version(client: VLLMClient) -> str | None:
+    """GET /weight_info, or None where the server does not answer it."""
+    try:
+        return client.weight_info()
+    except Exception:          # noqa: BLE001 (the sync's own error is the one reported)
+        return None
 
 
 def _attempt(fn: Callable[[], object]) -> BaseException | None:
@@ -733,4 +706,5 @@ def _attempt(fn: Callable[[], object]) -> BaseException | None:
 
 
 class _Lost(RuntimeError):
-    """A server died mid-transfer and others are left: push sends once more (every rank)."""
+    """A server died or restarted mid-transfer and others are left: push sends once more (every
+    rank)."""

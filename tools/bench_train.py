@@ -231,10 +231,10 @@ def sync(argv):
     CPU, gloo) to one local_vllm server, 1 + 2·weight_sync_verify_every syncs each; then the byte
     ratio of the spec's two setups (Qwen2.5-7B r=32, Qwen2.5-Math-1.5B r=1) from their shapes.
     Seconds and the verification's share of them (sync/verify_s over perf/weight_sync_s: the
-    fingerprints of full sync, verify_sync.chosen, at most 5% the goal; the probe after it,
-    probe_share; the probe of adapter sync) are over the syncs after the first, which verifies
-    every tensor (its share: first_verify_share). --verify-every sets the rotation for the run
-    (the tuning)."""
+    fingerprints of full sync, verify_sync.tensors_to_verify, at most 5% the goal; the probe
+    after it, probe_share; the probe of adapter sync) are over the syncs after the first, which
+    verifies every tensor (its share: first_verify_share). --verify-every sets the rotation for
+    the run (the tuning)."""
     import argparse
     import os
     import tempfile
@@ -246,6 +246,7 @@ def sync(argv):
     import lora_sync
     import toy
     import train
+    import verify_sync
     from config import AsyncGRPOConfig
     from local_vllm.launch import LocalServer
     from vllm_client import VLLMClient
@@ -276,12 +277,14 @@ def sync(argv):
         model, _ = train.load_model(path, config, peft_config=peft_config)
         policy = train.shard(train.Policy(model), config, device)
         client = VLLMClient(server.url, timeout=120)
-        syncers = {"full": lora_sync.MergedSync(policy, [client], config),
-                   "adapter": lora_sync.AdapterSync(policy, [client], config, config.output_dir)}
-        syncers["full"].every = every
+        config.weight_sync_verify_every = every
+        verifier = verify_sync.Verifier(policy, config)
+        syncers = {"full": lora_sync.MergedSync(policy, [client], config, verifier),
+                   "adapter": lora_sync.AdapterSync(policy, [client], config, config.output_dir,
+                                                    verifier)}
         seconds, sent, share, first_share, probe_share = {}, {}, {}, {}, {}
         for kind, syncer in syncers.items():
-            syncer.connect()
+            syncer.start(0)
             first, *runs = [settled(syncer, version) for version in range(1, 2 + 2 * every)]
             total = sum(m["perf/weight_sync_s"] for m in runs)
             seconds[kind] = total / len(runs)
@@ -304,11 +307,12 @@ def sync(argv):
 
 
 def settled(syncer, version: int) -> dict:
-    """One sync, then its probe scored at once (settle: the worst case, where no step runs while
-    the server generates it): the sync's metrics with probe_s, the seconds settle took."""
+    """One sync, then its probe scored at once (score_probe: the worst case, where no step runs
+    while the server generates it): the sync's metrics with probe_s, the seconds that took."""
     metrics = syncer.push(version)
     start = time.perf_counter()
-    syncer.settle()
+    if syncer.verifier is not None:
+        syncer.verifier.score_probe()
     return metrics | {"probe_s": time.perf_counter() - start}
 
 
@@ -327,6 +331,7 @@ def _sync_phases(syncs: int, vllm_python: str | None) -> None:
 
     import toy
     import train
+    import verify_sync
     from local_vllm.launch import LocalServer, VLLMServe
     from vllm_client import VLLMClient
     from weight_sync import FullSync
@@ -346,10 +351,10 @@ def _sync_phases(syncs: int, vllm_python: str | None) -> None:
     for name, start in starts.items():
         server = start()
         try:
-            sync = FullSync(policy, [VLLMClient(server.url, timeout=120)], config)
+            sync = FullSync(policy, [VLLMClient(server.url, timeout=120)], config,
+                            verify_sync.Verifier(policy, config))
             sync.connect()
             runs = [settled(sync, version) for version in range(1, syncs + 1)][1:]
-            sync.close()
         finally:
             server.stop()
         shown = " ".join(f"{phase}_s={statistics.median(m[key] for m in runs):.4f}"

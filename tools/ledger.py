@@ -18,13 +18,11 @@ import tokenize
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FEATURES = {
     "verification": [
-        ("verify_sync.py", "*"), ("weight_sync.py", "FullSync._verify"),
-        ("weight_sync.py", "FullSync.settle"), ("weight_sync.py", "ask"),
-        ("weight_sync.py", "probe"), ("weight_sync.py", "parity"),
-        ("lora_sync.py", "AdapterSync._verify"), ("lora_sync.py", "AdapterSync._check_bases"),
-        ("rollout/servers.py", "drop_unverified")],
+        ("verify_sync.py", "*"), ("weight_sync.py", "WeightSync._take_out_unverified"),
+        ("lora_sync.py", "AdapterSync._take_out"), ("rollout/servers.py", "drop_unverified")],
     "replicas": [
         ("weight_sync.py", "Members"), ("weight_sync.py", "WeightSync._regroup"),
+        ("weight_sync.py", "WeightSync._restarted"), ("weight_sync.py", "WeightSync._lost"),
         ("rollout/servers.py", "take_out"), ("rollout/servers.py", "move"),
         ("rollout/servers.py", "readmit")],
     "run safety": [

