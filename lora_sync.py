@@ -1,4 +1,4 @@
-"""LoRA (LoRA adapters) and the adapter-sync note (seeds/003, アダプタだけを同期する仕組み: how
+"""LoRA (LoRA adapters) and the adapter-sync note (docs/lora_adapter_sync.md, アダプタだけを同期する仕組み: how
 only the adapter is synced): "アダプタを <output_dir>/.vllm_lora/trl-policy-v{N} に保存し、
 原子的なリネームで公開" (save the adapter there, publish it by an atomic rename), then the path goes
 to /v1/load_lora_adapter. Chosen once at start, on rank 0, from every server's /server_info:

@@ -25,7 +25,7 @@ Spec: "weight_sync_steps 回の学習ステップごとに、更新された重�
                                                   the policy scores them: sync/probe_kl per server
 
 Only one bucket (buckets()) is held at a time, never the whole model. Learned from real vLLM 0.32
-(reference/vllm_cpu.md): a refused update leaves its model on the meta device and the next forward
+(docs/vllm_cpu.md): a refused update leaves its model on the meta device and the next forward
 kills the engine, so nothing is sent that the server could refuse; uvicorn closes a connection
 after a 500, so the closing /resume never reuses a pooled one.
 
