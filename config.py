@@ -36,6 +36,8 @@ SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_wit
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 DASHBOARDS = ("tensorboard", "wandb", "trackio")          # report_to's libraries; "all": each
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo")   # loss.py's table
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 @dataclass
@@ -65,8 +67,8 @@ class AsyncGRPOConfig:
     # ── precision and memory ──
     bf16: bool | None = None                # bf16 compute; None: on CUDA unless fp16 (spec: True)
     fp16: bool = False                      # fp16 compute with loss scaling
-    bf16_full_eval: bool = False            # bf16 evaluation (refused: no evaluation)
-    fp16_full_eval: bool = False            # fp16 evaluation (refused: no evaluation)
+    bf16_full_eval: bool = False            # bf16 evaluation (refused: the servers generate)
+    fp16_full_eval: bool = False            # fp16 evaluation (refused: the servers generate)
     tf32: bool | None = None                # TF32 matmuls on Ampere+ CUDA; None: torch's setting
     gradient_checkpointing: bool = True     # recompute each decoder layer in backward
     gradient_checkpointing_kwargs: dict | str | None = None  # its kwargs (JSON); default
@@ -100,13 +102,13 @@ class AsyncGRPOConfig:
     trackio_bucket_id: str | None = None    # a trackio hub bucket (refused: local store)
     trackio_static_space_id: str | None = None  # a static trackio Space (refused: local store);
                                             # False: none, as None does without a hub upload
-    # ── evaluation (refused: there is no evaluation loop) ──
-    eval_strategy: str = "no"               # when to evaluate
-    eval_steps: float | None = None         # evaluate every N steps
-    eval_delay: float = 0                   # steps or epochs before the first evaluation
-    per_device_eval_batch_size: int = 8     # evaluation batch size per device
-    prediction_loss_only: bool = False      # evaluation returns the loss only
-    eval_on_start: bool = False             # evaluate before training
+    # ── evaluation: eval_dataset's prompts generated and scored in the rollout process ──
+    eval_strategy: str = "no"               # no | steps (every eval_steps) | epoch (each pass)
+    eval_steps: float | None = None         # >= 1: steps; < 1: of max_steps; None: logging_steps
+    eval_delay: float = 0                   # steps (or epochs) before the first evaluation
+    per_device_eval_batch_size: int = 8     # eval rollouts in flight per rank (at least a group)
+    prediction_loss_only: bool = False      # evaluation returns the loss only (refused)
+    eval_on_start: bool = False             # also evaluate the starting weights
     eval_do_concat_batches: bool = True     # concatenate evaluation batches
     eval_use_gather_object: bool = False    # gather evaluation objects across ranks
     eval_accumulation_steps: int | None = None  # evaluation steps before moving to CPU
@@ -126,7 +128,7 @@ class AsyncGRPOConfig:
     hub_strategy: str = "every_save"        # when to upload (refused)
     hub_always_push: bool = False           # upload even while one is running (refused)
     hub_revision: str | None = None         # the hub branch (refused)
-    # ── the best model (refused: there is no evaluation loop) ──
+    # ── the best model (refused: checkpoints are not ranked) ──
     load_best_model_at_end: bool = False    # keep the best checkpoint by an evaluation metric
     metric_for_best_model: str | None = None  # that metric
     greater_is_better: bool | None = None   # its direction
@@ -174,8 +176,9 @@ class AsyncGRPOConfig:
     skip_memory_metrics: bool = True        # memory metrics (refused: none collected)
     do_train: bool = False                  # a flag for your own script (transformers reads it
                                             # neither): train() trains whatever its value
-    do_eval: bool = False                   # run evaluation (refused: no evaluation loop)
-    do_predict: bool = False                # run prediction (refused: no evaluation loop)
+    do_eval: bool = False                   # a flag for your own script, as do_train:
+                                            # eval_strategy decides
+    do_predict: bool = False                # run prediction (refused: no prediction loop)
     resume_from_checkpoint: str | None = None  # a checkpoint directory, or "true": the newest
     local_rank: int = -1                    # a launcher's --local_rank (refused: torchrun's env)
     # ── model ──
@@ -215,6 +218,17 @@ class AsyncGRPOConfig:
     # ── logging completions ──
     log_completions: bool = False           # log (prompt, completion) pairs every logging step
     num_completions_to_print: int | None = None  # how many of them; None: all
+    # ── TRL GRPOConfig's, not in the spec: the objective by name, evaluation's pass@k ──
+    loss_type: str = "dapo"                 # dapo (the spec's) | grpo | bnpo | dr_grpo | cispo
+                                            # (loss.py's table)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO: a sample's mean ratio)
+    beta: float = 0.0                       # KL(π ‖ π_ref) weight; 0: no reference model
+    scale_rewards: str = "group"            # advantages' divisor: group | batch (a step's worth
+                                            # of recent rollouts) | none (Dr. GRPO)
+    mask_truncated_completions: bool = False  # a completion cut at max_completion_length trains
+                                            # nothing (its reward still counts in its group)
+    num_generations_eval: int | None = None  # rollouts per eval prompt (pass@k: k of them);
+                                            # None: num_generations
     # ── ours (not in the spec) ──
     tree_attention_backend: str | None = None  # ours: sdpa|flex|flash; None: CUDA flash, else sdpa
     logging_dir: str | None = None          # ours: tensorboard's dir; None: output_dir/runs/run
@@ -226,6 +240,8 @@ class AsyncGRPOConfig:
                                             # call may take; past it its rollout fails, named
     untrained_warning_s: float = 180.0      # ours: seconds of dropped groups and none kept before
                                             # a warning naming frac_reward_zero_std
+    eval_pass_reward: float = 1.0           # ours: an eval rollout passes (eval/pass@k) when its
+                                            # reward is at least this: an accuracy reward's 1
 
     def __post_init__(self):
         refuse_inapplicable(self)
@@ -266,6 +282,28 @@ class AsyncGRPOConfig:
              "need clip_min < 1 < clip_max")
         need(self.num_sampler_logprobs >= 1 or not self.score_centering, "num_sampler_logprobs",
              "score centering needs >= 1 sampler log-probs per token")
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards,
+                                                                self.scale_rewards)  # TRL's bools
+        for name, allowed in (("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS),
+                              ("importance_sampling_level", ("token", "sequence"))):
+            need(getattr(self, name) in allowed, name, f"must be one of {allowed}")
+        need(self.beta >= 0, "beta", "must be >= 0 (0: no reference model)")
+        need(not self.score_centering or (self.loss_type != "cispo"
+                                          and self.importance_sampling_level == "token"),
+             "score_centering", "is derived for the token-level clipped surrogate (loss.py's "
+             "centering_term): set score_centering=False with loss_type='cispo' or "
+             "importance_sampling_level='sequence'")
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            warnings.warn("AsyncGRPOConfig(loss_type='cispo'): the importance weight is capped at "
+                          f"epsilon_high, unset, so at epsilon={self.epsilon}; CISPO's ε_max is "
+                          "usually 5.0 (set epsilon_high)", stacklevel=3)
+        # evaluation
+        need(self.eval_strategy in ("no", "steps", "epoch"), "eval_strategy",
+             "must be 'no', 'steps' or 'epoch'")
+        need(self.eval_delay >= 0, "eval_delay", "must be >= 0")
+        need(self.per_device_eval_batch_size >= 1, "per_device_eval_batch_size", "must be >= 1")
+        need(self.num_generations_eval is None or self.num_generations_eval >= 1,
+             "num_generations_eval", "must be >= 1 (or None: num_generations)")
         # the asynchronous pipeline
         need(self.num_train_epochs > 0 or self.max_steps > 0, "num_train_epochs",
              "must be > 0 (or set max_steps > 0)")
@@ -311,9 +349,9 @@ class AsyncGRPOConfig:
         need(self.logging_strategy in ("steps", "no"), "logging_strategy",
              "must be 'steps' or 'no': an epoch's number of steps is not known in advance")
         need(self.save_strategy in ("steps", "no"), "save_strategy", "must be 'steps' or 'no'")
-        for name in ("logging_steps", "save_steps"):
-            value = getattr(self, name)
-            need(value >= 1 or (0 < value < 1 and self.max_steps > 0), name,
+        for name in ("logging_steps", "save_steps", "eval_steps"):
+            value = getattr(self, name)           # eval_steps None: logging_steps
+            need(value is None or value >= 1 or (0 < value < 1 and self.max_steps > 0), name,
                  "must be >= 1 (steps), or a fraction in (0, 1) of max_steps when max_steps > 0")
         need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit",
              "must be >= 1")
@@ -377,9 +415,10 @@ class AsyncGRPOConfig:
         return [n for n in names if n != "none"]
 
     def every(self, name: str) -> int:
-        """logging_steps / save_steps / warmup_steps in optimizer steps (a fraction < 1 is of
-        max_steps)."""
+        """logging_steps / save_steps / eval_steps / warmup_steps in optimizer steps (a fraction < 1
+        is of max_steps); eval_steps None is logging_steps, as in transformers."""
         value = getattr(self, name)
+        value = self.logging_steps if value is None else value
         return int(value) if value >= 1 or value == 0 else max(1, round(value * self.max_steps))
 
 
@@ -405,15 +444,16 @@ REFUSED = {   # why (and what to do instead): the fields refused for it, in the 
     "or fork train.py's build_optimizer": "optim_args",
     "only torch.optim.AdamW over every trainable parameter is built; fork train.py's "
     "build_optimizer for GaLore-style optimizers": "optim_target_modules",
-    "the loss is always a token mean over the whole optimizer step, every micro-batch and rank "
+    "every loss_type's means span the whole optimizer step, every micro-batch and rank "
     "(loss.py)": "average_tokens_across_devices",
     "the GRPO loss has no labels to smooth": "label_smoothing_factor",
-    "there is no evaluation loop: evaluate a checkpoint-N/ directory (from_pretrained) with your "
-    "own script, or serve it with vLLM":
-        "bf16_full_eval fp16_full_eval eval_strategy eval_steps eval_delay "
-        "per_device_eval_batch_size prediction_loss_only eval_on_start eval_do_concat_batches "
+    "an evaluation generates on the vLLM servers and scores with the reward functions (eval/*): "
+    "it computes no loss, predictions or logits here; score checkpoint-N/ with your own script for "
+    "those": "bf16_full_eval fp16_full_eval prediction_loss_only eval_do_concat_batches "
         "eval_use_gather_object eval_accumulation_steps include_for_metrics batch_eval_metrics "
-        "load_best_model_at_end metric_for_best_model greater_is_better do_eval do_predict",
+        "do_predict",
+    "checkpoints are not ranked by an evaluation metric: eval/* is in metrics.jsonl, beside the "
+    "step of each checkpoint-N/": "load_best_model_at_end metric_for_best_model greater_is_better",
     "packed rows change shape every step, so torch.compile would recompile each step; fork "
     "train.py's Policy to try it": "torch_compile torch_compile_backend torch_compile_mode",
     "loss.py computes the log-probs from the LM head in chunks itself, the memory saving Liger's "

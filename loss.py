@@ -1,35 +1,63 @@
-"""Top-kおよびTop-pサンプリング (Top-k and top-p sampling), スコアの中央化 (Score centering): the
-off-policy-corrected GRPO loss of one packed row and the spec's sampling/*, clip_ratio/* and entropy
-metrics (AsyncGRPOConfig: epsilon, epsilon_high, score_centering, temperature, top_k, top_p, min_p,
-vllm_importance_sampling_clip_min/max, num_sampler_logprobs, router_aux_loss_coef).
+"""The GRPO loss of one packed row: the clipped surrogate against the sampler and its variants by
+name, the reference KL, and the spec's sampling/*, clip_ratio/*, entropy and kl metrics (spec:
+Top-kおよびTop-pサンプリング (Top-k and top-p sampling), スコアの中央化 (Score centering);
+AsyncGRPOConfig: epsilon, epsilon_high, score_centering, temperature, top_k, top_p, min_p,
+vllm_importance_sampling_clip_min/max, num_sampler_logprobs, router_aux_loss_coef; and TRL
+GRPOConfig's loss_type, importance_sampling_level, beta).
 
 The objective, per trained token t (M of them in a row; y_t was sampled by vLLM from q_t and is
-predicted at packed position token_index[t]):
+predicted at packed position token_index[t]; sample i = sample_ids[t] owns it):
 
     z_t      = cap(W h[token_index[t]]) / T        [V]  cap(x) = c·tanh(x/c): Gemma 2's softcap
     log π_t  = z_t - logsumexp_{v ∈ S_t} z_t       [V]  over S_t, the set y_t was drawn from
     r_t      = exp(log π_t(y_t) - log q_t(y_t))    []   ratio to the sampler (no separate π_old)
     keep_t   = clip_min <= r_t <= clip_max         []   masked importance sampling
-    loss     = (1/n) Σ_t keep_t · -min(r_t A_t, clip(r_t, 1-ε, 1+ε_high) A_t)
+    ℓ_t      = -min(r_t A_t, clip(r_t, 1-ε, 1+ε_high) A_t)
              + A_t · sg(w_t) · (c_t - sg(c_t))           score centering (value 0): centering_term
+    kl_t     = k3(log π_ref(y_t) - log π_t(y_t))         beta > 0: KL(π ‖ π_ref), over S_t too
+    loss     = Σ_t u_t · (keep_t · ℓ_t + β · kl_t) / D
 
-    n counts every trained token of the optimizer step, on all micro-batches and ranks (masked
-    ones too), so micro-batches weigh by their tokens and accumulating them gives the step's mean.
+The objective by name (loss_type; TRL GRPOConfig's names and meanings). Its sums run over one
+optimizer step, every micro-batch and rank (StepTotals: N trained tokens, S samples, R rows), so a
+per-sample quantity is a segment sum over that sample's own loss terms: a shared prompt or a
+forked turn of the trie counts once for each sample that owns a term through it.
+
+    loss_type   ℓ_t                                       u_t     D
+    dapo        the clipped surrogate (the default)        1       N: a token mean over the step
+    grpo        the clipped surrogate                      1/L_i   S: each sample's token mean (L_i
+                                                                      its terms), then their mean
+    bnpo        the clipped surrogate                      1       M·R: each row's token mean, then
+                                                                        their mean (M: its terms)
+    dr_grpo     the clipped surrogate                      1       S · max_completion_length
+    cispo       -sg(min(r_t, ε_high)) · A_t · log π_t      1       N
+    importance_sampling_level="sequence" (GSPO): r_t is sample i's geometric mean ratio
+                exp(mean_{t∈i} log r_t), for the clip and the importance-sampling mask alike.
+
+The spec's objective is dapo's: a token mean over the whole step of the clipped surrogate
+(DAPO's aggregation; clip-higher with epsilon_high), with masked importance sampling and score
+centering on top (the last applies to the token-level clipped surrogate only).
 
     step                    function           note
     log π_θ, chunked        token_logprobs     never builds [M, V]: O(chunk × V) extra memory
     keep and clip bits      importance_bands   r_t against the IS bounds and against 1 ± ε
     centering term c_t      centering_term     its derivation, and a worked example by hand
-    loss and metrics        policy_loss        metrics reduce exactly: reduce_metrics
+    ℓ_t, kl_t and metrics   policy_loss        metrics reduce exactly: reduce_metrics
+    u_t / D                 normalized         the table above
+    log π at a row's terms  row_logprobs       the policy's and the reference's
     from a packed row       compute_loss       what the trainer calls
 
 Departures from the spec, one line each:
 - Centering subtracts w(y)·ĉ, not the paper's E_q[w s]: masked or clipped tokens give nothing.
 - Clipping applies to the centred term too (through w); ĉ accounts for it with the token's A.
-- Masked tokens stay in n: the count is known before the forward (ICE-POP style, no renorm).
+- Masked tokens stay in N, L_i and M: the counts are known before the forward (ICE-POP style).
 - Without the server's candidate sets, log π_θ is over the vocabulary: biased low (warned at start).
 - LM-head matmul in the weight's dtype; softmax and head gradients in >= fp32 (bf16: 0.5% off).
 - Final logit softcapping is applied here: loss.py takes hidden states, not the model's logits.
+- loss_type's means run over the whole step (TRL: a micro-batch's, then averaged over micro-batches
+  and ranks: the same when they hold equal counts); grpo averages training sequences (a forked
+  multi-turn rollout has several), not rollouts.
+- The KL applies to every trained token, importance-masked ones too (TRL adds it after its
+  importance weights, a mask's zeros included).
 """
 import functools
 from dataclasses import dataclass
@@ -37,7 +65,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from metrics import reduction
 
 MOE_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -50,6 +77,20 @@ class TokenLogProbs:
     top_valid: torch.Tensor  # [M, k] bool: a real top token inside the candidate set
     tail_mass: torch.Tensor  # [M]    P_tail = π_θ mass of the candidate set outside the valid tops
     entropy: torch.Tensor    # [M]    entropy of π_θ over the candidate set
+
+
+@dataclass
+class StepTotals:
+    """What a loss_type divides by: the optimizer step's counts over every micro-batch and rank,
+    known before the first backward (train.py's Feed plans the whole step first)."""
+    tokens: int                     # N: trained tokens (loss terms)
+    samples: int                    # S: samples
+    rows: int                       # R: packed rows, micro-batches × ranks
+
+    @classmethod
+    def of(cls, rows) -> "StepTotals":
+        """The counts of PackedRows: all of a step's."""
+        return cls(sum(r.trained_tokens for r in rows), sum(r.num_samples for r in rows), len(rows))
 
 
 def _chunk_logits(hidden, weight, bias, token_index, candidate_ids, candidate_offsets, temperature,
@@ -259,23 +300,37 @@ def centering_term(lp: TokenLogProbs, top_logprobs, adv, config):
     return (beta * lp.top).sum(1)                                                # [M]
 
 
-def policy_loss(lp: TokenLogProbs, sampler_logprobs, advantages, num_tokens, config,
-                top_logprobs=None, fresh=None):
-    """(loss, metrics) for one micro-batch. num_tokens: trained tokens of the whole optimizer step
-    over all micro-batches and ranks (divide it by the world size when the data-parallel wrapper
-    averages gradients). fresh [M] bool: the tokens sampled by the policy the trainer holds now
-    (staleness 0), over which mismatch_metrics measures the served policy against the trained."""
+def policy_loss(lp: TokenLogProbs, sampler_logprobs, advantages, sample_ids, totals: StepTotals,
+                config, top_logprobs=None, fresh=None, ref_logprobs=None):
+    """(loss, metrics) for one micro-batch: the row's share of the step's loss (module docstring).
+    sample_ids [M]: the sample in the row that owns each term; totals: the whole step's counts
+    (StepTotals); fresh [M] bool: the tokens sampled by the policy the trainer holds now (staleness
+    0), over which mismatch_metrics measures the served policy against the trained; ref_logprobs
+    [M]: log π_ref(y_t), given when beta > 0."""
     adv = advantages.to(lp.target.dtype)                                # [M] A_t
     log_ratio = lp.target - sampler_logprobs                            # [M]
-    ratio = log_ratio.clamp(-20, 20).exp()                              # [M] ±20 is past any bound
-    clipped = ratio.clamp(*clip_range(config))                          # [M]
-    per_token = -torch.minimum(ratio * adv, clipped * adv)              # [M]
+    log_weight = log_ratio                                              # [M] token level
+    if config.importance_sampling_level == "sequence":                  # GSPO: sample i's mean
+        log_weight = sample_mean(log_ratio, sample_ids)                 # [M]
+    ratio = log_weight.clamp(-20, 20).exp()                             # [M] ±20 is past any bound
     keep, low, high = importance_bands(ratio.detach(), adv, config)     # [M] bool each
+    if config.loss_type == "cispo":                                     # the weight is clipped
+        cap = config.epsilon_high or config.epsilon
+        per_token = -ratio.detach().clamp(max=cap) * adv * lp.target    # [M]
+        low, high = torch.zeros_like(keep), ratio.detach() > cap
+    else:
+        clipped = ratio.clamp(*clip_range(config))                      # [M]
+        per_token = -torch.minimum(ratio * adv, clipped * adv)          # [M]
     if config.score_centering:
         c = centering_term(lp, top_logprobs, adv, config)               # [M]
         w = ratio.detach() * (keep & ~low & ~high)                      # [M] sg(w_t)
         per_token = per_token + adv * w * (c - c.detach())              # [M] value unchanged
-    loss = torch.where(keep, per_token, 0).sum() / num_tokens           # []
+    per_token = torch.where(keep, per_token, 0)                         # [M]
+    kl = None
+    if ref_logprobs is not None:
+        kl = k3(ref_logprobs - lp.target)                               # [M] KL(π ‖ π_ref)
+        per_token = per_token + config.beta * kl
+    loss = normalized(per_token, sample_ids, totals, config)            # []
 
     M = lp.target.numel()
     d = log_ratio.detach().abs()                                        # [M]
@@ -298,15 +353,42 @@ def policy_loss(lp: TokenLogProbs, sampler_logprobs, advantages, num_tokens, con
     }
     if top_logprobs is not None:
         metrics["sampling/sampler_mass"] = pair(top_logprobs.exp().sum(1))
+    if kl is not None:
+        metrics["kl"] = pair(kl.detach())
     if fresh is not None:
         metrics |= mismatch_metrics(log_ratio.detach()[fresh])
     return loss, metrics
 
 
+def sample_mean(x, sample_ids):
+    """[M] each term's sample's mean of x [M] (a segment mean over sample_ids, differentiable):
+    x = (1, 3, 5), sample_ids = (0, 0, 1) → (2, 2, 5)."""
+    counts = torch.bincount(sample_ids)                                 # [samples]
+    sums = x.new_zeros(len(counts)).index_add(0, sample_ids, x)         # [samples]
+    return (sums / counts)[sample_ids]                                  # [M]
+
+
+def normalized(per_token, sample_ids, totals: StepTotals, config):
+    """Σ_t u_t · per_token_t / D, the row's share of the step's loss by loss_type (the module
+    docstring's table). Worked, one row of a step with N = 4 tokens, S = 2 samples, R = 1 row:
+    per_token (1, 3, 5, 7), sample_ids (0, 0, 0, 1): dapo 16/4 = 4; grpo (9/3 + 7/1)/2 = 5;
+    bnpo 16/(4·1) = 4; dr_grpo with max_completion_length 8: 16/(2·8) = 1."""
+    kind = config.loss_type
+    if kind == "grpo":                      # each sample's token mean, then the samples' mean
+        lengths = torch.bincount(sample_ids)[sample_ids]                # [M] L_i
+        return (per_token / lengths).sum() / totals.samples
+    if kind == "bnpo":                      # each row's token mean, then the rows' mean
+        return per_token.sum() / (max(per_token.numel(), 1) * totals.rows)
+    if kind == "dr_grpo":                   # a constant divisor: no length bias
+        return per_token.sum() / (totals.samples * config.max_completion_length)
+    return per_token.sum() / totals.tokens  # dapo, cispo: a token mean over the step
+
+
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     """[F] Schulman's k3 per token, (r - 1) - log r with log r = log_ratio: an unbiased estimate of
-    KL(q ‖ π) from samples of q, >= 0 each (the clamp keeps e^x finite)."""
-    return log_ratio.clamp(-20, 20).exp() - 1 - log_ratio
+    KL(q ‖ π) from samples of q, >= 0 each (the first clamp keeps e^x finite; the last, rounding
+    near r = 1, which gives -1e-9)."""
+    return (log_ratio.clamp(-20, 20).exp() - 1 - log_ratio).clamp(min=0)
 
 
 def mismatch_metrics(log_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -326,41 +408,57 @@ def mismatch_metrics(log_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
             "sampling/mismatch_tokens": count}
 
 
-def compute_loss(hidden, weight, bias, row, config, num_tokens, final_logit_softcapping=None,
-                 version=None):
+def row_logprobs(hidden, weight, bias, row, config, final_logit_softcapping=None,
+                 top_ids=None) -> TokenLogProbs:
+    """token_logprobs at a packed row's loss terms, at the config's temperature, over the row's
+    candidate sets: the policy's (compute_loss) and the reference's (beta > 0) alike."""
+    return token_logprobs(hidden, weight, bias, row.token_index, row.targets,
+                          temperature=config.temperature, top_ids=top_ids,
+                          candidate_ids=getattr(row, "candidate_ids", None),
+                          candidate_offsets=getattr(row, "candidate_offsets", None),
+                          final_logit_softcapping=final_logit_softcapping)
+
+
+def compute_loss(hidden, weight, bias, row, config, totals: StepTotals,
+                 final_logit_softcapping=None, version=None, ref_logprobs=None):
     """(loss, metrics) of a packed row, from the final hidden states [N, H] and the LM head.
 
-    row: any object with PackedRow's tensors (token_index, targets, sampler_logprobs, advantages and
-    optional top_ids, top_logprobs, candidate_ids, candidate_offsets, model_versions); num_tokens
-    as in `policy_loss`; final_logit_softcapping: the model config's (Gemma 2: 30.0), None without
-    it; version: the policy version the trainer holds (its tokens: the sampling/mismatch_* ones).
+    row: any object with PackedRow's tensors (token_index, targets, sampler_logprobs, advantages,
+    sample_ids and optional top_ids, top_logprobs, candidate_ids, candidate_offsets,
+    model_versions); totals as in `policy_loss`; final_logit_softcapping: the model config's
+    (Gemma 2: 30.0), None without it; version: the policy version the trainer holds (its tokens:
+    the sampling/mismatch_* ones); ref_logprobs [M] (beta > 0): the reference's row_logprobs.
     """
     top_logprobs = getattr(row, "top_logprobs", None)
     if config.score_centering and top_logprobs is None:
         raise ValueError("AsyncGRPOConfig.score_centering: the samples carry no sampler top "
                          "log-probs; set num_sampler_logprobs >= 1 or score_centering=False")
-    lp = token_logprobs(hidden, weight, bias, row.token_index, row.targets,
-                        temperature=config.temperature,
-                        top_ids=getattr(row, "top_ids", None) if config.score_centering else None,
-                        candidate_ids=getattr(row, "candidate_ids", None),
-                        candidate_offsets=getattr(row, "candidate_offsets", None),
-                        final_logit_softcapping=final_logit_softcapping)
+    top_ids = getattr(row, "top_ids", None) if config.score_centering else None
+    lp = row_logprobs(hidden, weight, bias, row, config, final_logit_softcapping, top_ids)
     versions = getattr(row, "model_versions", None)
     fresh = None if version is None or versions is None else versions == version
-    return policy_loss(lp, row.sampler_logprobs, row.advantages, num_tokens, config, top_logprobs,
-                       fresh)
+    return policy_loss(lp, row.sampler_logprobs, row.advantages, row.sample_ids, totals, config,
+                       top_logprobs, fresh, ref_logprobs)
 
 
 def reduce_metrics(parts: list[dict]) -> dict:
     """Combine metrics of several micro-batches (or gathered ranks) exactly.
 
     A mean is a [sum, count] pair: reduce with SUM, then divide (finalize_metrics); a min or max
-    by name (metrics.reduction) is a scalar: reduce with MIN or MAX; other scalars are counts (SUM).
+    by name (extreme) is a scalar: reduce with MIN or MAX; other scalars are counts (SUM).
     Across ranks, all_reduce with the same ops.
     """
     ops = {"min": torch.minimum, "max": torch.maximum}
-    return {name: functools.reduce(ops.get(reduction(name), torch.add), [p[name] for p in parts])
+    return {name: functools.reduce(ops.get(extreme(name), torch.add), [p[name] for p in parts])
             for name in parts[0]}
+
+
+def extreme(name: str) -> str | None:
+    """"max" or "min" when the last part of a metric's name has that word (the extreme over rows,
+    ranks and a logging window: sample/staleness_max, completions/min_length, .../ratio/max), else
+    None. metrics.reduction builds the logging window's rule on it."""
+    words = name.rsplit("/", 1)[-1].split("_")
+    return "max" if "max" in words else "min" if "min" in words else None
 
 
 def finalize_metrics(metrics: dict) -> dict[str, float]:

@@ -51,6 +51,7 @@ import torch
 
 import tree_attention
 from config import DASHBOARDS
+from loss import extreme
 
 COMPLETIONS = "completions.jsonl"                     # log_completions: every trained sample
 COLUMNS = ["step", "prompt", "completion", "reward"]  # the completions table on a dashboard
@@ -64,20 +65,20 @@ SUMMED = ("rollout/backpressure_s", "rollout/admission_wait_s", "rollout/score_b
           "rollout/vllm_preemptions_total")     # amounts since the last emission: a window sums
 LATEST = ("rollout/kv_cache_usage",)            # spec: the value at the last poll
 WAITING_LINE_S = 60.0   # while every group is dropped and the trainer waits: a line this often
+EVAL_MARK = "eval/prompts"  # what every evaluation's line has (rollout.scoring.eval_metrics)
 
 
 def reduction(name: str) -> str:
     """How metric `name` combines, over a logging window (reduce_window) and over a step's rows and
     ranks (loss.reduce_metrics): "sum" for SUMMED (rollout/vllm_preemptions_total: the spec's
     count during the window), "last" for the other `*_total` and LATEST, "max" or "min" when its
-    last part has that word (sample/staleness_max, completions/min_length, .../ratio/max), else
+    last part has that word (loss.extreme: sample/staleness_max, completions/min_length), else
     "mean" (loss.py's means are [sum, count] pairs: rows and ranks add them up)."""
-    words = name.rsplit("/", 1)[-1].split("_")
     if name in SUMMED:
         return "sum"
     if name.endswith("_total") or name in LATEST:
         return "last"
-    return "max" if "max" in words else "min" if "min" in words else "mean"
+    return extreme(name) or "mean"
 
 
 REDUCE = {"sum": sum, "last": lambda values: values[-1], "max": max, "min": min, "mean": np.mean}
@@ -193,13 +194,19 @@ class MetricsLog:
     set."""
 
     def __init__(self, config, output_dir: str, state, model, device,
-                 rollout_metrics: Callable[[], list[dict]], on_log=None):
+                 rollout_metrics: Callable[[], list[dict]], on_log=None, evaluator=None,
+                 on_evaluate=None):
         from tqdm import tqdm
         self.config = config
         self.rollout_metrics = rollout_metrics   # the rollout process's since the last call
         self.window: list[dict] = []         # this logging window's per-step records
         self.last: dict = {}                 # the last line written
-        self.prompted = cut_back(output_dir, state.global_step)   # a resume's steps come again
+        kept = cut_back(output_dir, state.global_step)     # a resume's steps come again
+        self.prompted = {r["prompt_index"] for r in kept.get(COMPLETIONS, []) if "prompt" in r}
+        self.evaluator = evaluator           # RolloutWorker: evaluate(step), evaluations(wait)
+        self.on_evaluate = on_evaluate
+        self.evaluated = {r["step"] for r in kept.get("metrics.jsonl", []) if EVAL_MARK in r}
+        self.epochs = state.prompt_index // (getattr(evaluator, "prompts_per_epoch", None) or 1)
         self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
         self.flops = FlopCounter(model)
         self.peak = peak_flops(device, config.compute_dtype(device) != torch.float32)
@@ -244,6 +251,40 @@ class MetricsLog:
         first = self.config.logging_first_step and state.global_step == 1
         if self.every is not None and (state.global_step % self.every == 0 or first):
             self.flush(state.global_step)
+        self.evaluate(state)
+
+    def evaluate(self, state, start: bool = False, end: bool = False) -> None:
+        """eval_strategy's evaluations, which the rollout process runs beside training
+        (`evaluator`): ask for one when it is due after step state.global_step, never twice for a
+        step (a resume does not repeat one logged: `evaluated`), then write each one done on a line
+        of its own at the step that asked (it may follow later steps' lines) and call on_evaluate.
+        Due: "steps" every eval_steps once eval_delay steps have passed; "epoch" when a pass over
+        the prompts ended (the resume cursor crossed it) once eval_delay passes have; `start`
+        eval_on_start, or a resumed step whose evaluation was due and never logged; `end` the
+        prompts' last pass, part of one included, and then the wait for every evaluation asked."""
+        config, step = self.config, state.global_step
+        if config.eval_strategy == "no":
+            return
+        if config.eval_strategy == "steps":
+            due = step > 0 and step % config.every("eval_steps") == 0 and step >= config.eval_delay
+        else:                                   # "epoch": passes over the prompts
+            epochs = state.prompt_index / self.evaluator.prompts_per_epoch
+            ended = int(epochs) > self.epochs or (end and epochs > self.epochs)
+            due = ended and epochs >= config.eval_delay
+            self.epochs = max(self.epochs, int(epochs))
+        if (due or start and config.eval_on_start) and step not in self.evaluated:
+            self.evaluated.add(step)
+            self.evaluator.evaluate(step)
+        for line in self.evaluator.evaluations(wait=end):
+            self.write(line.pop("step"), line, rollout=False)
+            if self.on_evaluate is not None:
+                self.on_evaluate(line)
+
+    def end(self, state) -> None:
+        """The run's end: the open window's line, and its last evaluations (evaluate, end)."""
+        if self.window and self.every is not None:
+            self.flush(state.global_step)
+        self.evaluate(state, end=True)
 
     def flush(self, global_step: int) -> None:
         """Write the window's line (with the rollout metrics drained since the last) everywhere."""
@@ -261,13 +302,16 @@ class MetricsLog:
                 board.table(global_step, rows)
         self.completions = []
 
-    def write(self, global_step: int, metrics: dict) -> dict:
-        """One line: the rollout metrics drained since the last line, then `metrics`, in
-        metrics.jsonl (valid JSON: reduce_window leaves out what is not finite), on the
-        dashboards and to on_log."""
-        line = {"step": global_step, "time": time.time()} | reduce_window(self.pending) | metrics
-        self.pending = []
-        self.line_at = time.monotonic()
+    def write(self, global_step: int, metrics: dict, rollout: bool = True) -> dict:
+        """One line: the rollout metrics drained since the last line (not on an evaluation's:
+        `rollout` False), then `metrics`, in metrics.jsonl (valid JSON: reduce_window and
+        eval_metrics leave out what is not finite), on the dashboards and to on_log."""
+        line = {"step": global_step, "time": time.time()}
+        if rollout:
+            line |= reduce_window(self.pending)
+            self.pending = []
+            self.line_at = time.monotonic()
+        line |= metrics
         self.file.write(json.dumps(line, allow_nan=False) + "\n")
         self.file.flush()
         values = {k: v for k, v in line.items() if k not in ("step", "time") and v is not None}
@@ -325,11 +369,10 @@ def completion_text(messages) -> str:
     return "" if messages is None else str(messages)
 
 
-def cut_back(output_dir: str, step: int) -> set[int]:
+def cut_back(output_dir: str, step: int) -> dict[str, list[dict]]:
     """metrics.jsonl and completions.jsonl cut back to the lines of steps <= `step` (a resume's;
     0: a fresh run), a line cut by a kill dropped, each file replaced atomically (a kill leaves
-    the old file or the new one). Returns the prompt indices whose prompt text completions.jsonl
-    holds already."""
+    the old file or the new one). Returns each file's records kept, by its name."""
     kept = {}
     for name in ("metrics.jsonl", COMPLETIONS):
         path = os.path.join(output_dir, name)
@@ -338,7 +381,7 @@ def cut_back(output_dir: str, step: int) -> set[int]:
             with open(path + ".tmp", "w") as f:
                 f.writelines(text for text, _ in kept[name])     # as written
             os.replace(path + ".tmp", path)
-    return {r["prompt_index"] for _, r in kept.get(COMPLETIONS, []) if "prompt" in r}
+    return {name: [r for _, r in lines] for name, lines in kept.items()}
 
 
 def completion_records(step: int, version: int, samples: list, prompted: set[int]) -> list[dict]:

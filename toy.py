@@ -15,7 +15,9 @@ The task, one prompt of it (the demo's: standard format, sums drawn evenly, exac
 The model is a ~0.3M-parameter Qwen3 shape over a character-level tokenizer (printable ASCII plus
 Qwen's special and tool tokens), saved with save_pretrained so everything loads it like a hub model.
 RL starts from a pretrained model, so the demo's model (ensure_saved) first gets a supervised
-warm-up on the answer format only: one random digit, then the end of turn; RL learns the arithmetic.
+warm-up on every sum: one digit, right WARM_HINT of the time (else random), then the end of turn;
+it answers in the format and half-knows the arithmetic, which RL sharpens. RL trains on 20 of the
+25 sums; the other 5 (HELD_OUT) are the demo's evaluation (train.py --eval_strategy steps).
 TRAIN_DEFAULTS are what `python train.py` changes from AsyncGRPOConfig; `python -m tools.bench
 learn` runs it.
 
@@ -92,14 +94,16 @@ def build_model(vocab_size: int, seed: int = 0):
 
 
 def warm_up(model, tokenizer, steps: int = 100, batch: int = 64, seed: int = 0,
-            standard: bool = False) -> float:
-    """Supervised warm-up on the answer format only: each prompt is followed by a random digit and
-    the end of turn, so the model learns to answer with one digit and stop, but not which digit (RL
-    learns the arithmetic). Prompts are chat turns, or `standard`: the plain text "3+4=" the demo
-    trains on. Returns the last loss (floor ln 10: the digit is a coin of 10 faces)."""
+            standard: bool = False, hint: float = 0.0) -> float:
+    """Supervised warm-up on the answer format: each prompt is followed by a digit and the end of
+    turn, so the model learns to answer with one digit and stop; the digit is the sum `hint` of
+    the time, else random (hint 0: the format only, RL learns the arithmetic). Prompts are chat
+    turns, or `standard`: the plain text "3+4=" the demo trains on. Returns the last loss (hint 0:
+    floor ln 10, the digit is a coin of 10 faces)."""
     rng = random.Random(seed)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    sums = [a + b for a in range(5) for b in range(5)]
     pairs = [f"{a}+{b}=" for a in range(5) for b in range(5)]
     if standard:
         prompts = [tokenizer.encode(p, add_special_tokens=False) for p in pairs]
@@ -110,7 +114,11 @@ def warm_up(model, tokenizer, steps: int = 100, batch: int = 64, seed: int = 0,
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        rows = [rng.choice(prompts) + [rng.choice(digits), end] for _ in range(batch)]
+        rows = []
+        for _ in range(batch):
+            k = rng.randrange(len(pairs))
+            right = hint and rng.random() < hint
+            rows.append(prompts[k] + [digits[sums[k] if right else rng.randrange(10)], end])
         ids = torch.tensor(rows)                                                 # [B, L]
         logits = model(input_ids=ids[:, :-1]).logits[:, -2:]                     # [B, 2, V]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, -2:].flatten())
@@ -126,7 +134,7 @@ def save(path: str, seed: int = 0, warm: bool = False) -> str:
     tokenizer = build_tokenizer()
     model = build_model(len(tokenizer), seed)
     if warm:
-        warm_up(model, tokenizer, steps=200, seed=seed, standard=True)
+        warm_up(model, tokenizer, steps=200, seed=seed, standard=True, hint=WARM_HINT)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -134,9 +142,9 @@ def save(path: str, seed: int = 0, warm: bool = False) -> str:
 
 
 def ensure_saved(path: str | None = None) -> str:
-    """The warmed-up toy model's directory, built on first use (~/.cache/async_grpo/toy-warm-v2)."""
+    """The warmed-up toy model's directory, built on first use (~/.cache/async_grpo/toy-warm-v3)."""
     cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-    path = path or os.path.join(cache, "async_grpo", "toy-warm-v2")
+    path = path or os.path.join(cache, "async_grpo", "toy-warm-v3")
     if not os.path.exists(os.path.join(path, "config.json")):
         tmp = f"{path}.tmp{os.getpid()}"
         save(tmp, warm=True)
@@ -150,6 +158,8 @@ def ensure_saved(path: str | None = None) -> str:
 
 
 NUM_PROMPTS = 256
+WARM_HINT = 0.3     # the warm-up's share of right answers: a pretrained model half-knows the sums
+HELD_OUT = ((0, 3), (1, 0), (2, 4), (3, 1), (4, 2))   # (a, b) the demo never trains on: its eval
 # `python train.py` (the toy run): what differs from AsyncGRPOConfig's defaults, and why
 TRAIN_DEFAULTS = dict(
     output_dir="runs/toy",
@@ -171,20 +181,26 @@ TRAIN_DEFAULTS = dict(
 )
 
 
-def make_dataset(n: int = 64, seed: int = 0, standard: bool = False,
-                 balanced: bool = False) -> Dataset:
+def make_dataset(n: int = 64, seed: int = 0, standard: bool = False, balanced: bool = False,
+                 held_out: bool | None = None) -> Dataset:
     """`n` addition prompts (a, b in 0..4) with an `answer` column: conversational (one user turn)
     or, `standard`, the plain text "a+b=". `balanced` draws the sum first (each of 0..8 equally
-    often), then a: uniform (a, b) makes 0+0 and 4+4 1/25 of the prompts, 2+2's sum 5/25."""
+    often), then a: uniform (a, b) makes 0+0 and 4+4 1/25 of the prompts, 2+2's sum 5/25.
+    held_out: None any pair; False none of HELD_OUT (the demo's training prompts); True the
+    HELD_OUT pairs in turn (its evaluation: sums it never trained on)."""
     rng = random.Random(seed)
     rows = []
-    for _ in range(n):
-        if balanced:
+    while len(rows) < n:
+        if held_out:
+            a, b = HELD_OUT[len(rows) % len(HELD_OUT)]
+        elif balanced:
             total = rng.randint(0, 8)
             a = rng.randint(max(0, total - 4), min(4, total))
             b = total - a
         else:
             a, b = rng.randint(0, 4), rng.randint(0, 4)
+        if held_out is False and (a, b) in HELD_OUT:
+            continue
         text = f"{a}+{b}="
         prompt = text if standard else [{"role": "user", "content": text}]
         rows.append({"prompt": prompt, "answer": str(a + b)})

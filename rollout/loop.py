@@ -43,7 +43,7 @@ from rollout.prompts import check_prompt_source, filtered_stream, prompt_stream
 from rollout.samples import (FinishedRollout, PendingGroup, Rollout, RolloutGroup, RolloutSample,
                              ToolCall, TurnRecord, check_turn, parse_completion, parse_generate,
                              reconcile)
-from rollout.scoring import add_totals, score_group
+from rollout.scoring import add_totals, eval_metrics, eval_result, score_group, score_rewards
 from rollout.servers import (NoReplicaLeft, Replica, connect_all, drop_unverified, make_replicas,
                              move, pick, poll_all, readmit, take_out)
 from rollout.staleness import admits, prior_rate
@@ -126,6 +126,8 @@ class Channels:
     stop: Any               # ours. Event parent → child
     ready: Any              # ours. Event child → parent: connected and set up
     failed: Any             # spec failed_event. Event child → parent: see exception_info
+    eval_requests: Any      # ours. Queue parent → child: the step whose weights to evaluate
+    evals: Any              # ours. Queue child → parent: each evaluation's eval/* figures
 
 
 def spec_channels(config, rollout_buffer, model_version_value, heartbeat_value, failed_event,
@@ -145,7 +147,8 @@ def spec_channels(config, rollout_buffer, model_version_value, heartbeat_value, 
                     version_start=SimpleNamespace(value=0),
                     rate=SimpleNamespace(value=prior_rate(config, 1)),
                     consumed=SimpleNamespace(value=0), heartbeat=heartbeat_value,
-                    stop=threading.Event(), ready=threading.Event(), failed=failed_event)
+                    stop=threading.Event(), ready=threading.Event(), failed=failed_event,
+                    eval_requests=queue.Queue(), evals=queue.Queue())
 
 
 # ── the loop ─────────────────────────────────────────────────────────────────────────────────
@@ -179,7 +182,8 @@ class AsyncRolloutLoop:
                  environment_factory: Callable | dict[str, Callable] | None = None,
                  score_queue_maxsize: int = 16, lora_name: str | None = None,
                  dataset_start_index: int = 0, *, channels: Channels | None = None,
-                 max_concurrent_rollouts: int | None = None):
+                 max_concurrent_rollouts: int | None = None, eval_dataset=None,
+                 max_eval_rollouts: int | None = None):
         check_prompt_source(dataset, environment_factory, config.max_steps)
         spec_six = (rollout_buffer, model_version_value, heartbeat_value, failed_event,
                     exception_info_queue, metrics_queue)
@@ -201,6 +205,8 @@ class AsyncRolloutLoop:
             environment_factory, config.reward_tool_timeout)
         self.lora_name = lora_name
         self.dataset_start_index = dataset_start_index
+        self.eval_dataset = eval_dataset              # ours: evaluated when the trainer asks
+        self.max_eval_rollouts = max_eval_rollouts or config.per_device_eval_batch_size
         # where and how requests go: the servers, the sampler's top log-probs, tool calls
         self.replicas = make_replicas(server_urls(config), max_concurrent_rollouts,
                                       config.vllm_server_timeout, self.vllm_max_retries)
@@ -219,6 +225,8 @@ class AsyncRolloutLoop:
         self.wake = asyncio.Event()              # something the generate loop waits on changed
         self.since_emit = SinceLastEmit()
         self.totals: dict[str, float] = {}       # the tools/*_total counters since the start
+        self.recent_rewards = np.zeros(0)        # scale_rewards="batch": about a step's rewards
+        self.evaluating = 0                      # eval groups started and not yet scored
 
     # ── hooks ──
 
@@ -332,14 +340,25 @@ class AsyncRolloutLoop:
         return turn
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """One advantage per rollout: (r − mean)/(std + 1e-4) over the scored rollouts (population
-        std, the same as reward_group_std); a NaN reward gets 0 and is left out of both."""
+        """One advantage per rollout: its reward minus the group's mean, divided by a std + 1e-4
+        (scale_rewards): "group" the group's own (population std, as reward_group_std), "batch"
+        that of about one optimizer step of rewards (the last R / weight_sync_steps scored, this
+        group's included, R the samples the trainer takes per version: an asynchronous batch has
+        no fixed members), "none" nothing (Dr. GRPO). A NaN reward gets 0 and is left out."""
         rewards = group.rewards
         scored = ~np.isnan(rewards)
         advantages = np.zeros(len(rewards))
         if scored.any():
             r = rewards[scored]
-            advantages[scored] = (r - r.mean()) / (r.std() + 1e-4)
+            std = r.std()                                               # "group"
+            if self.config.scale_rewards == "batch":
+                rate = (self.channels.rate.value if self.channels is not None
+                        else prior_rate(self.config, 1))
+                step = max(len(r), round(rate / self.config.weight_sync_steps))
+                self.recent_rewards = np.concatenate([self.recent_rewards, r])[-step:]
+                std = self.recent_rewards.std()
+            scale = std + 1e-4 if self.config.scale_rewards != "none" else 1.0
+            advantages[scored] = (r - r.mean()) / scale
         return advantages
 
     async def setup(self) -> None:
@@ -376,7 +395,8 @@ class AsyncRolloutLoop:
                 await self.environments.probe(self.tool_pool)
             await self.setup()
             self.channels.ready.set()
-            loops = (self._generate_loop(), self._score_loop(), self._metrics_loop())
+            loops = (self._generate_loop(), self._score_loop(), self._metrics_loop(),
+                     self._eval_loop())
             workers = [asyncio.create_task(c) for c in loops]
             stop = asyncio.create_task(self._wait_for_stop())
             pending = {stop, *workers}
@@ -424,21 +444,83 @@ class AsyncRolloutLoop:
             group = PendingGroup(group_id, row_index, prompt_index, row, G, replica)
             group_id += 1
             self.counts.pending_rollouts += G
-            replica.assigned += G
-            for i in range(G):
-                await self._wait_until(lambda: group.replica.down is not None
-                                       or group.replica.inflight < group.replica.cap.cap)
-                if group.replica.down is not None:      # out while it waited: move the rest
-                    replica = move(self.replicas, group, G - i)
-                    await self._wait_until(lambda: replica.inflight < replica.cap.cap)
-                if i == 0:
-                    group.model_version = self.model_version
-                replica.inflight += 1
-                task = asyncio.create_task(self._rollout(group, i))
-                self.tasks.add(task)
-                task.add_done_callback(self._rollout_ended)
+            await self._start_group(group)
         await self._wait_until(lambda: not self.tasks)
         await self.score_queue.put(None)
+
+    async def _start_group(self, group: PendingGroup) -> None:
+        """Start a group's rollouts on its replica, each as its own task once a slot is free under
+        the replica's cap (training's and evaluation's alike); a replica taken out while they wait
+        moves the rest to another."""
+        replica = group.replica
+        replica.assigned += group.size
+        for i in range(group.size):
+            await self._wait_until(lambda: group.replica.down is not None
+                                   or group.replica.inflight < group.replica.cap.cap)
+            if group.replica.down is not None:      # out while it waited: move the rest
+                replica = move(self.replicas, group, group.size - i)
+                await self._wait_until(lambda: replica.inflight < replica.cap.cap)
+            if i == 0:
+                group.model_version = self.model_version
+            replica.inflight += 1
+            task = asyncio.create_task(self._rollout(group, i))
+            self.tasks.add(task)
+            task.add_done_callback(self._rollout_ended)
+
+    async def _eval_loop(self) -> None:
+        """Each evaluation the trainer asks for (RolloutWorker.evaluate), one at a time, in order:
+        _evaluate, then its eval/* figures on the evals channel."""
+        while True:
+            try:
+                step = self.channels.eval_requests.get_nowait()
+            except queue.Empty:
+                await asyncio.sleep(WAKE_S)
+                continue
+            self.channels.evals.put(await self._evaluate(step))
+
+    async def _evaluate(self, step: int) -> dict[str, float]:
+        """Evaluate the policy the servers hold: num_generations_eval rollouts of every eval prompt,
+        through the training rollouts' own code (generate_one: tools, turns, environments) on the
+        same replicas, scored by the reward functions and never trained on; its prompts are not the
+        training stream's (the resume index never sees them). Returns the eval/* figures
+        (scoring.eval_metrics; `step`: the trainer's step when it asked).
+
+        What it costs: its generation, nothing else. No server is paused and no version is waited
+        for: eval groups start beside training's, within the same KV-adaptive caps, at most
+        max_eval_rollouts of them in flight (per_device_eval_batch_size × ranks, whole groups), so
+        training's generation slows by the share they take and the trainer trains on meanwhile.
+        A sync may land during a long evaluation: each group runs under the version its first
+        rollout started with, and eval/model_version_min/max say which were evaluated."""
+        G = self.config.num_generations_eval or self.config.num_generations
+        in_flight = max(1, self.max_eval_rollouts // G)        # whole groups
+        start = time.monotonic()
+        groups = []
+        for row_index, row in enumerate(self.eval_dataset):
+            await self._wait_until(lambda: self.evaluating < in_flight)
+            group = PendingGroup(-1 - row_index, row_index, -1, row, G, pick(self.replicas),
+                                 evaluation=step)
+            groups.append(group)
+            self.evaluating += 1
+            await self._start_group(group)
+        await self._wait_until(lambda: all(g.result is not None for g in groups))
+        return eval_metrics(step, [g.result for g in groups], self.config.eval_pass_reward,
+                            seconds=time.monotonic() - start)
+
+    async def _score_eval(self, group: PendingGroup) -> None:
+        """An eval group done: its rewards and figures (scoring.eval_result), or None's mark of a
+        failed one (counted as eval/failed_prompts); its environments go back to the pool."""
+        try:
+            if not group.failed:
+                built = group.build()
+                columns = await score_rewards(self.reward_funcs, built,
+                                              self.config.reward_tool_timeout)
+                group.result = eval_result(built, columns, self.eos_token_ids)
+        except CallTimeout as e:
+            log.error("scoring eval prompt %d failed: %s", group.row_index, e)
+        finally:
+            group.result = group.result or {"failed": True}
+            self.evaluating -= 1
+            self._give_back(group.slots)
 
     async def _score_loop(self) -> None:
         """Per complete group: score_group (rollout/scoring.py) → its samples on the rollout queue;
@@ -450,7 +532,8 @@ class AsyncRolloutLoop:
                 samples, metrics = await score_group(
                     group, self.reward_funcs, self.compute_advantages, self.eos_token_ids,
                     self.num_top, self.config.reward_tool_timeout,
-                    offers_tools=bool(self.tools) or self.environments is not None)
+                    offers_tools=bool(self.tools) or self.environments is not None,
+                    mask_truncated=self.config.mask_truncated_completions)
             except CallTimeout as e:              # a stalled reward function fails the group
                 self._failed(group, "scoring", e, new_group=True)
                 self._finish_prompt(group.prompt_index, len(group.rollouts), 0)
@@ -528,10 +611,10 @@ class AsyncRolloutLoop:
             group.done.add(i)
             self.wake.set()
         if len(group.done) == group.size:
-            if group.failed:
-                for slot in group.slots:
-                    if slot is not None and slot.environment is not None:
-                        self.environments.give_back(slot.environment)
+            if group.evaluation is not None:
+                await self._score_eval(group)
+            elif group.failed:
+                self._give_back(group.slots)
                 self._finish_prompt(group.prompt_index, group.size, 0)
             else:
                 await self.score_queue.put(group.build(queued_at=time.monotonic()))
@@ -571,7 +654,11 @@ class AsyncRolloutLoop:
     def _failed(self, group, what: str, error: Exception, new_group: bool) -> None:
         """Count and log a failed rollout (or a group's scoring: `what`), whose `group` (pending
         or built) is dropped; raise once rollouts of FAILED_GROUPS_TO_STOP groups have failed in a
-        row."""
+        row. An eval group's failure is logged only (eval/failed_prompts counts it)."""
+        if getattr(group, "evaluation", None) is not None:
+            log.error("%s of eval prompt %d failed: %s: %s", what, group.row_index,
+                      type(error).__name__, error)
+            return
         self.counts.failed_groups_in_a_row += new_group
         self.counts.failures_in_a_row += 1
         log.error("%s of group %d (dataset row %d) failed; the group is dropped: %s: %s", what,
@@ -603,6 +690,12 @@ class AsyncRolloutLoop:
         if quiet > self.config.untrained_warning_s and not counts.warned and not ended:
             counts.warned = True
             log.warning(why)
+
+    def _give_back(self, slots: list) -> None:
+        """The environments of a dropped or evaluated group's finished rollouts, to the pool."""
+        for slot in slots:
+            if slot is not None and slot.environment is not None:
+                self.environments.give_back(slot.environment)
 
     def _rollout_ended(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)

@@ -43,6 +43,20 @@ def check_prompt_source(dataset, environment_factory, max_steps: int) -> None:
                          "max_steps > 0 to define the length of the run")
 
 
+def check_eval_source(config, dataset, eval_dataset) -> None:
+    """An evaluation needs eval prompts (transformers' Trainer's rule and words), and
+    eval_strategy "epoch" a sized training dataset: an epoch is a pass over it."""
+    if config.eval_strategy != "no" and eval_dataset is None:
+        raise ValueError(f"You have set `args.eval_strategy` to {config.eval_strategy!r} but you "
+                         "didn't pass an `eval_dataset`. Either set `args.eval_strategy` to 'no' "
+                         "or pass an `eval_dataset` (AsyncGRPOTrainer(eval_dataset=...), "
+                         "train.py --eval_dataset)")
+    if config.eval_strategy == "epoch" and not hasattr(dataset, "__len__"):
+        raise ValueError("AsyncGRPOConfig.eval_strategy='epoch': an epoch is a pass over a sized "
+                         "train_dataset, and this run's prompts are streamed or come from its "
+                         "environment; evaluate every eval_steps instead (eval_strategy='steps')")
+
+
 def check_rows(dataset, environment_factory) -> None:
     """ValueError naming the first bad row of a sized dataset (a streaming one's rows fail as they
     are read): each prompt a non-empty string or list of messages, and with a dict of

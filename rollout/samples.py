@@ -207,6 +207,8 @@ class PendingGroup:
     model_version: int = 0          # the version when the group's first rollout started
     done: set[int] = field(default_factory=set)
     failed: bool = False
+    evaluation: int | None = None   # an eval prompt's group: the step that asked (never trained)
+    result: dict | None = None      # ... and its figures once scored (scoring.eval_result)
     slots: list[FinishedRollout | None] = field(init=False)
 
     def __post_init__(self):

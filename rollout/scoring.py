@@ -39,18 +39,15 @@ from rollout.tool_calls import call_maybe_async
 async def score_group(group: RolloutGroup, reward_funcs: list[Callable],
                       compute_advantages: Callable[[RolloutGroup], np.ndarray],
                       eos_token_ids: list[int], num_top: int | None, limit: float | None = None,
-                      offers_tools: bool = False,
+                      offers_tools: bool = False, mask_truncated: bool = False,
                       ) -> tuple[list[RolloutSample], dict[str, float]]:
     """Rewards (each call within `limit` seconds) → group.rewards → compute_advantages → drop the
     group or build its samples; and the group's metrics (its tools/*_total counts are this
-    group's: add_totals makes them totals; offers_tools: tools/ rates also with no call)."""
+    group's: add_totals makes them totals; offers_tools: tools/ rates also with no call).
+    mask_truncated (mask_truncated_completions): a truncated rollout's reward counts in its group's
+    advantages, but it gives no sample (DAPO's overlong filtering)."""
     columns = await score_rewards(reward_funcs, group, limit)
-    if columns:
-        total = np.stack(list(columns.values()), axis=1)          # [G, sources]
-    else:
-        total = np.full((len(group.rollouts), 1), np.nan)         # [G, 1]
-    scored_any = ~np.isnan(total).all(axis=1)
-    group.rewards = np.where(scored_any, np.nansum(total, axis=1), np.nan)
+    group.rewards = summed(columns, len(group.rollouts))
     advantages = compute_advantages(group)
     scored = group.rewards[~np.isnan(group.rewards)]
     kept = len(scored) >= 2 and scored.max() > scored.min()
@@ -71,8 +68,79 @@ async def score_group(group: RolloutGroup, reward_funcs: list[Callable],
                          metrics=dict(per_rollout[i]), prompt=group.prompts[i],
                          completion=group.completions[i], rollout_id=group.rollouts[i].rollout_id,
                          row_index=group.row_index, prompt_index=group.prompt_index)
-               for i, sequences in enumerate(group.completions_sequences) for seq in sequences]
+               for i, sequences in enumerate(group.completions_sequences) for seq in sequences
+               if not (mask_truncated and truncated(group.rollouts[i], eos_token_ids))]
     return samples, metrics
+
+
+def summed(columns: dict[str, np.ndarray], n: int) -> np.ndarray:
+    """[n] each rollout's reward: its sources' sum, NaN where no source scored it."""
+    if not columns:
+        return np.full(n, np.nan)
+    total = np.stack(list(columns.values()), axis=1)              # [n, sources]
+    return np.where(~np.isnan(total).all(axis=1), np.nansum(total, axis=1), np.nan)
+
+
+def truncated(rollout, eos_token_ids: list[int]) -> bool:
+    """Whether a rollout was cut (its last turn does not end on a stop token): at
+    max_completion_length, or at the context's end (completions/clipped_ratio counts them)."""
+    ids = rollout.turns[-1].output_ids if rollout.turns else []
+    return not ids or ids[-1] not in eos_token_ids
+
+
+# ── evaluation: eval prompts scored, never trained on ──────────────────────────────────────
+
+
+def eval_result(group: RolloutGroup, columns: dict[str, np.ndarray],
+                eos_token_ids: list[int]) -> dict:
+    """One eval prompt's figures, what eval_metrics aggregates: each rollout's reward (summed,
+    and by source), length and truncation, and the version the group ran under."""
+    return {"rewards": summed(columns, len(group.rollouts)), "columns": columns,
+            "lengths": [len(r.completion_ids) for r in group.rollouts],
+            "truncated": [truncated(r, eos_token_ids) for r in group.rollouts],
+            "version": group.model_version}
+
+
+def pass_at(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of n rollouts of which c passed (Chen et al. 2021, Codex):
+    1 - C(n - c, k) / C(n, k), the chance that k drawn without replacement include a pass.
+    n = 4, c = 1: pass@1 = 1/4, pass@2 = 1 - 3/6 = 1/2, pass@4 = 1."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_metrics(step: int, results: list[dict], pass_reward: float,
+                 seconds: float = 0.0) -> dict[str, float]:
+    """An evaluation's line (its `step`: the trainer's when it asked): eval/reward (mean, std),
+    eval/rewards/<source>/mean, eval/pass@1 and eval/pass@k (a rollout passes when its reward is
+    at least pass_reward; k = the rollouts per prompt; means over prompts), eval/completions/
+    mean_length and clipped_ratio, the weight versions evaluated (eval/model_version_min/max), the
+    prompts scored and failed, eval/duration_s. What is not finite is left out.
+
+    Worked: two prompts of 4 rollouts, rewards [1, 0, 0, 0] and [0, 0, 0, 0], pass_reward 1:
+    eval/reward 0.125, eval/pass@1 (1/4 + 0)/2 = 0.125, eval/pass@4 (1 + 0)/2 = 0.5."""
+    ok = [r for r in results if not r.get("failed")]
+    line = {"step": step, "eval/prompts": len(ok), "eval/failed_prompts": len(results) - len(ok),
+            "eval/duration_s": seconds}
+    if ok:
+        rewards = np.concatenate([r["rewards"] for r in ok])
+        scored = rewards[~np.isnan(rewards)]                              # NaN: unscorable
+        k = len(ok[0]["rewards"])
+        passed = [int(np.sum(r["rewards"] >= pass_reward)) for r in ok]   # NaN never passes
+        line |= {"eval/reward": float(np.mean(scored)) if len(scored) else math.nan,
+                 "eval/reward_std": float(np.std(scored)) if len(scored) else math.nan,
+                 "eval/pass@1": float(np.mean([pass_at(k, c, 1) for c in passed])),
+                 f"eval/pass@{k}": float(np.mean([pass_at(k, c, k) for c in passed])),
+                 "eval/completions/mean_length": float(np.mean([n for r in ok
+                                                                for n in r["lengths"]])),
+                 "eval/completions/clipped_ratio": float(np.mean([t for r in ok
+                                                                  for t in r["truncated"]])),
+                 "eval/model_version_min": min(r["version"] for r in ok),
+                 "eval/model_version_max": max(r["version"] for r in ok)}
+        for name in dict.fromkeys(n for r in ok for n in r["columns"]):
+            column = np.concatenate([r["columns"][name] for r in ok if name in r["columns"]])
+            if (~np.isnan(column)).any():
+                line[f"eval/rewards/{name}/mean"] = float(np.nanmean(column))
+    return {k: v for k, v in line.items() if not isinstance(v, float) or math.isfinite(v)}
 
 
 def add_totals(totals: dict[str, float], metrics: dict[str, float]) -> None:
@@ -152,8 +220,7 @@ def group_metrics(group: RolloutGroup, eos_token_ids: list[int],
     stats = group.stats
     lengths = [len(r.completion_ids) for r in rollouts]
     drifts = [d for s in stats for d in s["drifts"]]
-    last_ids = [r.turns[-1].output_ids if r.turns else [] for r in rollouts]
-    clipped = [not ids or ids[-1] not in eos_token_ids for ids in last_ids]
+    clipped = [truncated(r, eos_token_ids) for r in rollouts]
     m = {"rollout/duration_s": float(np.mean([s["duration_s"] for s in stats])),
          "rollout/turns_mean": float(np.mean([len(r.turns) for r in rollouts])),
          "rollout/turns_max": max(len(r.turns) for r in rollouts),

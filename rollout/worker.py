@@ -16,6 +16,9 @@ imports it.
                  queue means a starved trainer (staleness.Window.starved)
       .set_model_version(v)   after each weight sync: the version and the staleness window
                  (staleness.Window.new_version publishes C_v and R); .dropped_stale(): Window.stale
+      .evaluate(step)         evaluate the served policy on eval_dataset (loop._evaluate), beside
+                 training's generation; .evaluations() the eval/* lines done since the last
+                 call (wait=True: all asked for, at the end of a run)
       .resume_index()         first prompt not fully handed out (prompts.ResumeIndex)
       .resume_state(held)     rollout_state.json: that index, less the held samples, and the
                  samples of later prompts trained already; resumed with it (trained=), get()
@@ -42,7 +45,7 @@ import types
 from typing import Callable
 
 from rollout.loop import AsyncRolloutLoop, Channels, child_main
-from rollout.prompts import ResumeIndex, first_prompt_index
+from rollout.prompts import ResumeIndex, check_eval_source, first_prompt_index
 from rollout.samples import RolloutSample
 from rollout.tool_calls import check_tools
 from rollout.staleness import Window, prior_rate
@@ -102,11 +105,14 @@ class RolloutWorker:
                  loop_cls: type = AsyncRolloutLoop, model_name: str | None = None,
                  eos_token_ids: list[int] | None = None, num_processes: int = 1,
                  dataset_start_index: int = 0, model_version: int = 0,
-                 lora_name: str | None = None, trained: dict[int, int] | None = None):
-        columns = getattr(dataset, "column_names", None)
-        if columns is not None and "prompt" not in columns:
-            raise ValueError(f"the training dataset needs a 'prompt' column (it has {columns}); "
-                             "rename the column that holds the prompts")
+                 lora_name: str | None = None, trained: dict[int, int] | None = None,
+                 eval_dataset=None):
+        check_eval_source(config, dataset, eval_dataset)
+        for which, data in (("training", dataset), ("eval", eval_dataset)):
+            columns = getattr(data, "column_names", None)
+            if columns is not None and "prompt" not in columns:
+                raise ValueError(f"the {which} dataset needs a 'prompt' column (it has "
+                                 f"{columns}); rename the column that holds the prompts")
         if reward_funcs is None:
             reward_funcs = []
         elif not isinstance(reward_funcs, list):
@@ -121,7 +127,9 @@ class RolloutWorker:
                            eos_token_ids=eos_token_ids, tools=tools,
                            environment_factory=environment_factory,
                            max_concurrent_rollouts=self.bound,
-                           dataset_start_index=dataset_start_index, lora_name=lora_name)
+                           dataset_start_index=dataset_start_index, lora_name=lora_name,
+                           eval_dataset=eval_dataset,
+                           max_eval_rollouts=config.per_device_eval_batch_size * num_processes)
         self.initial_version = model_version
         self.window = Window(prior_rate(config, num_processes), anchor_version=model_version)
         self.consumed = 0                 # samples handed to the trainer
@@ -131,8 +139,10 @@ class RolloutWorker:
         self.finished = False
         self.metrics_ended = False        # the child's end-of-metrics marker was read
         self.received: list[dict[str, float]] = []  # metrics read while waiting for the end marker
+        self.evals_asked = self.evals_done = 0   # evaluations asked for, and their lines read
         self.process = None
         self.channels: Channels | None = None
+        self.prompts_per_epoch = len(dataset) if hasattr(dataset, "__len__") else None
 
     def start(self, ready_timeout: float = 300.0) -> None:
         """Check picklability, spawn the process, and wait until it is connected and set up."""
@@ -157,7 +167,8 @@ class RolloutWorker:
             rate=ctx.Value("d", self.window.rate, lock=False),
             consumed=ctx.Value("q", self.consumed, lock=False),
             heartbeat=ctx.Value("d", time.time(), lock=False),
-            stop=ctx.Event(), ready=ctx.Event(), failed=ctx.Event())
+            stop=ctx.Event(), ready=ctx.Event(), failed=ctx.Event(),
+            eval_requests=ctx.Queue(), evals=ctx.Queue())
         process = ctx.Process(target=child_main, name="rollout", daemon=True,
                               args=(self.loop_cls, self.kwargs, self.channels))
         spawn(process, any(in_main))
@@ -220,6 +231,26 @@ class RolloutWorker:
         consumption (staleness.Window.stale)."""
         self.window.stale()
         self.channels.version_start.value = self.window.version_start
+
+    def evaluate(self, step: int) -> None:
+        """Ask the rollout process to evaluate the policy it serves now (after step `step`'s
+        sync); its eval/* line comes back through evaluations()."""
+        self.channels.eval_requests.put(step)
+        self.evals_asked += 1
+
+    def evaluations(self, wait: bool = False) -> list[dict[str, float]]:
+        """The eval/* lines of the evaluations done since the last call (scoring.eval_metrics);
+        `wait`: until every one asked for is done, the process's health checked meanwhile."""
+        out = []
+        while self.evals_done < self.evals_asked:
+            try:
+                out.append(self.channels.evals.get(timeout=1.0 if wait else 0))
+                self.evals_done += 1
+            except queue.Empty:
+                if not wait:
+                    break
+                self.check_health()
+        return out
 
     def drain_metrics(self) -> list[dict[str, float]]:
         """Metric dicts from the rollout process since the last drain (all of them once get()

@@ -369,3 +369,8 @@ class FirstRowToolLoop(ScriptedToolLoop):
         if prompt[-1]["content"].startswith("1+1="):
             return await super().generate_one(prompt, tools, group_id)
         return await AsyncRolloutLoop.generate_one(self, prompt, [], group_id)
+
+
+def tool_used_reward(prompts, completions, **kwargs) -> list[float]:
+    """1.0 for a completion with a tool's answer in it (a tool ran), else 0.0."""
+    return [float(any(m["role"] == "tool" for m in c)) for c in completions]

@@ -137,7 +137,7 @@ def test_the_refusal_table_lists_each_field_under_one_reason():
     """REFUSED is keyed by reason: a field listed under two reasons would keep the last silently,
     so each is listed once, and each is a declared field whose refusal gives its reason."""
     listed = [name for names in config.REFUSED.values() for name in names.split()]
-    assert len(listed) == len(set(listed)) == len(config.WHY) == 68
+    assert len(listed) == len(set(listed)) == len(config.WHY) == 62
     declared = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
     assert set(listed) <= declared, set(listed) - declared
     for why, names in config.REFUSED.items():
@@ -236,10 +236,13 @@ def test_positional_arguments_follow_the_spec_signature():
     per_device_train_batch_size=16, as in TRL, not seed=16."""
     names = [f.name for f in dataclasses.fields(AsyncGRPOConfig)]
     assert names[:len(SPEC_DEFAULTS)] == list(SPEC_DEFAULTS)
-    assert names[len(SPEC_DEFAULTS):] == ["tree_attention_backend", "logging_dir",
+    assert names[len(SPEC_DEFAULTS):] == ["loss_type", "importance_sampling_level", "beta",
+                                         "scale_rewards", "mask_truncated_completions",
+                                         "num_generations_eval",     # TRL GRPOConfig's, then ours
+                                         "tree_attention_backend", "logging_dir",
                                          "weight_sync_verify_every", "overwrite_output_dir",
                                          "reward_tool_timeout",
-                                         "untrained_warning_s"]
+                                         "untrained_warning_s", "eval_pass_reward"]
     config = AsyncGRPOConfig("out", 16, 2.0, 5)
     assert (config.output_dir, config.per_device_train_batch_size) == ("out", 16)
     assert (config.num_train_epochs, config.max_steps, config.seed) == (2.0, 5, 42)
@@ -267,7 +270,7 @@ def test_every_accepted_field_is_read_by_the_code():
             text = f.read().split("# ── the refused fields")[0]     # config.py's WHY table
         source += "".join(line for line in text.splitlines(True)
                           if not re.match(r"    \w+: .+ = ", line))
-    unread = ("do_train",                 # a flag for scripts
+    unread = ("do_train", "do_eval",      # flags for scripts
               "remove_unused_columns",    # either value: every column reaches the rewards
               "dataloader_pin_memory")    # either value: nothing is pinned (no DataLoader)
     for name in SPEC_DEFAULTS:
@@ -278,8 +281,8 @@ def test_every_accepted_field_is_read_by_the_code():
 def test_refusals_say_why_and_the_fix():
     with pytest.raises(ValueError, match="hf upload"):
         AsyncGRPOConfig(push_to_hub=True)
-    with pytest.raises(ValueError, match="no evaluation loop"):
-        AsyncGRPOConfig(eval_strategy="steps")
+    with pytest.raises(ValueError, match="not ranked by an evaluation metric"):
+        AsyncGRPOConfig(load_best_model_at_end=True)
     with pytest.raises(ValueError, match="AsyncGRPOConfig.fp16: fp16 and bf16 are both set"):
         AsyncGRPOConfig(fp16=True, bf16=True)
     with pytest.raises(ValueError, match="report_to"):

@@ -21,6 +21,11 @@ def config(**kw):
     return AsyncGRPOConfig(**kw)
 
 
+def tot(tokens, samples=1, rows=1):
+    """The step's counts: what the default objective (dapo) divides by is the tokens."""
+    return loss.StepTotals(tokens, samples, rows)
+
+
 def naive(hidden, weight, bias, token_index, targets, T=1.0, top_ids=None, sets=None):
     """Full [M, V] logits: log-softmax over each term's set (None/empty = vocabulary), gathered."""
     z = F.linear(hidden[token_index], weight, bias) / T                          # [M, V]
@@ -146,7 +151,8 @@ def test_ratio_metrics_on_a_hand_computed_example():
     lp.entropy = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     top_lp = torch.tensor([[0.5, 0.2], [0.9, 0.0], [0.3, 0.3], [1.0, 0.0], [0.25, 0.25],
                            [0.1, 0.2]]).log()                            # 0.0: -inf pads
-    _, m = loss.policy_loss(lp, sampler, adv, 6, config(score_centering=False), top_lp)
+    _, m = loss.policy_loss(lp, sampler, adv, torch.zeros(6, dtype=torch.long), tot(6),
+                            config(score_centering=False), top_lp)
     f = loss.finalize_metrics(m)
     assert f["sampling/importance_sampling_ratio/mean"] == pytest.approx(12.95 / 6)
     assert f["sampling/importance_sampling_ratio/min"] == pytest.approx(0.25)
@@ -165,7 +171,7 @@ def test_an_empty_row_gives_zero_loss_zero_gradients_and_neutral_metrics():
     hidden, weight, bias = leaves(3)
     row = row_for(hidden, weight, torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0),
                   torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
-    out, m = loss.compute_loss(hidden, weight, bias, row, config(), num_tokens=7)
+    out, m = loss.compute_loss(hidden, weight, bias, row, config(), totals=tot(7))
     out.backward()                                                       # every rank runs backward
     assert out.item() == 0 and hidden.grad.abs().sum() == 0 and weight.grad.abs().sum() == 0
     f = loss.finalize_metrics(m)
@@ -181,7 +187,8 @@ def test_an_empty_row_gives_zero_loss_zero_gradients_and_neutral_metrics():
 ])
 def test_clipped_surrogate_value_and_gradient(r, adv, clipped, value):
     logp = torch.tensor([math.log(r) - 1.0], requires_grad=True)
-    out, _ = loss.policy_loss(stats_lp(logp), torch.tensor([-1.0]), torch.tensor([adv]), 1,
+    out, _ = loss.policy_loss(stats_lp(logp), torch.tensor([-1.0]), torch.tensor([adv]),
+                              torch.zeros(1, dtype=torch.long), tot(1),
                               config(score_centering=False, epsilon_high=0.28))
     out.backward()
     assert out.item() == pytest.approx(value, rel=1e-6)
@@ -194,7 +201,8 @@ def row_for(hidden, weight, targets, sampler_lp, adv, top_ids=None, top_lp=None,
     if token_index is None:
         token_index = torch.arange(n)
     return SimpleNamespace(token_index=token_index, targets=targets, sampler_logprobs=sampler_lp,
-                           advantages=adv, top_ids=top_ids, top_logprobs=top_lp)
+                           advantages=adv, top_ids=top_ids, top_logprobs=top_lp,
+                           sample_ids=torch.zeros(n, dtype=torch.long))
 
 
 def test_masked_tokens_contribute_zero_gradient():
@@ -207,7 +215,7 @@ def test_masked_tokens_contribute_zero_gradient():
     top_lp = torch.full((5, 2), -3.0)
     adv = torch.tensor([1.0, 1.0, -1.0, 1.0, 1.0])
     row = row_for(hidden, weight, targets, sampler, adv, top_ids, top_lp)
-    out, m = loss.compute_loss(hidden, weight, bias, row, config(), num_tokens=5)
+    out, m = loss.compute_loss(hidden, weight, bias, row, config(), totals=tot(5))
     out.backward()
     assert (hidden.grad[[1, 3]] == 0).all() and (hidden.grad[[0, 2, 4]].abs().sum(1) > 0).all()
     assert loss.finalize_metrics(m)["sampling/masked_mean"] == pytest.approx(0.4)
@@ -217,7 +225,7 @@ def per_token_gradient(hidden, weight, y, log_q, adv, cfg, top_ids):
     """g(y) = -∇(loss of one sampled token y at position 0), flattened over (hidden, weight)."""
     row = row_for(hidden, weight, torch.tensor([y]), log_q[y:y + 1],
                   torch.tensor([adv], dtype=hidden.dtype), top_ids[None], log_q[top_ids][None])
-    out, _ = loss.compute_loss(hidden, weight, None, row, cfg, num_tokens=1)
+    out, _ = loss.compute_loss(hidden, weight, None, row, cfg, totals=tot(1))
     return -torch.cat([g.flatten() for g in torch.autograd.grad(out, (hidden, weight))])
 
 
@@ -288,7 +296,7 @@ def test_score_centering_changes_gradient_not_loss_and_off_is_the_clipped_object
     for centering in (True, False):
         row = row_for(hidden, weight, targets, sampler, adv, top_ids, top_lp)
         cfg = config(score_centering=centering)
-        out, _ = loss.compute_loss(hidden, weight, bias, row, cfg, num_tokens=6)
+        out, _ = loss.compute_loss(hidden, weight, bias, row, cfg, totals=tot(6))
         results[centering] = out.item(), torch.autograd.grad(out, hidden)[0]
     r = (lp - sampler).exp()
     expected = -torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv).sum() / 6
@@ -319,7 +327,7 @@ def test_loss_is_a_token_mean_over_the_step_whatever_the_micro_batches():
             s = slice(lo, hi)
             row = row_for(hidden, weight, targets[s], sampler[s], adv[s], top_ids[s], top_lp[s],
                           torch.arange(lo, hi))
-            out, m = loss.compute_loss(hidden, weight, bias, row, config(), num_tokens=12)
+            out, m = loss.compute_loss(hidden, weight, bias, row, config(), totals=tot(12))
             out.backward()
             parts.append(m)
         grads.append(torch.cat([hidden.grad.flatten(), weight.grad.flatten(), bias.grad]))
@@ -333,7 +341,7 @@ def test_score_centering_without_sampler_top_logprobs_is_refused_naming_the_fix(
     hidden, weight, _ = leaves(2)
     row = row_for(hidden, weight, torch.tensor([1, 2]), torch.tensor([-4.0, -4.0]), torch.ones(2))
     with pytest.raises(ValueError, match="score_centering"):
-        loss.compute_loss(hidden, weight, None, row, config(), 2)
+        loss.compute_loss(hidden, weight, None, row, config(), tot(2))
 
 
 def test_router_aux_loss_on_a_tiny_moe_and_error_on_a_dense_model():
@@ -498,11 +506,212 @@ def test_only_the_tokens_of_the_trainers_version_count_for_the_mismatch():
     exact = torch.log_softmax(hidden @ weight.T, -1)[torch.arange(3), targets]
     row = SimpleNamespace(token_index=torch.arange(3), targets=targets,
                           sampler_logprobs=exact - torch.tensor([0.0, 0.0, 2.0]),
-                          advantages=torch.ones(3), model_versions=torch.tensor([5, 5, 4]))
+                          advantages=torch.ones(3), model_versions=torch.tensor([5, 5, 4]),
+                          sample_ids=torch.zeros(3, dtype=torch.long))
     config = AsyncGRPOConfig(score_centering=False)
-    _, metrics = compute_loss(hidden, weight, None, row, config, 3, version=5)
+    _, metrics = compute_loss(hidden, weight, None, row, config, tot(3), version=5)
     out = finalize_metrics(metrics)
     assert out["sampling/mismatch_tokens"] == 2
     assert out["sampling/mismatch_kl"] <= 1e-6 and out["sampling/logprob_diff_max"] <= 1e-6
-    _, metrics = compute_loss(hidden, weight, None, row, config, 3, version=4)
+    _, metrics = compute_loss(hidden, weight, None, row, config, tot(3), version=4)
     assert finalize_metrics(metrics)["sampling/logprob_diff_max"] == pytest.approx(2.0, abs=1e-5)
+
+
+# ── the objective by name: loss_type and importance_sampling_level on a trie row ──────────────
+
+
+def forked_row(split: bool = False):
+    """Three samples of two rollouts packed as one prefix trie (or, `split`, two rows): rollout A's
+    two training sequences (a forked turn: the template re-rendered 11 as 12 before the tool
+    result 13) and rollout B, all sharing the prompt 1 2 3. Returns (rows, per sample: its terms'
+    log-ratios, advantage, sampler log-probs)."""
+    import numpy as np
+
+    from rollout.samples import RolloutSample
+    from trie_pack import build_row
+    seqs = {"A0": ([1, 2, 3, 10, 11], [0, 0, 0, 1, 1], 1.0),
+            "A1": ([1, 2, 3, 10, 12, 13, 20, 21], [0, 0, 0, 0, 0, 0, 1, 1], 1.0),
+            "B": ([1, 2, 3, 30, 31, 32], [0, 0, 0, 1, 1, 1], -0.5)}
+    samples = []
+    for g, (ids, mask, adv) in enumerate(seqs.values()):
+        sampler = np.where(np.array(mask) == 1, -1.0 - 0.1 * np.arange(len(ids)), 0.0)
+        samples.append(RolloutSample(np.array(ids), np.array(mask, dtype=np.int8),
+                                     sampler.astype(np.float32), adv, g // 2, 0))
+    parts = [samples[:2], samples[2:]] if split else [samples]
+    return [build_row(p).pack() for p in parts], samples
+
+
+# log π - log q of each sample's terms, in its token order: clipped and unclipped tokens on
+# both sides of 1 ± ε, none outside the importance-sampling bounds [0.5, 5]
+LOG_RATIOS = {0: [0.1, -0.3], 1: [0.35, 0.05], 2: [-0.1, 0.25, 0.0]}
+
+
+def trl_reference(kind, level, logp, sampler, adv, mask, cfg, ref=None):
+    """TRL GRPOTrainer's definitions (read from its _compute_loss) on padded [B, T] tensors, one
+    row per sample: loss value, for comparison with the packed trie's."""
+    log_ratio = (logp - sampler) * mask
+    if level == "sequence":
+        log_w = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1))[:, None]     # [B, 1]
+    else:
+        log_w = log_ratio
+    coef_1 = log_w.exp()
+    A = adv[:, None]
+    if kind == "cispo":
+        per_token = -coef_1.clamp(max=cfg.epsilon_high).detach() * A * logp
+    else:
+        coef_2 = coef_1.clamp(1 - cfg.epsilon, 1 + (cfg.epsilon_high or cfg.epsilon))
+        per_token = -torch.minimum(coef_1 * A, coef_2 * A)
+    if ref is not None:
+        per_token = per_token + cfg.beta * ((ref - logp).exp() - (ref - logp) - 1)
+    if kind == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    if kind == "bnpo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    if kind == "dr_grpo":
+        return (per_token * mask).sum() / (per_token.size(0) * cfg.max_completion_length)
+    return (per_token * mask).sum() / mask.sum()                     # dapo, cispo: all tokens
+
+
+def padded(values_by_sample):
+    """[B, T] tensor and mask from per-sample lists (in sample order)."""
+    T = max(len(v) for v in values_by_sample)
+    out = torch.zeros(len(values_by_sample), T, dtype=torch.float64)
+    mask = torch.zeros_like(out)
+    for i, v in enumerate(values_by_sample):
+        out[i, :len(v)] = torch.as_tensor(v, dtype=torch.float64)
+        mask[i, :len(v)] = 1
+    return out, mask
+
+
+@pytest.mark.parametrize("kind, level", [("dapo", "token"), ("grpo", "token"), ("bnpo", "token"),
+                                         ("dr_grpo", "token"), ("cispo", "token"),
+                                         ("dapo", "sequence"), ("grpo", "sequence")])
+def test_each_loss_type_on_a_trie_row_with_a_shared_prefix_and_a_fork_is_trls_definition(kind,
+                                                                                          level):
+    """The packed row (prompt shared by three samples, a forked turn) gives TRL's loss value and
+    the same gradient for each sample's log-probs as TRL's padded [B, T] computation."""
+    (row,), samples = forked_row()
+    assert row.unique_tokens < row.raw_tokens                        # the prompt is shared
+    ids = row.sample_ids.tolist()
+    assert ids.count(0) == ids.count(1) == 2 and ids.count(2) == 3
+    cfg = config(loss_type=kind, importance_sampling_level=level, score_centering=False,
+                 epsilon_high=5.0 if kind == "cispo" else 0.28, max_completion_length=6)
+    # the packed terms' log π, by sample and in token order, from LOG_RATIOS and the sampler's
+    by_sample = {i: [] for i in range(3)}
+    for t, i in enumerate(ids):
+        by_sample[i].append(t)
+    logp = torch.zeros(len(ids), dtype=torch.float64)
+    for i, terms in by_sample.items():
+        for k, t in enumerate(terms):
+            logp[t] = row.sampler_logprobs[t] + LOG_RATIOS[i][k]
+    logp.requires_grad_()
+    out, m = loss.policy_loss(stats_lp(logp), row.sampler_logprobs.double(),
+                              row.advantages.double(), row.sample_ids, loss.StepTotals.of([row]),
+                              cfg)
+    (grad,) = torch.autograd.grad(out, logp)
+    # TRL: padded per sample
+    lp_pad, mask = padded([[logp[t].item() for t in by_sample[i]] for i in range(3)])
+    lp_pad.requires_grad_()
+    sampler, _ = padded([[row.sampler_logprobs[t] for t in by_sample[i]] for i in range(3)])
+    adv = torch.tensor([samples[i].advantage for i in range(3)], dtype=torch.float64)
+    expected = trl_reference(kind, level, lp_pad, sampler, adv, mask, cfg)
+    (grad_pad,) = torch.autograd.grad(expected, lp_pad)
+    assert out.item() == pytest.approx(expected.item(), rel=1e-12, abs=1e-15)
+    for i, terms in by_sample.items():
+        assert grad[terms].tolist() == pytest.approx(grad_pad[i, :len(terms)].tolist(), rel=1e-9)
+    assert loss.finalize_metrics(m)["sampling/masked_mean"] == 0     # all inside [0.5, 5]
+
+
+def test_the_loss_types_by_hand_on_the_forked_row():
+    """normalized's worked example's rules on the forked row, each number by hand: dapo 7 tokens,
+    grpo 3 samples' means, bnpo one row of 7, dr_grpo 3 × max_completion_length 6."""
+    (row,), _ = forked_row()
+    ids = row.sample_ids
+    per_token = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], dtype=torch.float64)
+    terms = {i: per_token[ids == i].sum().item() for i in range(3)}        # each sample's sum
+    n = {i: int((ids == i).sum()) for i in range(3)}                       # 2, 2, 3
+    totals = loss.StepTotals.of([row])
+    assert (totals.tokens, totals.samples, totals.rows) == (7, 3, 1)
+    got = {k: loss.normalized(per_token, ids, totals, config(loss_type=k, max_completion_length=6,
+                                                               score_centering=False,
+                                                               epsilon_high=5.0)).item()
+           for k in ("dapo", "grpo", "bnpo", "dr_grpo", "cispo")}
+    assert got["dapo"] == got["cispo"] == pytest.approx(28 / 7)
+    assert got["grpo"] == pytest.approx(sum(terms[i] / n[i] for i in range(3)) / 3)
+    assert got["bnpo"] == pytest.approx(28 / (7 * 1))
+    assert got["dr_grpo"] == pytest.approx(28 / (3 * 6))
+    # the docstring's worked example
+    small = torch.tensor([1.0, 3.0, 5.0, 7.0])
+    small_ids = torch.tensor([0, 0, 0, 1])
+    worked = {k: loss.normalized(small, small_ids, loss.StepTotals(4, 2, 1),
+                                 config(loss_type=k, max_completion_length=8,
+                                        score_centering=False, epsilon_high=5.0)).item()
+              for k in ("dapo", "grpo", "bnpo", "dr_grpo")}
+    assert worked == {"dapo": 4.0, "grpo": 5.0, "bnpo": 4.0, "dr_grpo": 1.0}
+    assert loss.sample_mean(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 1])).tolist() == [
+        2.0, 2.0, 5.0]
+
+
+@pytest.mark.parametrize("kind, level", [("dapo", "token"), ("grpo", "token"),
+                                         ("dr_grpo", "token"), ("cispo", "token"),
+                                         ("dapo", "sequence")])
+def test_a_step_split_over_two_rows_trains_as_one_row(kind, level):
+    """Micro-batches do not change any loss_type but bnpo (a mean per row by definition): the
+    forked row split in two (its rollouts apart) gives the same loss and gradient in sum, with the
+    real forward through the model: per-sample quantities are taken per sample, not per row."""
+    import numpy as np
+
+    import tree_attention
+    one, _ = forked_row()
+    two, _ = forked_row(split=True)
+    model = toy.build_model(len(toy.build_tokenizer()))
+    tree_attention.install(model, "sdpa")
+    cfg = config(loss_type=kind, importance_sampling_level=level, score_centering=False,
+                 epsilon_high=5.0 if kind == "cispo" else 0.28)
+    results = []
+    for rows in (one, two):
+        model.zero_grad()
+        totals, total = loss.StepTotals.of(rows), 0.0
+        for row in rows:
+            hidden = tree_attention.forward_row(model, row, model.model).last_hidden_state[0]
+            out, _ = loss.compute_loss(hidden, model.lm_head.weight, None, row, cfg, totals)
+            out.backward()
+            total += out.item()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results.append((total, grads))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
+    np.testing.assert_allclose(results[0][1].numpy(), results[1][1].numpy(), atol=1e-6)
+
+
+def test_the_reference_kl_is_trls_estimator_over_the_candidate_set():
+    """beta > 0 adds β·(e^(ref - log π) - (ref - log π) - 1) per token, logged as `kl` (its
+    mean); the reference's log-probs come from row_logprobs over the same candidate sets as the
+    policy's, and beta 0's loss has no kl."""
+    (row,), _ = forked_row()
+    g = torch.Generator().manual_seed(3)
+    logp = (row.sampler_logprobs.double() + 0.1 * torch.randn(7, generator=g,
+                                                               dtype=torch.float64))
+    logp.requires_grad_()
+    ref = row.sampler_logprobs.double() + 0.2 * torch.randn(7, generator=g, dtype=torch.float64)
+    cfg = config(beta=0.04, score_centering=False, epsilon_high=0.28)
+    out, m = loss.policy_loss(stats_lp(logp), row.sampler_logprobs.double(),
+                              row.advantages.double(), row.sample_ids, loss.StepTotals.of([row]),
+                              cfg, ref_logprobs=ref)
+    plain, m0 = loss.policy_loss(stats_lp(logp), row.sampler_logprobs.double(),
+                                 row.advantages.double(), row.sample_ids,
+                                 loss.StepTotals.of([row]), config(score_centering=False,
+                                                                   epsilon_high=0.28))
+    x = ref - logp.detach()
+    kl = x.exp() - x - 1
+    assert (out - plain).item() == pytest.approx(0.04 * kl.sum().item() / 7, rel=1e-10)
+    assert loss.finalize_metrics(m)["kl"] == pytest.approx(kl.mean().item(), rel=1e-10)
+    assert "kl" not in m0
+    # row_logprobs normalises over each term's candidate set, as the policy's log-probs
+    hidden, weight, _ = leaves(3)
+    sets = [[1, 2, 3], [], [4, 5, 6, 7]]
+    ids, offsets = packed_sets(sets)
+    sub = SimpleNamespace(token_index=torch.arange(3), targets=torch.tensor([2, 9, 5]),
+                          candidate_ids=ids, candidate_offsets=offsets)
+    got = loss.row_logprobs(hidden, weight, None, sub, config(temperature=0.7)).target
+    _, want, _ = naive(hidden, weight, None, torch.arange(3), sub.targets, T=0.7, sets=sets)
+    assert torch.allclose(got, want, atol=1e-5)

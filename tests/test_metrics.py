@@ -85,8 +85,8 @@ def test_completions_jsonl_holds_one_line_per_trained_sample(train_run, tmp_path
     shutil.copy(os.path.join(out, metrics.COMPLETIONS), tmp_path)
     with open(tmp_path / metrics.COMPLETIONS, "a") as f:
         f.write('{"step": 5, "prompt_in')                       # a kill mid-write
-    assert metrics.cut_back(str(tmp_path), 2) == {
-        r["prompt_index"] for r in raw if "prompt" in r and r["step"] <= 2}
+    kept = metrics.cut_back(str(tmp_path), 2)[metrics.COMPLETIONS]
+    assert kept == [r for r in raw if r["step"] <= 2]
     assert [r["step"] for r in load_completions(str(tmp_path))] == [
         r["step"] for r in trained if r["step"] <= 2]
 

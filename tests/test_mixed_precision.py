@@ -12,6 +12,7 @@ import torch.distributed as dist
 import train
 import tree_attention
 from config import AsyncGRPOConfig
+from loss import StepTotals
 from test_tree_attention import model, pack, reference_varlen, samples, windowed
 from test_tree_gated_delta_rule import hybrid
 from weight_sync import full_tensor
@@ -70,7 +71,7 @@ def test_fp16_steps_are_loss_scaled_and_an_overflow_never_reaches_the_weights(de
     row = pack(samples(0))
 
     def step(scaler) -> tuple[dict, dict]:
-        out = train.train_step(policy, optimizer, scheduler, [row], row.trained_tokens, config,
+        out = train.train_step(policy, optimizer, scheduler, [row], StepTotals.of([row]), config,
                                1, 0.0, scaler)
         return out, {n: full_tensor(p) for n, p in policy.model.named_parameters()}
 
@@ -83,3 +84,43 @@ def test_fp16_steps_are_loss_scaled_and_an_overflow_never_reaches_the_weights(de
     assert scaler.get_scale() == 2.0 ** 16 and math.isfinite(out["loss"])
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert max((weights[n] - before[n]).abs().max() for n in before) > 1e-3
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_the_reference_is_the_starting_model_while_the_policy_trains(lora, bf16, device):
+    """beta > 0: reference_policy's log-probs are the untrained model's, before and after steps
+    that move the policy away (full fine-tuning: a frozen FSDP2 copy in the compute dtype; LoRA:
+    the policy with its adapter disabled); the step's kl is 0 while they agree, then > 0, and
+    beta 0 builds no reference."""
+    from peft import LoraConfig
+    config = AsyncGRPOConfig(learning_rate=1e-1 if lora else 1e-2, beta=0.5, bf16=bf16, **PLAIN)
+    start = model(0)
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None
+    reference = train.reference_policy(start, config, toy_tokenizer(), peft, device)
+    assert train.reference_policy(start, AsyncGRPOConfig(**PLAIN), None, peft, device) is None
+    policy_model, _ = train.load_model(start, config, toy_tokenizer(), peft, device)
+    policy = train.shard(train.Policy(policy_model), config, device)
+    optimizer, scheduler = train.build_optimizer(policy, config)
+    untrained = model(0)                                  # the same seed: the starting weights
+    tree_attention.install(untrained, "sdpa")
+    row = pack(samples(4))
+    want = train.head_logprobs(train.Policy(untrained), row, config)                     # [M]
+    tolerance = 3e-2 if bf16 else 1e-5
+    kls = []
+    for _ in range(3):
+        got = reference(policy, row)
+        assert got.dtype == torch.float32 and not got.requires_grad
+        assert (got - want).abs().max() <= tolerance
+        out = train.train_step(policy, optimizer, scheduler, [row], StepTotals.of([row]),
+                               config, 1, 0.0, reference=reference)
+        kls.append(out["kl"])
+    with torch.no_grad():
+        moved = train.head_logprobs(policy, row, config)
+    assert (moved - want).abs().max() > 10 * tolerance   # the policy did move
+    assert kls[0] <= 1e-3 and kls[-1] > 1e-3 and all(math.isfinite(k) for k in kls)
+
+
+def toy_tokenizer():
+    import toy
+    return toy.build_tokenizer()

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import rollout_helpers as h
 import toy
 import tree_attention
-from loss import compute_loss, finalize_metrics, reduce_metrics
+from loss import StepTotals, compute_loss, finalize_metrics, reduce_metrics
 from rollout.worker import RolloutWorker
 from trie_pack import Planner
 
@@ -54,7 +54,7 @@ def test_sampler_and_trainer_logprobs_agree_through_packing(long_server, toy_dir
     for row in rows:
         hidden = tree_attention.forward_row(model, row, model.model).last_hidden_state[0]   # [N, H]
         loss, metrics = compute_loss(hidden, model.lm_head.weight, None, row, config,
-                                     num_tokens=trained)
+                                     StepTotals.of(rows))
         loss.backward()
         parts.append(metrics)
     m = finalize_metrics(reduce_metrics(parts))

@@ -662,3 +662,92 @@ def test_the_loop_takes_the_spec_arguments():
     hooks_only = AsyncRolloutLoop(config, None, toy.make_dataset(4), [toy.sum_reward],
                                   toy.build_tokenizer(), [0])           # none: for its hooks
     assert hooks_only.channels is None
+
+
+def test_scale_rewards_divides_by_the_group_the_batch_or_nothing(tokenizer):
+    """scale_rewards: "group" the group's population std, "none" only the mean (Dr. GRPO),
+    "batch" the std of about one step of recent rewards (here the prior R = 8 samples a step,
+    so two groups of 4): a group of equal rewards gets advantages 0 whatever the batch."""
+    def advantages(loop, rewards):
+        group = h.group_of([None] * len(rewards))
+        group.rewards = np.array(rewards, dtype=float)
+        return loop.compute_advantages(group)
+
+    config = dict(num_generations=4, per_device_train_batch_size=8)
+    group = h.make_loop(tokenizer, AsyncGRPOConfig(**config))
+    none = h.make_loop(tokenizer, AsyncGRPOConfig(scale_rewards="none", **config))
+    batch = h.make_loop(tokenizer, AsyncGRPOConfig(scale_rewards="batch", **config))
+    r = [0.0, 1.0, 1.0, 2.0]                                       # mean 1, std sqrt(0.5)
+    assert advantages(group, r) == pytest.approx(np.array([-1, 0, 0, 1]) / (0.5 ** 0.5 + 1e-4))
+    assert advantages(none, r) == pytest.approx([-1.0, 0.0, 0.0, 1.0])
+    assert advantages(batch, [5.0] * 4) == pytest.approx([0.0] * 4)  # the window: 5 5 5 5
+    window = np.array([5.0] * 4 + r)                                 # 8 rewards: one step's
+    assert advantages(batch, r) == pytest.approx(np.array([-1, 0, 0, 1]) / (window.std() + 1e-4))
+    later = [3.0, 3.0, 4.0, 4.0]                                     # the 5s leave the window
+    window = np.array(r + later)
+    assert advantages(batch, later) == pytest.approx(np.array([-.5, -.5, .5, .5])
+                                                     / (window.std() + 1e-4))
+    assert AsyncGRPOConfig(scale_rewards=False).scale_rewards == "none"   # TRL's bools
+    assert AsyncGRPOConfig(scale_rewards=True).scale_rewards == "group"
+
+
+# ── evaluation: eval prompts through the same rollout code, never trained ──────────────────
+
+
+def evaluated(worker, steps=(0,)):
+    """Start, ask for an evaluation at each step, take every training sample until the prompts
+    run out, then wait for the evaluations: (samples, eval lines). The worker is stopped."""
+    samples = []
+    try:
+        worker.start()
+        for step in steps:
+            worker.evaluate(step)
+        while (sample := worker.get(timeout=60)) is not None:
+            samples.append(sample)
+        return samples, worker.evaluations(wait=True)
+    finally:
+        worker.stop()
+
+
+def test_an_evaluation_generates_and_scores_eval_prompts_and_trains_none(long_server, tokenizer):
+    """Two evaluations beside training: every eval prompt gets num_generations_eval rollouts from
+    the server, scored by the run's reward function; the lines come back in order, at their
+    steps; no eval rollout reaches the training queue and the resume index counts training prompts
+    only."""
+    config = h.config_for(long_server, num_generations_eval=3, per_device_eval_batch_size=3,
+                          eval_strategy="steps", eval_pass_reward=1.0)
+    worker = RolloutWorker(config, toy.make_dataset(2), [h.rank_reward], tokenizer,
+                           eval_dataset=toy.make_dataset(4, seed=9))
+    samples, lines = evaluated(worker, steps=(0, 5))
+    assert len(samples) == 4 and {s.prompt_index for s in samples} == {0, 1}
+    assert all(s.group_id >= 0 for s in samples)                 # eval groups are numbered < 0
+    assert worker.resume_index() == 2
+    assert [line["step"] for line in lines] == [0, 5]
+    for line in lines:
+        assert line["eval/prompts"] == 4 and line["eval/failed_prompts"] == 0
+        # rank_reward scores the 3 rollouts 0, 1, 2: two of three pass at 1.0
+        assert line["eval/reward"] == line["eval/rewards/rank_reward/mean"] == pytest.approx(1.0)
+        assert line["eval/pass@1"] == pytest.approx(2 / 3) and line["eval/pass@3"] == 1.0
+        assert line["eval/model_version_min"] == line["eval/model_version_max"] == 0
+        assert 1 <= line["eval/completions/mean_length"] <= config.max_completion_length
+
+
+def test_eval_prompts_run_tools_and_environments_and_a_failed_one_is_counted(long_server,
+                                                                             tokenizer):
+    """The tool loop and environment_factory work alike in an evaluation: the environment's reward
+    and a tool's answer reach the eval line; an eval prompt whose rollouts fail (a plain-text
+    prompt cannot carry tools) is counted in eval/failed_prompts and training goes on."""
+    config = h.config_for(long_server, max_completion_length=64, num_generations_eval=2)
+    eval_rows = [{"prompt": [{"role": "user", "content": "1+2="}]},
+                 {"prompt": "1+2="},                                  # no tools on plain text
+                 {"prompt": [{"role": "user", "content": "2+2="}]}]
+    worker = RolloutWorker(config, toy.make_dataset(2), [h.tool_used_reward, h.rank_reward],
+                           tokenizer,
+                           environment_factory=h.Counter, loop_cls=h.ScriptedToolLoop,
+                           eval_dataset=eval_rows)
+    samples, (line,) = evaluated(worker)
+    assert len(samples) == 4
+    assert line["eval/prompts"] == 2 and line["eval/failed_prompts"] == 1
+    assert line["eval/rewards/tool_used_reward/mean"] == 1.0       # add ran in every rollout
+    assert line["eval/rewards/Counter/mean"] == 1.0                # the environment counted it
+    assert line["eval/reward"] == 2.5 and line["eval/pass@1"] == 1.0   # 1 + 1 + (0 or 1)

@@ -126,3 +126,51 @@ def test_a_reward_function_past_its_limit_is_named(tokenizer):
                                           "reward_tool_timeout=0.1s"):
         asyncio.run(score_group(h.group_of([None] * 3), [stalled], loop.compute_advantages,
                                 loop.eos_token_ids, loop.num_top, limit=0.1))
+
+
+def test_a_truncated_completion_counts_in_its_groups_baseline_and_trains_nothing(tokenizer):
+    """mask_truncated_completions (DAPO's overlong filtering): the rollout cut before its end of
+    turn keeps its reward in the group's mean and std, and gives no sample; off, it trains."""
+    def group():
+        g = h.group_of([0.0, 1.0, 2.0])
+        g.rollouts[1].turns[-1].output_ids = [9, 9]                 # no end of turn: cut
+        return g
+
+    loop = h.make_loop(tokenizer)
+    kept, _ = asyncio.run(score_group(group(), [], loop.compute_advantages, loop.eos_token_ids,
+                                      loop.num_top))
+    masked, metrics = asyncio.run(score_group(group(), [], loop.compute_advantages,
+                                              loop.eos_token_ids, loop.num_top,
+                                              mask_truncated=True))
+    assert [s.reward for s in kept] == [0.0, 1.0, 2.0]
+    assert [s.reward for s in masked] == [0.0, 2.0]
+    assert [s.advantage for s in masked] == [kept[0].advantage, kept[2].advantage]   # same baseline
+    assert metrics["completions/clipped_ratio"] == pytest.approx(1 / 3)
+
+
+def test_pass_at_k_and_the_eval_line_replay_their_worked_examples():
+    """pass_at's n = 4, c = 1 and eval_metrics' two prompts of four rollouts, by hand; a failed
+    prompt is counted apart, an unscored reward never passes, what is not finite is left out."""
+    import numpy as np
+
+    from rollout.scoring import eval_metrics, pass_at
+    assert [pass_at(4, 1, k) for k in (1, 2, 4)] == pytest.approx([0.25, 0.5, 1.0])
+    assert pass_at(4, 0, 4) == 0.0 and pass_at(4, 4, 1) == 1.0
+
+    def result(rewards, version, lengths=(2, 2, 2, 2)):
+        return {"rewards": np.array(rewards), "columns": {"acc": np.array(rewards)},
+                "lengths": list(lengths), "truncated": [False, False, False, True],
+                "version": version}
+
+    line = eval_metrics(10, [result([1, 0, 0, 0], 3), result([0, 0, 0, 0], 4), {"failed": True}],
+                        pass_reward=1.0, seconds=2.5)
+    assert line["step"] == 10 and line["eval/prompts"] == 2 and line["eval/failed_prompts"] == 1
+    assert line["eval/reward"] == line["eval/rewards/acc/mean"] == pytest.approx(0.125)
+    assert line["eval/pass@1"] == pytest.approx(0.125) and line["eval/pass@4"] == 0.5
+    assert (line["eval/model_version_min"], line["eval/model_version_max"]) == (3, 4)
+    assert line["eval/completions/clipped_ratio"] == 0.25 and line["eval/duration_s"] == 2.5
+    unscored = eval_metrics(3, [result([np.nan, 1, np.nan, 0.5], 0)], pass_reward=1.0)
+    assert unscored["eval/reward"] == pytest.approx(0.75) and unscored["eval/pass@1"] == 0.25
+    nothing = eval_metrics(4, [{"failed": True}], pass_reward=1.0)
+    assert nothing == {"step": 4, "eval/prompts": 0, "eval/failed_prompts": 1,
+                       "eval/duration_s": 0.0}

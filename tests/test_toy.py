@@ -113,7 +113,7 @@ def test_grpo_learns_the_toy_task_on_cpu():
     import numpy as np
 
     import tree_attention
-    from loss import compute_loss
+    from loss import StepTotals, compute_loss
     from rollout.samples import RolloutSample
     from config import AsyncGRPOConfig
     from trie_pack import build_row
@@ -170,7 +170,7 @@ def test_grpo_learns_the_toy_task_on_cpu():
         out = tree_attention.forward_row(model, packed, model.model)
         hidden = out.last_hidden_state[0]                                   # [N, H]
         loss, _ = compute_loss(hidden, model.lm_head.weight, None, packed, config,
-                               num_tokens=len(packed.token_index))
+                               StepTotals.of([packed]))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -22,6 +22,7 @@ import toy
 import train
 from rollout_helpers import CurriculumConfig, CurriculumRolloutLoop
 from config import AsyncGRPOConfig
+from loss import StepTotals
 from train import AsyncGRPOTrainer
 from train_helpers import ROOT, SERVER_ARGS, SMALL, cli, lines, newest_checkpoint
 from trie_pack import Planner
@@ -75,8 +76,8 @@ def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
     assert step.trained_tokens == packed[0][0].trained_tokens == 4
     assert (step.samples, step.staleness, step.queue_size) == (fresh, [0, 0], 5)
     assert step.version == 1 and len(step.row_metrics) == 1
-    rows, n = train.scatter_rows(step, rank=0, world=1)
-    assert rows[0] is packed[0][0] and n == 4
+    rows, totals = train.scatter_rows(step, rank=0, world=1)
+    assert rows[0] is packed[0][0] and (totals.tokens, totals.samples, totals.rows) == (4, 2, 1)
     assert feed.next_step(version=1, max_staleness=0) is None
     assert train.scatter_rows(None, rank=0, world=1) is None
     assert (state.num_tokens, state.dropped_stale_total) == (100 + packed[0][0].unique_tokens, 3)
@@ -251,7 +252,7 @@ def test_a_vision_language_model_trains_and_syncs_only_its_language_model(tmp_pa
         optimizer, scheduler = train.build_optimizer(policy, config)
         assert sum(len(g["params"]) for g in optimizer.param_groups) == len(synced)
         row = pack(samples(2))
-        train.train_step(policy, optimizer, scheduler, [row], row.trained_tokens, config, world,
+        train.train_step(policy, optimizer, scheduler, [row], StepTotals.of([row]), config, world,
                          aux_coef=0.0)
         after = {n: full_tensor(p) for n, p in policy.model.named_parameters()}
         assert all(torch.equal(after[n], before[n]) for n in tower)

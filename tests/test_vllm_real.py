@@ -79,13 +79,15 @@ def restore(servers, toy_dir) -> None:
     sync_to(servers, AutoModelForCausalLM.from_pretrained(toy_dir), version=0)
 
 
-def run(servers, toy_dir, out, steps=2, peft_config=None, callbacks=(), **kwargs):
+def run(servers, toy_dir, out, steps=2, peft_config=None, callbacks=(), eval_dataset=None,
+        **kwargs):
     urls = ",".join(s.url for s in servers)
     fields = SMALL | dict(output_dir=str(out), vllm_server_base_url=urls, max_steps=steps,
                           save_steps=steps, max_staleness=1, vllm_server_timeout=120.0) | kwargs
     config = AsyncGRPOConfig(**fields)
     return train.train(config, toy.make_dataset(32), [toy.sum_reward], model=toy_dir,
-                       peft_config=peft_config, hooks=train.Hooks(callbacks, config))
+                       peft_config=peft_config, hooks=train.Hooks(callbacks, config),
+                       eval_dataset=eval_dataset)
 
 
 @vllm
@@ -277,6 +279,30 @@ def test_two_lora_runs_sync_adapters_to_both_replicas(vllm_servers, toy_dir, tmp
             assert adapter_cards(server) == []
     assert seen[0]["prefix"] != seen[1]["prefix"]
     assert lora_sync.PREFIX in seen[0]["prefix"]
+
+
+@vllm
+def test_an_evaluation_on_real_vllm_scores_the_adapter_of_its_version(vllm_servers, toy_dir,
+                                                                      tmp_path, monkeypatch):
+    """A LoRA run on both real replicas evaluates at start and every 2 steps: the eval lines come
+    at steps 0, 2 and 4 with every eval prompt scored, each evaluation ran under the version the
+    trainer had when it asked (its adapter, by name, on real vLLM), and the run's adapters are
+    unloaded at its end as always."""
+    from train_helpers import lines
+    served_at_close(monkeypatch, vllm_servers)
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)
+    out = tmp_path / "eval"
+    run(vllm_servers, toy_dir, out, steps=4, peft_config=peft_config, learning_rate=1e-2,
+        eval_strategy="steps", eval_steps=2, eval_on_start=True, num_generations_eval=2,
+        eval_dataset=toy.make_dataset(4, seed=21))
+    evals = [r for r in lines(str(out)) if "eval/prompts" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    for r in evals:
+        assert r["eval/prompts"] == 4 and r["eval/failed_prompts"] == 0
+        assert r["eval/model_version_min"] >= r["step"] and 0 <= r["eval/pass@1"] <= 1
+        assert r["eval/completions/mean_length"] > 0
+    for server in vllm_servers:
+        assert adapter_cards(server) == []
 
 
 @vllm

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import toy  # noqa: E402
 import train  # noqa: E402
+from loss import StepTotals  # noqa: E402
 import tree_attention  # noqa: E402
 from rollout.samples import RolloutSample  # noqa: E402
 from trie_pack import Planner  # noqa: E402
@@ -61,9 +62,9 @@ def main(out_path: str, precision: str = "fp32") -> None:
         rollout[0].advantage = float("inf")
     micro = [rows for s in rollout if (rows := planner.add(s))]
     packed = [[row.pack() for row in m] for m in micro]                  # [GA][2]
-    num_tokens = sum(p.trained_tokens for m in packed for p in m)
+    totals = StepTotals.of([p for m in packed for p in m])
     mine = [m[rank] for m in packed] if world == 2 else [p for m in packed for p in m]
-    out = train.train_step(policy, optimizer, scheduler, mine, num_tokens, config, world,
+    out = train.train_step(policy, optimizer, scheduler, mine, totals, config, world,
                            aux_coef=0.0)
     if os.environ.get("TWO_RANK_POISON"):
         assert out["loss"] is None and out["grad_norm"] is None, (rank, out)

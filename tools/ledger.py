@@ -53,6 +53,18 @@ FEATURES = {
         ("rollout/worker.py", "RolloutWorker.resume_state")],
     "staleness": [
         ("rollout/staleness.py", "*"), ("rollout/loop.py", "AsyncRolloutLoop._admissible")],
+    "evaluation": [
+        ("rollout/loop.py", "AsyncRolloutLoop._eval_loop"),
+        ("rollout/loop.py", "AsyncRolloutLoop._evaluate"),
+        ("rollout/loop.py", "AsyncRolloutLoop._score_eval"), ("rollout/scoring.py", "eval_*"),
+        ("rollout/scoring.py", "pass_at"), ("rollout/worker.py", "RolloutWorker.evaluate"),
+        ("rollout/worker.py", "RolloutWorker.evaluations"),
+        ("rollout/prompts.py", "check_eval_source"), ("metrics.py", "MetricsLog.evaluate")],
+    "objectives": [
+        ("loss.py", "StepTotals"), ("loss.py", "sample_mean"), ("loss.py", "normalized")],
+    "reference KL": [
+        ("train.py", "reference_policy"), ("train.py", "head_logprobs"),
+        ("loss.py", "row_logprobs")],
     "hashed trie": [
         ("trie_pack.py", "node_keys"), ("trie_pack.py", "_mix"),
         ("trie_pack.py", "TreeRow._exists"), ("trie_pack.py", "TreeRow._lookup")],

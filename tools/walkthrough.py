@@ -56,9 +56,10 @@ import torch  # noqa: E402
 import toy  # noqa: E402
 from checkpoint import TrainState  # noqa: E402
 from config import AsyncGRPOConfig  # noqa: E402
-from loss import centering_term, importance_bands, policy_loss, token_logprobs  # noqa: E402
+from loss import (StepTotals, centering_term, importance_bands, policy_loss,  # noqa: E402
+                  token_logprobs)
 from rollout import AsyncRolloutLoop  # noqa: E402
-from rollout.loop import Channels  # noqa: E402
+from rollout.loop import Channels, spec_channels  # noqa: E402
 from rollout.prompts import prompt_stream  # noqa: E402
 from rollout.samples import PendingGroup, reconcile  # noqa: E402
 from rollout.scoring import score_group  # noqa: E402
@@ -104,17 +105,16 @@ def mask_grid(packed, tokenizer, start: int) -> list[str]:
 
 
 def in_process_channels(worker: RolloutWorker) -> Channels:
-    """The channels RolloutWorker.start() makes from a spawn context, made for one process
-    (queue.Queue, plain values) and holding what the worker publishes at its start."""
-    value = SimpleNamespace
-    return Channels(
-        rollout_buffer=queue.Queue(worker.config.queue_maxsize), metrics=queue.Queue(),
-        progress=queue.Queue(), exception_info=queue.Queue(1),
-        model_version=value(value=worker.initial_version),
-        version_start=value(value=worker.window.version_start),
-        rate=value(value=worker.window.rate), consumed=value(value=worker.consumed),
-        heartbeat=value(value=time.time()), stop=threading.Event(), ready=threading.Event(),
-        failed=threading.Event())
+    """The channels RolloutWorker.start() makes from a spawn context, made for one process: the
+    spec's six primitives as queue.Queue and plain values, ours as loop.spec_channels makes them,
+    which start where a new worker's window does (C_v 0, R the prior rate of one process)."""
+    channels = spec_channels(worker.config, queue.Queue(worker.config.queue_maxsize),
+                             SimpleNamespace(value=worker.initial_version),
+                             SimpleNamespace(value=time.time()), threading.Event(),
+                             queue.Queue(1), queue.Queue())
+    assert (channels.version_start.value, channels.rate.value) == (worker.window.version_start,
+                                                                   worker.window.rate)
+    return channels
 
 
 def ask_admission(loop: AsyncRolloutLoop, group_id: int, say) -> bool:
@@ -317,7 +317,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, runner, say, section)
     state = TrainState()
     feed = Feed(worker, planner, config.gradient_accumulation_steps, state)
     step = plan_step(feed, state.model_version, config.max_staleness)
-    rows, num_tokens = scatter_rows(step, 0, 1)
+    rows, totals = scatter_rows(step, 0, 1)
     closed, held = step.rows[0][0], planner.held()
     section("feed")
     placed = len(step.samples) - len(held)
@@ -332,7 +332,9 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, runner, say, section)
         f"closes ({planner.world_size} row: one per rank), and that sample waits in the next "
         f"step's open row ({len(held)} in planner.held());",
         f"gradient_accumulation_steps {config.gradient_accumulation_steps}: {len(step.rows)} "
-        f"micro-batch makes the step; {num_tokens} trained tokens, the loss's divisor;",
+        f"micro-batch makes the step;",
+        f"StepTotals: {totals.tokens} trained tokens, {totals.samples} samples, {totals.rows} row "
+        f"(loss_type {config.loss_type} divides by the tokens);",
         f"staleness of the samples taken: {step.staleness};",
         f"the resume cursor: prompt_index {state.prompt_index}, trained {state.trained} "
         f"(the held sample is not trained yet);", f"the queue holds {worker.qsize()}")
@@ -379,7 +381,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, runner, say, section)
         lp_g = token_logprobs(hidden, head.weight, head.bias, packed.token_index, packed.targets,
                               top_ids=packed.top_ids)
         loss, _ = policy_loss(lp_g, packed.sampler_logprobs, packed.advantages,
-                              packed.trained_tokens, cfg, packed.top_logprobs)
+                              packed.sample_ids, StepTotals.of([packed]), cfg, packed.top_logprobs)
         grads[centred] = (loss.item(), torch.autograd.grad(loss, head.weight)[0])
     (loss_c, g_c), (loss_p, g_p) = grads[True], grads[False]
     say(f"loss = Σ keep·-min(r·A, clip(r)·A) / n = {fmt(loss_c, 6)} with centering, "
@@ -387,7 +389,7 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, runner, say, section)
         f"LM-head gradient norm {fmt(float(g_p.norm()), 5)} → {fmt(float(g_c.norm()), 5)} "
         f"with centering; they differ by {fmt(float((g_c - g_p).norm()), 5)}")
     optimizer, scheduler = build_optimizer(policy, config)
-    trained = train_step(policy, optimizer, scheduler, rows, num_tokens, config, world=1,
+    trained = train_step(policy, optimizer, scheduler, rows, totals, config, world=1,
                          aux_coef=0.0)
     say(f"train_step: loss {fmt(trained['loss'], 6)}, grad_norm {fmt(trained['grad_norm'])}, "
         f"ratio mean {fmt(trained['sampling/importance_sampling_ratio/mean'])}, "
