@@ -57,6 +57,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from weight_sync import full_tensor
@@ -109,8 +110,7 @@ def check_resume(path: str, now: dict, say: bool = True) -> None:
     cursor setting that changed, old and new (the saved prompt index and trained counts would
     drop or repeat samples); a changed optimisation setting is logged (`say`) and applied
     (load())."""
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        saved = json.load(f).get("settings", {})      # none in a checkpoint older than the check
+    saved = read(os.path.join(path, "trainer_state.json"), read_json).get("settings", {})
     changed = {kind: [f"{name} {old!r} → {now[kind].get(name)!r}"
                       for name, old in saved.get(kind, {}).items() if now[kind].get(name) != old]
                for kind in ("cursor", "optimization")}
@@ -337,7 +337,8 @@ def load(path: str, policy, optimizer, scheduler) -> TrainState:
     RNGs, under this run's optimisation settings: the parameter groups keep the hyperparameters
     they were built with (learning rate, betas, eps, weight_decay), and the scheduler continues
     at the saved step from this run's learning rate and schedule (check_resume says what
-    changed). torch.load reads tensors and numbers only (weights_only)."""
+    changed). torch.load reads tensors and numbers only (weights_only); a file that does not read
+    is named (read)."""
     if not os.path.isdir(os.path.join(path, "fsdp")):
         raise ValueError(f"{path} was saved with save_only_model=True: it holds no optimizer or "
                          "master-weight state to resume from; resume from a checkpoint saved "
@@ -345,30 +346,58 @@ def load(path: str, policy, optimizer, scheduler) -> TrainState:
     built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     model_state, optim_state = get_state_dict(policy, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=os.path.join(path, "fsdp"))
+    read(os.path.join(path, "fsdp"), lambda fsdp: dcp.load(state, checkpoint_id=fsdp))
     set_state_dict(policy, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     for group, hyper in zip(optimizer.param_groups, built):
         group.update(hyper)
-    schedule = load_tensors(os.path.join(path, "scheduler.pt"))
+    schedule = read(os.path.join(path, "scheduler.pt"), load_tensors)
     scheduler.load_state_dict(schedule | {"base_lrs": scheduler.base_lrs,
                                           "last_epoch": schedule["last_epoch"] - 1})
     scheduler.step()                      # the saved step's learning rate, from this run's
     rng_file = os.path.join(path, f"rng_state_{dist.get_rank()}.pth")
     if os.path.exists(rng_file):          # a resume on more ranks than saved starts fresh RNGs
-        rng = load_tensors(rng_file)
+        rng = read(rng_file, load_tensors)
         random.setstate(rng["python"])
         kind, keys, pos, has_gauss, gauss = rng["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        saved = json.load(f)
-    with open(os.path.join(path, "rollout_state.json")) as f:
-        saved |= json.load(f)
+    saved = read(os.path.join(path, "trainer_state.json"), read_json)
+    saved |= read(os.path.join(path, "rollout_state.json"), read_json)
     saved["trained"] = {int(p): n for p, n in saved.get("trained", {}).items()}
     return TrainState(**saved)
+
+
+def read(path: str, reader):
+    """reader(path), for every read of a resume: a file that cannot be read (cut or emptied by a
+    copy that did not finish, altered) is named, path and so its checkpoint-N; in the fsdp/
+    folder, the file its index finds short (damaged_in)."""
+    try:
+        return reader(path)
+    except (Exception, CheckpointException) as e:       # DCP's own is a BaseException
+        where = damaged_in(path) if os.path.isdir(path) else path
+        why = (str(e).strip() or type(e).__name__).splitlines()[-1].split(". ")[0]
+        raise ValueError(f"resume_from_checkpoint: {where} cannot be read ({why}): copy it "
+                         "again from where the run saved it, or resume from another") from e
+
+
+def damaged_in(fsdp: str) -> str:
+    """The damaged file of a DCP folder: .metadata if it does not load, else the first shard
+    shorter than the end of a tensor its index records; the folder if none is."""
+    try:
+        index = dcp.FileSystemReader(fsdp).read_metadata().storage_data.values()
+    except Exception:
+        return os.path.join(fsdp, ".metadata")
+    ends = {(os.path.join(fsdp, item.relative_path), item.offset + item.length) for item in index}
+    return min((p for p, end in ends if not os.path.isfile(p) or os.path.getsize(p) < end),
+               default=fsdp)
+
+
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
 
 
 def load_tensors(path: str):

@@ -98,10 +98,10 @@ class AsyncGRPOConfig:
                                             # metrics.jsonl is written whatever it is
     run_name: str | None = None             # the dashboards' run name; None: output_dir's name
     project: str = "huggingface"            # the wandb/trackio project
-    trackio_space_id: str | None = None     # a trackio hub Space (refused: local store)
-    trackio_bucket_id: str | None = None    # a trackio hub bucket (refused: local store)
-    trackio_static_space_id: str | None = None  # a static trackio Space (refused: local store);
-                                            # False: none, as None does without a hub upload
+    trackio_space_id: str | None = None     # trackio's hub Space; None: its local store
+    trackio_bucket_id: str | None = None    # trackio's hub bucket for the Space's data
+    trackio_static_space_id: str | None = None  # the static snapshot of that Space made at
+                                            # the end; None: trackio's name; False: none
     # ── evaluation: eval_dataset's prompts generated and scored in the rollout process ──
     eval_strategy: str = "no"               # no | steps (every eval_steps) | epoch (each pass)
     eval_steps: float | None = None         # >= 1: steps; < 1: of max_steps; None: logging_steps
@@ -468,9 +468,6 @@ REFUSED = {   # why (and what to do instead): the fields refused for it, in the 
         "logging_nan_inf_filter",
     "num_tokens (forwarded tokens since the start) is always logged":
         "include_num_input_tokens_seen",
-    "trackio logs to its local store here (report_to='trackio'); a hub Space or bucket needs a hub "
-    "connection: sync the local store with trackio's own CLI":
-        "trackio_space_id trackio_bucket_id trackio_static_space_id",
     "rank 0 writes the model files and every rank its own shard of fsdp/; put output_dir on a "
     "filesystem every node sees": "save_on_each_node",
     "checkpoints are written every save_steps and at the end; lower save_steps to lose less on a "
@@ -512,10 +509,8 @@ WHY = {name: why for why, names in REFUSED.items() for name in names.split()}   
 
 
 # Values that mean the default: transformers reads include_num_input_tokens_seen=False as "no"
-# and debug None or [] as "", and trackio_static_space_id=False (no static Space) is what None
-# does without a hub upload.
-SAME_AS_DEFAULT = {"include_num_input_tokens_seen": (False,), "debug": (None, []),
-                   "trackio_static_space_id": (False,)}
+# and debug None or [] as "".
+SAME_AS_DEFAULT = {"include_num_input_tokens_seen": (False,), "debug": (None, [])}
 
 
 def refuse_inapplicable(config) -> None:

@@ -480,11 +480,22 @@ def open_wandb(config, output_dir: str, run_name: str) -> Dashboard:
 
 
 def open_trackio(config, output_dir: str, run_name: str) -> Dashboard:
-    """A trackio run in its local store (TRACKIO_DIR; `trackio show` opens the dashboard)."""
+    """A trackio run: in its local store (TRACKIO_DIR; `trackio show` opens the dashboard), or
+    on the hub Space trackio_space_id with its data in the bucket trackio_bucket_id, as
+    transformers' TrackioCallback passes them; at the end, as the callback does, a run on a Space
+    is frozen into the static Space trackio_static_space_id (None: trackio's name for it, False:
+    none; it snapshots the Space, so without one there is none)."""
     import trackio
     trackio.init(project=config.project, name=run_name, config=config_dict(config),
+                 space_id=config.trackio_space_id, bucket_id=config.trackio_bucket_id,
                  auto_log_gpu=False, auto_log_cpu=False)
-    return _wandb_like("trackio", trackio.log, trackio.Table, trackio.finish)
+
+    def finish() -> None:
+        trackio.finish()
+        if config.trackio_space_id and config.trackio_static_space_id is not False:
+            trackio.freeze(space_id=config.trackio_space_id, project=config.project,
+                           new_space_id=config.trackio_static_space_id)
+    return _wandb_like("trackio", trackio.log, trackio.Table, finish)
 
 
 def _wandb_like(name: str, log, table_type, finish) -> Dashboard:

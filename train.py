@@ -660,8 +660,8 @@ class AsyncGRPOTrainer:
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None,
                  tools=None, environment_factory=None, eval_dataset=None):
         if reward_funcs is None and environment_factory is None:
-            raise ValueError("reward_funcs is required unless environment_factory supplies the "
-                             "reward (get_reward)")
+            raise ValueError("No reward source provided: pass reward_funcs, or an "
+                             "environment_factory whose environment scores itself (get_reward)")
         if args is not None and not isinstance(args, AsyncGRPOConfig):
             raise TypeError(f"args is a {type(args).__name__}, not an AsyncGRPOConfig: the "
                             "spec's order is (model, reward_funcs, args, train_dataset, ...); "
@@ -949,6 +949,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = train(config, dataset, rewards, model=script.model, peft_config=peft_config,
                        eval_dataset=eval_dataset)
+    except Exception as e:
+        if server is not None and (ended := server.exited()):   # the cause, said first
+            raise RuntimeError(ended) from e
+        raise
     finally:
         if server is not None:
             server.stop()

@@ -7,6 +7,7 @@ engine. Both get VLLM_SERVER_DEV_MODE=1 (the pause and weight-transfer routes) b
     real = VLLMServe(".venv-vllm/bin/python", "runs/toy-model", "--max-model-len", "512").wait()
     server.url        # http://127.0.0.1:<free port>
     server.output()   # its log so far
+    server.exited()   # None while it runs, else how it ended and where its log is
     server.stop()     # SIGTERM to its process group, SIGKILL after 10 s
 On Linux a server also gets SIGTERM when the process that started it dies (die_with).
 """
@@ -56,6 +57,7 @@ class ServerProcess:
                  startup_timeout: float):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
         self.log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=die_with(os.getpid()))
@@ -78,6 +80,15 @@ class ServerProcess:
         self.stop()
         raise RuntimeError(f"{self.name} did not become healthy within "
                            f"{self.startup_timeout:g}s:\n{self.output()}")
+
+    def exited(self) -> str | None:
+        """None while the server runs; else that it exited, its exit code, the end of its log and
+        the log's path (an error of the process that started it says this first)."""
+        if self.proc.poll() is None:
+            return None
+        tail = "".join(self.output().splitlines(keepends=True)[-10:])
+        return (f"{self.name} at {self.url}, started by this process, exited with code "
+                f"{self.proc.returncode}; its log ({self.log_path or 'not kept'}) ends:\n{tail}")
 
     def output(self) -> str:
         self.log.flush()

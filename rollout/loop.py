@@ -19,6 +19,10 @@ Departures from the spec, one line each (the why is on the code named):
 - A failed rollout drops its group; FAILED_GROUPS_TO_STOP groups in a row stop the run (_rollout);
   one whose replica stopped answering runs again on another (_reroute). A reward function, tool
   or environment past reward_tool_timeout (ours) fails its rollout, named (CallTimeout).
+- A prompt with no room in max_model_len skips its group, named and counted (_too_long): never an
+  empty rollout scored. A max_steps run whose whole pass over the prompts kept no group stops
+  (_untrained): the spec drops such groups and says nothing of a run that keeps none.
+- rollout/prompts_too_long_total (ours): the prompts skipped so.
 - *_total metrics are running totals; backpressure_s, score_block_s: seconds since the last one.
 - rollout/admission_wait_s (ours): seconds generation waited for staleness admission, not a full
   queue (the spec's rollout/backpressure_s, which counts only that).
@@ -77,6 +81,11 @@ class TurnContext:
 _TURN: contextvars.ContextVar[TurnContext] = contextvars.ContextVar("rollout_turn")
 
 
+class PromptTooLong(ValueError):
+    """A rollout's first prompt leaves no room to generate in the servers' context (the smallest
+    max_model_len over the replicas): its group is skipped (AsyncRolloutLoop._too_long)."""
+
+
 @dataclass
 class Counts:
     """The loop's progress: what admission (staleness.admits), the failure rule (_failed) and the
@@ -87,8 +96,10 @@ class Counts:
     samples_done: int = 0           # ... and their training sequences: samples per rollout
     failures_in_a_row: int = 0      # rollouts failed since a group was last scored
     failed_groups_in_a_row: int = 0  # the groups they belong to
-    dropped_in_a_row: int = 0       # groups scored and dropped since one was kept ...
-    kept_at: float = field(default_factory=time.monotonic)  # ... when that one was
+    dropped_in_a_row: int = 0       # groups scored and dropped (or skipped) since one was kept
+    too_long_in_a_row: int = 0      # ... of them skipped: their prompt was too long ...
+    too_long: str = ""              # ... the last one's row, length and the limit
+    kept_at: float = field(default_factory=time.monotonic)  # when that one was kept ...
     warned: bool = False            # ... and untrained_warning_s said so
 
 
@@ -212,8 +223,10 @@ class AsyncRolloutLoop:
                                       config.vllm_server_timeout, self.vllm_max_retries)
         self.num_top = config.num_sampler_logprobs if config.score_centering else None
         self.vocab_size = len(processing_class)       # a reply's token ids lie below it
-        self.tool_pool = ThreadPoolExecutor(max_concurrent_rollouts,
-                                            thread_name_prefix="rollout-tool")
+        # the user's code (tools, environments, reward functions) runs in these threads, never in
+        # asyncio's own: a call stuck past reward_tool_timeout must not hold the process's exit
+        self.tool_pool = ThreadPoolExecutor(max_concurrent_rollouts + len(self.reward_funcs),
+                                            thread_name_prefix="rollout-call")
         self.tool_format = tool_call_format(processing_class)
         self.warned_tool_format = False
         # the two loops' state
@@ -224,9 +237,12 @@ class AsyncRolloutLoop:
         self.tasks: set[asyncio.Task] = set()    # the running rollouts
         self.wake = asyncio.Event()              # something the generate loop waits on changed
         self.since_emit = SinceLastEmit()
-        self.totals: dict[str, float] = {}       # the tools/*_total counters since the start
+        self.totals: dict[str, float] = {}       # the *_total counters since the start
         self.recent_rewards = np.zeros(0)        # scale_rewards="batch": about a step's rewards
         self.evaluating = 0                      # eval groups started and not yet scored
+        # a pass over the prompts (_untrained): the dataset's rows; without a length (a stream,
+        # environment-owned data) a run's worth, one prompt a step
+        self.pass_prompts = len(dataset) if hasattr(dataset, "__len__") else config.max_steps
 
     # ── hooks ──
 
@@ -240,7 +256,9 @@ class AsyncRolloutLoop:
 
         The budget is max_completion_length across all turns (TRL does not enforce it across
         turns): it is left in the rollout's TurnContext, where generate_one_turn(prompt_ids), the
-        spec's signature, reads it, so an override with that signature keeps it."""
+        spec's signature, reads it, so an override with that signature keeps it. A later turn
+        whose prompt fills the context ends the rollout, truncated (completions/clipped_ratio); a
+        first one is PromptTooLong (generate_one_turn), as is a plain-text prompt that fills it."""
         config = self.config
         context = self._turn_context()
         if isinstance(prompt, str):  # a standard (plain text) prompt: one turn, no chat template
@@ -261,12 +279,13 @@ class AsyncRolloutLoop:
         completion_ids = []
         turns = []
         calls: list[ToolCall] = []
-        exhausted = False
+        exhausted = truncated = False
         while (budget := config.max_completion_length - len(completion_ids)) > 0:
             prompt_ids = self.tokenizer.apply_chat_template(
                 messages, tools=schemas, add_generation_prompt=True, tokenize=True,
                 return_dict=True, **(config.chat_template_kwargs or {}))["input_ids"]
-            if len(prompt_ids) >= self.max_model_len:
+            if turns and len(prompt_ids) >= self.max_model_len:
+                truncated = True
                 break
             context.budget = budget
             turn = await self.generate_one_turn(prompt_ids)
@@ -297,17 +316,21 @@ class AsyncRolloutLoop:
             messages += results
         return Rollout(messages[len(prompt):], completion_ids, turns, tool_call_count=len(calls),
                        tool_failure_count=sum(c.failed for c in calls), tool_calls=calls,
-                       loop_exhausted=exhausted)
+                       loop_exhausted=exhausted, truncated=truncated)
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the config's sampling settings, to the rollout's replica and
         adapter (TurnContext); max_tokens is the rollout's budget left (max_completion_length
-        across turns), capped by the context left (max_model_len − prompt)."""
+        across turns), capped by the context left (max_model_len − prompt). A prompt that leaves
+        no room is PromptTooLong, never a request with max_tokens <= 0 (which vLLM refuses)."""
         config = self.config
         context = self._turn_context()
         client = context.replica.client
         budget = context.budget or config.max_completion_length
         max_tokens = min(budget, self.max_model_len - len(prompt_ids))
+        if max_tokens <= 0:
+            raise PromptTooLong(f"its prompt of {len(prompt_ids)} tokens leaves no room in "
+                                f"max_model_len={self.max_model_len}, the servers' context")
         params = {"max_tokens": max_tokens, "temperature": config.temperature,
                   "top_p": config.top_p, "repetition_penalty": config.repetition_penalty,
                   "stop_token_ids": self.eos_token_ids, "logprobs": self.num_top or 0}
@@ -333,7 +356,8 @@ class AsyncRolloutLoop:
                 context.model = newest          # its adapter was unloaded: see adapter_name
         try:
             turn = parse(prompt_ids, reply, self.num_top)
-            check_turn(turn, reply.get("model"), context.model, max_tokens, self.vocab_size)
+            check_turn(turn, reply.get("model"), context.model, max_tokens, self.vocab_size,
+                       self.eos_token_ids)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise VLLMError(f"malformed reply ({type(e).__name__}: {e}): {str(reply)[:300]}",
                             client.base_url + endpoint) from e
@@ -513,7 +537,7 @@ class AsyncRolloutLoop:
             if not group.failed:
                 built = group.build()
                 columns = await score_rewards(self.reward_funcs, built,
-                                              self.config.reward_tool_timeout)
+                                              self.config.reward_tool_timeout, self.tool_pool)
                 group.result = eval_result(built, columns, self.eos_token_ids)
         except CallTimeout as e:
             log.error("scoring eval prompt %d failed: %s", group.row_index, e)
@@ -533,7 +557,8 @@ class AsyncRolloutLoop:
                     group, self.reward_funcs, self.compute_advantages, self.eos_token_ids,
                     self.num_top, self.config.reward_tool_timeout,
                     offers_tools=bool(self.tools) or self.environments is not None,
-                    mask_truncated=self.config.mask_truncated_completions)
+                    mask_truncated=self.config.mask_truncated_completions,
+                    executor=self.tool_pool)
             except CallTimeout as e:              # a stalled reward function fails the group
                 self._failed(group, "scoring", e, new_group=True)
                 self._finish_prompt(group.prompt_index, len(group.rollouts), 0)
@@ -605,7 +630,10 @@ class AsyncRolloutLoop:
         except Exception as e:
             if isinstance(e, NoReplicaLeft):
                 raise
-            self._failed(group, f"rollout {i}", e, new_group=not group.failed)
+            if not isinstance(e, PromptTooLong) or group.evaluation is not None:
+                self._failed(group, f"rollout {i}", e, new_group=not group.failed)
+            elif not group.failed:                      # once a group
+                self._too_long(group, e)
             group.failed = True
         finally:
             group.done.add(i)
@@ -668,23 +696,45 @@ class AsyncRolloutLoop:
                                f"{self.counts.failed_groups_in_a_row} groups; the last one: "
                                f"{type(error).__name__}: {error}") from error
 
-    def _untrained(self, kept: bool, ended: bool = False) -> None:
-        """After each group is scored (kept: it gave samples), and when the prompts have `ended`:
-        once no group was kept for untrained_warning_s (the spec drops a group whose rewards are
-        all equal: a task too hard, or too easy), a warning saying why and what to try; a
-        max_steps run stops after rollout_worker_timeout of it (the trainer would wait forever),
-        and a run whose prompts ended before any sample was queued stops saying why."""
+    def _too_long(self, group, error: PromptTooLong) -> None:
+        """A rollout whose prompt leaves no room to generate: its group is skipped, logged naming
+        the dataset row, its length and the limit, counted in rollout/prompts_too_long_total, and
+        dropped for the untrained rule (_untrained), so a pass of nothing else stops the run with
+        this error. Nothing of it is scored."""
+        self.counts.too_long = f"dataset row {group.row_index}: {error}"
+        log.error("%s; the prompt is skipped", self.counts.too_long)
+        metrics = {"rollout/prompts_too_long_total": 1}
+        add_totals(self.totals, metrics)
+        self._emit(metrics)
+        self._untrained(kept=False, too_long=True)
+
+    def _untrained(self, kept: bool, ended: bool = False, too_long: bool = False) -> None:
+        """After each group is scored (kept: it gave samples) or skipped (`too_long`), and when
+        the prompts have `ended`: once no group was kept for untrained_warning_s (the spec drops a
+        group whose rewards are all equal: a task too hard, or too easy), a warning saying why and
+        what to try. A max_steps run stops once a whole pass over the prompts (pass_prompts) gave
+        none (with nothing trained the policy cannot change, so the next pass would give none
+        either, and the trainer would wait forever), and a run whose prompts ended before any
+        sample was queued stops saying why: the last too-long prompt if every one was."""
         counts = self.counts
         if kept:
             counts.kept_at, counts.dropped_in_a_row, counts.warned = time.monotonic(), 0, False
+            counts.too_long_in_a_row = 0
             return
         counts.dropped_in_a_row += not ended
+        counts.too_long_in_a_row += too_long
         quiet = time.monotonic() - counts.kept_at
-        why = (f"no group kept for {quiet:.0f}s: the {counts.dropped_in_a_row} scored since had "
-               "equal rewards (frac_reward_zero_std 1), so nothing trains; give partial credit in "
-               "the reward, raise num_generations or temperature, or filter the prompts")
-        if self.config.max_steps > 0 and quiet > self.config.rollout_worker_timeout:
-            raise RuntimeError(f"max_steps={self.config.max_steps} would wait forever: {why}")
+        equal = counts.dropped_in_a_row - counts.too_long_in_a_row
+        why = (f"no group kept for {quiet:.0f}s: the {equal} scored since had equal rewards "
+               "(frac_reward_zero_std 1), so nothing trains; give partial credit in the reward, "
+               "raise num_generations or temperature, or filter the prompts")
+        if counts.too_long_in_a_row:
+            why = (f"{counts.too_long_in_a_row} prompts were too long, the last {counts.too_long}"
+                   + (f"; {why}" if equal else ""))
+        if self.config.max_steps > 0 and counts.dropped_in_a_row >= self.pass_prompts:
+            raise RuntimeError(f"max_steps={self.config.max_steps} would wait forever: a whole "
+                               f"pass over the prompts ({self.pass_prompts}) trained nothing: "
+                               f"{why}")
         if ended and counts.dropped_in_a_row and not counts.queued:
             raise RuntimeError(f"the prompts ran out and nothing was trained: {why}")
         if quiet > self.config.untrained_warning_s and not counts.warned and not ended:
@@ -700,7 +750,7 @@ class AsyncRolloutLoop:
     def _rollout_ended(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            self.fatal = task.exception()
+            self.fatal = self.fatal or task.exception()     # the first: the cause
         self.wake.set()
 
     def _finish_prompt(self, prompt_index: int, rollouts: int, samples: int) -> None:

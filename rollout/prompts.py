@@ -31,13 +31,15 @@ log = logging.getLogger(__name__)
 
 def check_prompt_source(dataset, environment_factory, max_steps: int) -> None:
     """Spec: train_dataset may be omitted only when environment_factory supplies the prompts from
-    reset(), and max_steps must then set the run's length. A dataset's rows: check_rows."""
+    reset(), and max_steps must then set the run's length. A dataset's rows: check_rows. The
+    errors hold the phrases TRL's constructor tests match ("`train_dataset` is required",
+    "requires a `train_dataset`")."""
     if dataset is not None:
         return check_rows(dataset, environment_factory)
     if environment_factory is None or isinstance(environment_factory, dict):
-        raise ValueError("no train_dataset: pass a dataset with a 'prompt' column, or an "
-                         "environment_factory (one factory, not a dict: a dict picks environments "
-                         "by a dataset column) whose reset() returns each prompt")
+        raise ValueError("`train_dataset` is required unless one environment_factory's reset() "
+                         "returns each prompt (a dict environment_factory requires a "
+                         "`train_dataset` with an 'environment' column)")
     if max_steps <= 0:
         raise ValueError("no train_dataset: the environment supplies the prompts, so set "
                          "max_steps > 0 to define the length of the run")
@@ -70,8 +72,8 @@ def check_rows(dataset, environment_factory) -> None:
     if isinstance(environment_factory, dict) and "environment" in columns:
         for i, name in enumerate(dataset["environment"]):
             if name not in environment_factory:
-                raise ValueError(f"dataset row {i}: environment {name!r} is not one of "
-                                 f"environment_factory's {sorted(environment_factory)}")
+                raise ValueError(f"dataset row {i}: environment {name!r} is not among the "
+                                 f"environments {sorted(environment_factory)}")
 
 
 def first_prompt_index(dataset, start_index: int) -> int:

@@ -78,6 +78,7 @@ class Rollout:
     rollout_id: str = field(default_factory=lambda: secrets.token_hex(8))
     tool_calls: list[ToolCall] = field(default_factory=list)  # ours: each executed or refused call
     loop_exhausted: bool = False  # ours: still calling tools when max_tool_calling_iterations hit
+    truncated: bool = False       # ours: its next turn found no room left in max_model_len
 
 
 @dataclass
@@ -293,10 +294,12 @@ LOGPROB_SLACK = 1e-4  # a log-prob this far above 0 is float rounding (a near-ce
 
 
 def check_turn(turn: TurnRecord, model: str | None, asked: str, max_tokens: int,
-               vocab_size: int) -> None:
+               vocab_size: int, stop_ids: list[int] = ()) -> None:
     """ValueError unless a parsed reply can be trained on: one log-prob a token, at most
     max_tokens of them, each id in the tokenizer's vocabulary, each log-prob finite and <= 0 (up
-    to LOGPROB_SLACK), and the reply names the model (or adapter) asked for."""
+    to LOGPROB_SLACK), no stop id (`stop_ids`, the run's EOS ids) but as the last token (the
+    tokens after one would be trained as part of the turn, and the reward would see them glued
+    to it), and the reply names the model (or adapter) asked for."""
     ids = np.asarray(turn.output_ids, dtype=np.int64)
     logprobs = np.asarray(turn.output_log_probs, dtype=np.float64)
     if len(logprobs) != len(ids) or len(ids) > max_tokens:
@@ -310,6 +313,9 @@ def check_turn(turn: TurnRecord, model: str | None, asked: str, max_tokens: int,
     wrong = ~(np.isfinite(logprobs) & (logprobs <= LOGPROB_SLACK))
     if wrong.any():
         raise ValueError(f"log-probs {logprobs[wrong].tolist()[:5]} are not finite and <= 0")
+    stops = np.flatnonzero(np.isin(ids[:-1], list(stop_ids)))
+    if len(stops):
+        raise ValueError(f"the reply goes on past stop token {ids[stops[0]]} at {stops[0]}")
 
 
 def top_k_of(entries: dict[int, float], k: int) -> dict[int, float]:

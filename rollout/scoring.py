@@ -40,13 +40,13 @@ async def score_group(group: RolloutGroup, reward_funcs: list[Callable],
                       compute_advantages: Callable[[RolloutGroup], np.ndarray],
                       eos_token_ids: list[int], num_top: int | None, limit: float | None = None,
                       offers_tools: bool = False, mask_truncated: bool = False,
-                      ) -> tuple[list[RolloutSample], dict[str, float]]:
-    """Rewards (each call within `limit` seconds) → group.rewards → compute_advantages → drop the
-    group or build its samples; and the group's metrics (its tools/*_total counts are this
-    group's: add_totals makes them totals; offers_tools: tools/ rates also with no call).
-    mask_truncated (mask_truncated_completions): a truncated rollout's reward counts in its group's
-    advantages, but it gives no sample (DAPO's overlong filtering)."""
-    columns = await score_rewards(reward_funcs, group, limit)
+                      executor=None) -> tuple[list[RolloutSample], dict[str, float]]:
+    """Rewards (each call within `limit` seconds, a sync one on `executor`) → group.rewards →
+    compute_advantages → drop the group or build its samples; and the group's metrics (its
+    tools/*_total counts are this group's: add_totals makes them totals; offers_tools: tools/
+    rates also with no call). mask_truncated (mask_truncated_completions): a truncated rollout's
+    reward counts in its group's advantages, but it gives no sample (DAPO's overlong filtering)."""
+    columns = await score_rewards(reward_funcs, group, limit, executor)
     group.rewards = summed(columns, len(group.rollouts))
     advantages = compute_advantages(group)
     scored = group.rewards[~np.isnan(group.rewards)]
@@ -82,10 +82,11 @@ def summed(columns: dict[str, np.ndarray], n: int) -> np.ndarray:
 
 
 def truncated(rollout, eos_token_ids: list[int]) -> bool:
-    """Whether a rollout was cut (its last turn does not end on a stop token): at
-    max_completion_length, or at the context's end (completions/clipped_ratio counts them)."""
+    """Whether a rollout was cut: its last turn does not end on a stop token (at
+    max_completion_length, or at the context's end), or its next turn found no room in the
+    context (Rollout.truncated); completions/clipped_ratio counts them."""
     ids = rollout.turns[-1].output_ids if rollout.turns else []
-    return not ids or ids[-1] not in eos_token_ids
+    return rollout.truncated or not ids or ids[-1] not in eos_token_ids
 
 
 # ── evaluation: eval prompts scored, never trained on ──────────────────────────────────────
@@ -158,16 +159,17 @@ def reward_name(func: Callable) -> str:
 
 
 async def score_rewards(reward_funcs: list[Callable], group: RolloutGroup,
-                        limit: float | None = None) -> dict[str, np.ndarray]:
+                        limit: float | None = None, executor=None) -> dict[str, np.ndarray]:
     """Every reward source of a group as a column (NaN where a source did not score a rollout):
-    reward functions (sync ones in threads, all concurrently, each within `limit` seconds),
+    reward functions (sync ones in `executor`'s threads, None: asyncio's default, all
+    concurrently, each within `limit` seconds),
     environment rewards (named after the environment class) and Rollout.reward, each checked
     (checked_column). Every source keeps its own column, so each is summed once; a name already
     taken gets a suffix (_2, _3, ...) in the rewards/<name>/ metrics."""
     environments = {} if group.environments is None else {"environments": group.environments}
 
     async def call(func):
-        values = await call_maybe_async(func, None, limit, prompts=group.prompts,
+        values = await call_maybe_async(func, executor, limit, prompts=group.prompts,
                                         completions=group.completions,
                                         completion_ids=group.completions_ids, **environments,
                                         **group.reward_kwargs)

@@ -229,8 +229,8 @@ class EnvironmentPool:
             return None
         name = row.get("environment")
         if name not in self.factory:
-            raise ValueError(f"the row's 'environment' is {name!r}; environment_factory has "
-                             f"{sorted(self.factory)}")
+            raise ValueError(f"the row's environment {name!r} is not among the environments of "
+                             f"environment_factory, {sorted(self.factory)}")
         return name
 
     async def take(self, name: str | None, executor: Executor):

@@ -33,6 +33,7 @@ Departures from the spec:
   get() drops the samples of it the checkpoint already trained (ResumeIndex.handed_out).
 """
 import ast
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -145,7 +146,8 @@ class RolloutWorker:
         self.prompts_per_epoch = len(dataset) if hasattr(dataset, "__len__") else None
 
     def start(self, ready_timeout: float = 300.0) -> None:
-        """Check picklability, spawn the process, and wait until it is connected and set up."""
+        """Check picklability, spawn the process, and wait until it is connected and set up; say
+        the rule for prompts too long for the servers (AsyncRolloutLoop._too_long)."""
         for f in self.kwargs["reward_funcs"]:
             check_picklable(f, "reward function")
         check_tools(self.kwargs["tools"] or [])
@@ -183,6 +185,9 @@ class RolloutWorker:
         except BaseException:
             self.stop()
             raise
+        logging.getLogger(__name__).info(
+            "a prompt too long for max_model_len (the servers' context) is skipped, logged with "
+            "its dataset row and counted in rollout/prompts_too_long_total")
 
     def get(self, timeout: float | None = None) -> RolloutSample | None:
         """The next sample (queue order); None once every prompt is done; queue.Empty after

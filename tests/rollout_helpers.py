@@ -341,6 +341,12 @@ def slow_reward(prompts, completions, **kwargs) -> list[float]:
     return rank_reward(prompts, completions)
 
 
+def stuck_reward(prompts, completions, **kwargs) -> list[float]:
+    """Never returns (an hour's sleep in its thread), as a reward waiting on a service that died."""
+    time.sleep(3600)
+    return rank_reward(prompts, completions)
+
+
 def slow_add(a: int, b: int) -> int:
     """Add two integers, slowly.
 

@@ -2,10 +2,12 @@
 trainer resumed from it, and the choice of checkpoint to resume from; one run per output_dir, what
 a resume checks, loads and cuts back, and the order in which a checkpoint reaches the disk (this
 module's own run, saved_run)."""
+import glob
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -414,6 +416,37 @@ def test_a_planted_pickle_in_a_checkpoint_does_not_run(saved_run, toy_dir, tmp_p
     assert not marker.exists()
     torch.load(planted, weights_only=False)
     assert marker.exists()
+
+
+def cut(path: str) -> None:
+    """The file cut at half its length, as a copy that did not finish leaves it."""
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("pattern, damage", [
+    ("fsdp/*.distcp", cut), ("scheduler.pt", cut),
+    ("trainer_state.json", lambda path: open(path, "w").close()), ("rollout_state.json", cut)],
+    ids=["DCP shard cut", "scheduler cut", "trainer state empty", "rollout state cut"])
+def test_a_damaged_checkpoint_file_is_named_with_its_checkpoint(saved_run, toy_dir, tmp_path,
+                                                               pattern, damage):
+    """A resume from a checkpoint with one file damaged stops naming that file (its path, so its
+    checkpoint-N too) and why, not with the reader's words alone ("failed finding central
+    directory", "Expecting value"): with several checkpoints the user sees which file to copy
+    again. A cut DCP shard is found by the tensor ends its index records."""
+    server, saved, _ = saved_run
+    out = str(tmp_path / "run")
+    shutil.copytree(saved, out)
+    path, = glob.glob(os.path.join(out, "checkpoint-4", pattern))
+    damage(path)
+    try:
+        with pytest.raises(ValueError, match=f"^resume_from_checkpoint: {re.escape(path)} cannot "
+                                             r"be read \(.+\): copy it again"):
+            train.train(resume_config(server, out), toy.make_dataset(64), [toy.sum_reward],
+                        model=toy_dir)
+    finally:
+        if dist.is_initialized():               # the load failed before train()'s cleanup
+            dist.destroy_process_group()
 
 
 def test_a_resume_after_a_cut_metrics_line_cuts_both_files_back_and_plots(saved_run, toy_dir,

@@ -81,10 +81,9 @@ def test_remove_unused_columns_either_way_every_column_reaches_the_rewards():
 
 
 def test_values_transformers_reads_as_the_default_are_accepted():
-    """include_num_input_tokens_seen=False is "no", debug None or [] is "", and
-    trackio_static_space_id=False asks for no static Space: none is refused."""
-    for kwargs in ({"include_num_input_tokens_seen": False}, {"debug": []}, {"debug": None},
-                   {"trackio_static_space_id": False}):
+    """include_num_input_tokens_seen=False is "no", and debug None or [] is "": none is
+    refused."""
+    for kwargs in ({"include_num_input_tokens_seen": False}, {"debug": []}, {"debug": None}):
         AsyncGRPOConfig(**kwargs)
     with pytest.raises(ValueError, match="AsyncGRPOConfig.include_num_input_tokens_seen=True"):
         AsyncGRPOConfig(include_num_input_tokens_seen=True)
@@ -137,7 +136,7 @@ def test_the_refusal_table_lists_each_field_under_one_reason():
     """REFUSED is keyed by reason: a field listed under two reasons would keep the last silently,
     so each is listed once, and each is a declared field whose refusal gives its reason."""
     listed = [name for names in config.REFUSED.values() for name in names.split()]
-    assert len(listed) == len(set(listed)) == len(config.WHY) == 62
+    assert len(listed) == len(set(listed)) == len(config.WHY) == 59
     declared = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
     assert set(listed) <= declared, set(listed) - declared
     for why, names in config.REFUSED.items():

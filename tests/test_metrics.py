@@ -20,6 +20,7 @@ import toy
 import train
 import metrics
 from conftest import ROOT
+from rollout_helpers import rank_reward
 from tools.plot import load_completions
 from train_helpers import SERVER_ARGS, SMALL, lines
 
@@ -135,12 +136,14 @@ def test_one_rule_reduces_a_metric_by_name_over_windows_rows_and_ranks(name, how
 def test_importance_ratios_of_an_unchanged_policy_are_one_with_candidate_sets(
         start_server, toy_dir, tmp_path, sampling):
     """learning_rate 0: the trainer's policy is the sampler's, so π_θ / π_sampler is 1 on every
-    token once log π_θ is renormalised over the candidate set each token was drawn from."""
+    token once log π_θ is renormalised over the candidate set each token was drawn from. (The
+    reward ranks the rollouts, so every group trains: the toy's sum_reward, under top-k 5, kept
+    no group in a pass of 16 prompts, which stops a max_steps run.)"""
     server = start_server(*SERVER_ARGS, "--return-sampling-mask", "--enable-scale-out")
     config = train.AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=server.url,
                                    max_steps=2, save_strategy="no",
                                    **(SMALL | dict(learning_rate=0.0) | sampling))
-    train.train(config, toy.make_dataset(16), [toy.sum_reward], model=toy_dir)
+    train.train(config, toy.make_dataset(16), [rank_reward], model=toy_dir)
     for r in lines(str(tmp_path)):
         assert abs(r["sampling/importance_sampling_ratio/mean"] - 1) <= 0.005, r["step"]
         assert r["sampling/masked_mean"] == 0
@@ -156,7 +159,7 @@ def test_without_candidate_sets_the_hazard_is_said_once_at_start_with_the_remedy
                                    max_steps=2, save_strategy="no",
                                    **(SMALL | dict(learning_rate=0.0, top_k=5)))
     with caplog.at_level(logging.INFO):
-        train.train(config, toy.make_dataset(16), [toy.sum_reward], model=toy_dir)
+        train.train(config, toy.make_dataset(16), [rank_reward], model=toy_dir)
     assert lines(str(tmp_path))[0]["sampling/importance_sampling_ratio/mean"] < 0.9
     said = [line for line in capfd.readouterr().err.splitlines() if "candidate sets" in line]
     assert len(said) == 1, said                                # the rollout process's log
@@ -229,3 +232,43 @@ def test_trackio_local_store_holds_the_metrics(tmp_path):
     logs = json.loads(out.strip().splitlines()[-1])
     assert [row["reward"] for row in logs if "reward" in row] == [0.25, 0.5]
     assert any("completions" in row for row in logs)
+
+
+@pytest.mark.parametrize("static, frozen", [("me/run-static", "me/run-static"), (None, None),
+                                            (False, "none")])
+def test_trackio_gets_its_space_bucket_and_static_space_as_transformers_passes_them(
+        tmp_path, monkeypatch, static, frozen):
+    """trackio_space_id and trackio_bucket_id reach trackio.init (TRL's gsm8k example sets the
+    first: it was refused); at the end the Space is frozen into trackio_static_space_id (None:
+    trackio names it; False: no freeze), as transformers' TrackioCallback does. trackio's own
+    init, log, finish and freeze are patched: no test reaches a hub."""
+    trackio = pytest.importorskip("trackio", reason="trackio is not installed")
+    calls = []
+    for name in ("init", "log", "finish", "freeze"):
+        monkeypatch.setattr(trackio, name,
+                            lambda *args, _name=name, **kwargs: calls.append((_name, kwargs)))
+    config = train.AsyncGRPOConfig(report_to="trackio", project="surface", run_name="run",
+                                   trackio_space_id="me/live", trackio_bucket_id="me/bucket",
+                                   trackio_static_space_id=static)
+    board, = metrics.open_dashboards(config, str(tmp_path))
+    board.log({"reward": 0.5}, 1)
+    board.close()
+    (_, init), log, finish, *freeze = calls
+    assert (init["project"], init["name"], init["space_id"], init["bucket_id"]) == (
+        "surface", "run", "me/live", "me/bucket")
+    assert log == ("log", {"step": 1}) and finish[0] == "finish"
+    assert freeze == ([] if frozen == "none" else [("freeze", {
+        "space_id": "me/live", "project": "surface", "new_space_id": frozen})])
+
+
+def test_trackio_without_a_space_logs_to_its_local_store_and_freezes_nothing(tmp_path,
+                                                                            monkeypatch):
+    trackio = pytest.importorskip("trackio", reason="trackio is not installed")
+    calls = []
+    for name in ("init", "finish", "freeze"):
+        monkeypatch.setattr(trackio, name,
+                            lambda *args, _name=name, **kwargs: calls.append((_name, kwargs)))
+    board, = metrics.open_dashboards(train.AsyncGRPOConfig(report_to="trackio"), str(tmp_path))
+    board.close()
+    assert [name for name, _ in calls] == ["init", "finish"]
+    assert calls[0][1]["space_id"] is None and calls[0][1]["bucket_id"] is None

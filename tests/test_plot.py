@@ -1,6 +1,7 @@
 """tools/plot.py: the README's `python -m tools.plot RUN` on the session's shared run
 (conftest.train_run), the figure's curves and panels, and the smoothing's worked example."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -53,3 +54,28 @@ def test_the_plot_is_smoothed_over_faint_raw_curves_and_titled_with_the_runs_nam
 
 def test_smooth_replays_its_worked_example():
     assert plot.smooth([1, 3, 3], weight=0.5) == pytest.approx([1.0, 7 / 3, 2.375 / 0.875])
+
+
+def test_smooth_leaves_a_missing_point_missing_and_goes_on_over_it():
+    smoothed = plot.smooth([1, None, 3, float("nan"), 3], weight=0.5)
+    assert [math.isnan(v) for v in smoothed] == [False, True, False, True, False]
+    assert [v for v in smoothed if not math.isnan(v)] == pytest.approx(
+        plot.smooth([1, 3, 3], weight=0.5))
+
+
+def test_a_run_with_a_skipped_step_plots_with_a_gap_there(tmp_path):
+    """A step whose optimizer step was skipped logs "loss": null (metrics.jsonl holds no NaN):
+    the run plots, and both loss curves leave that step out, the other panels drawn whole."""
+    records = [{"step": s, "reward": 0.1 * s, "loss": None if s == 3 else 0.5 / s}
+               for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert os.path.getsize(plot.plot(str(tmp_path))) > 10_000
+    fig = plot.figure(str(tmp_path))
+    try:
+        reward, loss = fig.axes[:2]
+        for line in loss.lines:
+            assert [math.isnan(y) for y in line.get_ydata()] == [s == 3 for s in range(1, 6)]
+        assert not any(math.isnan(y) for line in reward.lines for y in line.get_ydata())
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)

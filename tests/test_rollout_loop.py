@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import multiprocessing as mp
+import os
 import queue
 import re
 import threading
@@ -25,7 +26,8 @@ import rollout_helpers as h
 import toy
 from config import AsyncGRPOConfig
 from rollout import AsyncRolloutLoop
-from rollout.loop import Channels, spec_channels
+from rollout.loop import Channels, PromptTooLong, spec_channels
+from rollout.scoring import group_metrics
 from rollout.staleness import prior_rate
 from rollout.worker import RolloutWorker
 from test_rollout_tool_calls import MISTRAL_LIKE
@@ -97,6 +99,37 @@ def test_a_spec_signature_override_keeps_the_completion_budget(tokenizer):
     assert [c.name for c in rollout.tool_calls] == ["add"] * (len(budgets) - 1)
 
 
+def test_max_tokens_is_never_sent_at_zero_or_below(tokenizer):
+    """A prompt that leaves one token of the context is sent with max_tokens 1; one that leaves
+    none is PromptTooLong, sent nowhere, in a plain-text prompt and a first chat turn alike."""
+    loop = loop_with_server_text(tokenizer, "7", max_completion_length=8)
+    loop.max_model_len = 10
+    asyncio.run(loop.generate_one_turn(list(range(9))))
+    assert [b["max_tokens"] for b in loop.bodies] == [1]
+    for prompt in ("x" * 10, [{"role": "user", "content": "x" * 10}]):
+        with pytest.raises(PromptTooLong, match=r"its prompt of \d+ tokens leaves no room in "
+                                                 r"max_model_len=10, the servers' context"):
+            asyncio.run(loop.generate_one(prompt, []))
+    assert len(loop.bodies) == 1
+
+
+def test_a_turn_with_no_room_left_ends_the_rollout_truncated(tokenizer):
+    """The server answers a tool call; the next turn's prompt would fill the context: the rollout
+    ends after its first turn, marked truncated (completions/clipped_ratio 1, though that turn
+    ended on its end-of-turn token), and no request goes out with max_tokens <= 0."""
+    loop = loop_with_server_text(tokenizer, CALL, max_completion_length=100)
+    messages = [{"role": "user", "content": "1+2="}]
+    first = tokenizer.apply_chat_template(messages, tools=[toy.add], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"]
+    loop.max_model_len = len(first) + 60     # room for the call, none for the tool's answer
+    rollout = asyncio.run(loop.generate_one(messages, [toy.add]))
+    assert rollout.truncated and len(rollout.turns) == 1 and rollout.completion_ids[-1] == 2
+    assert [b["max_tokens"] for b in loop.bodies] == [60]
+    group = h.group_of([None, None])
+    group.rollouts[0] = rollout
+    assert group_metrics(group, [2])["completions/clipped_ratio"] == 0.5
+
+
 def test_the_tokenizers_own_response_format_drives_the_tool_loop(tokenizer):
     tokenizer.response_template = MISTRAL_LIKE
     text = 'Sure[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}][/TOOL_CALLS]'
@@ -133,9 +166,9 @@ def test_a_stop_that_meets_a_wake_ends_the_wait(tokenizer):
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("factory, max_steps, fix", [(None, 10, "environment_factory"),
-                                                     ({"a": h.PromptEnv}, 10, "not a dict"),
-                                                     (h.PromptEnv, -1, "max_steps > 0")])
+@pytest.mark.parametrize("factory, max_steps, fix", [
+    (None, 10, "environment_factory"), ({"a": h.PromptEnv}, 10, "requires a `train_dataset`"),
+    (h.PromptEnv, -1, "max_steps > 0")])
 def test_no_dataset_is_refused_at_start_naming_the_fix(tokenizer, factory, max_steps, fix):
     with pytest.raises(ValueError, match=fix):
         AsyncRolloutLoop(AsyncGRPOConfig(max_steps=max_steps), "toy", None, [], tokenizer, [2],
@@ -559,11 +592,19 @@ def positive_logprob(reply):
     return reply
 
 
+def past_stop(reply):
+    """The end-of-turn token first, then the rest of what the server sampled: a reply that goes
+    on past its stop token (a proxy that glued two replies)."""
+    reply["choices"][0]["token_ids"][0] = toy.SPECIAL.index("<|im_end|>")
+    return reply
+
+
 @pytest.mark.parametrize("tamper, wrong", [
     (out_of_vocabulary, r"token ids \[1000000\] lie outside the tokenizer's vocabulary"),
     (positive_logprob, r"log-probs \[0.5\] are not finite and <= 0"),
     (lambda reply: reply | {"model": "another"}, "the reply is from model 'another', not"),
-], ids=["token id", "log-prob", "model"])
+    (past_stop, r"the reply goes on past stop token 2 at 0"),
+], ids=["token id", "log-prob", "model", "past its stop token"])
 def test_replies_that_cannot_be_trained_on_fail_their_rollouts_naming_the_server(
         small_kv_server, tokenizer, proxy, tamper, wrong):
     url = proxy(small_kv_server.url, tamper)
@@ -607,6 +648,85 @@ def test_a_stalled_reward_function_fails_its_group_and_the_run_goes_on(small_kv_
     assert sorted({s.row_index for s in samples}) == [0, 2] and worker.resume_index() == 3
     assert ("scoring of group 1 (dataset row 1) failed; the group is dropped: CallTimeout: "
             "slow_reward did not return within reward_tool_timeout=1s") in capfd.readouterr().err
+
+
+def test_a_stuck_reward_function_is_named_and_its_process_ends_at_once(small_kv_server,
+                                                                      tokenizer):
+    """A reward function that never returns: each group's call gives up after reward_tool_timeout,
+    naming it, and FAILED_GROUPS_TO_STOP such groups end the run with its name, long before
+    rollout_worker_timeout. Its threads do not hold the process: it ends within seconds of
+    stop(). (In asyncio's own executor they did: asyncio.run joins it on the way out, so the
+    error never left the child, and the trainer called it hung, naming nothing.)"""
+    config = h.config_for(small_kv_server, reward_tool_timeout=1.0, rollout_worker_timeout=300,
+                          num_train_epochs=10)
+    worker = RolloutWorker(config, toy.make_dataset(8), [h.stuck_reward], tokenizer)
+    start = time.monotonic()
+    worker.start()
+    pid = worker.process.pid
+    try:
+        with pytest.raises(RuntimeError, match="rollouts failed in a row.*CallTimeout: "
+                                               "stuck_reward did not return within "
+                                               "reward_tool_timeout=1s"):
+            while worker.get(timeout=300) is not None:
+                pass
+        assert time.monotonic() - start < 60
+    finally:
+        stopping = time.monotonic()
+        worker.stop()
+    assert time.monotonic() - stopping < 5 and not os.path.exists(f"/proc/{pid}")
+
+
+def test_a_prompt_too_long_for_the_servers_is_skipped_named_and_counted(small_kv_server,
+                                                                       tokenizer, capfd):
+    """Row 1's chat prompt (319 tokens) has no room in the server's max_model_len of 256: its group
+    is skipped, logged naming the row, its length and the limit, and counted in
+    rollout/prompts_too_long_total. Nothing of it is scored (it was an empty completion, scored
+    and dropped without a word); the other rows train, and the resume index passes it."""
+    rows = [{"prompt": [{"role": "user", "content": c}]} for c in ("1+1=", "1" * 300, "3+3=")]
+    worker = RolloutWorker(h.config_for(small_kv_server), Dataset.from_list(rows),
+                           [h.rank_reward], tokenizer)
+    samples, metrics = h.run_worker(worker)
+    assert sorted({s.row_index for s in samples}) == [0, 2] and worker.resume_index() == 3
+    assert sum("frac_reward_zero_std" in m for m in metrics) == 2          # two groups scored
+    assert [m["rollout/prompts_too_long_total"] for m in metrics
+            if "rollout/prompts_too_long_total" in m] == [1]
+    assert ("dataset row 1: its prompt of 319 tokens leaves no room in max_model_len=256, the "
+            "servers' context; the prompt is skipped") in capfd.readouterr().err
+
+
+def test_an_epoch_of_prompts_too_long_stops_with_their_error(small_kv_server, tokenizer):
+    """Plain-text prompts, each too long: the run stops with their error, naming the row, the
+    length and the limit (it was an HTTP 400 "Invalid max_tokens=-44"; as chat prompts, "equal
+    rewards" after rollout_worker_timeout)."""
+    rows = [{"prompt": "1" * 300}, {"prompt": "1" * 300}]
+    worker = RolloutWorker(h.config_for(small_kv_server), Dataset.from_list(rows),
+                           [h.rank_reward], tokenizer)
+    with pytest.raises(RuntimeError, match=r"the prompts ran out and nothing was trained: 2 "
+                                           r"prompts were too long, the last dataset row \d: its "
+                                           r"prompt of 300 tokens leaves no room in "
+                                           r"max_model_len=256") as info:
+        h.run_worker(worker)
+    assert "equal rewards" not in str(info.value)
+
+
+def test_a_rollout_whose_next_turn_has_no_room_ends_truncated(start_server, tokenizer):
+    """A server whose context holds the first turn and its tool call, not the tool's answer: each
+    rollout ends after its first turn, trained, and counted as clipped."""
+    messages = [{"role": "user", "content": "1+1="}]
+    first = tokenizer.apply_chat_template(messages, tools=[toy.add], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"]
+    call = tokenizer.encode(f"<tool_call>{h.ScriptedToolLoop.call_json}</tool_call>",
+                            add_special_tokens=False)
+    server = start_server("--max-model-len", str(len(first) + len(call) + 1),
+                          *h.SERVER_FLAGS[2:])
+    worker = RolloutWorker(h.config_for(server, max_completion_length=64),
+                           Dataset.from_list([{"prompt": messages}] * 2), [h.rank_reward],
+                           tokenizer, tools=[toy.add], loop_cls=h.ScriptedToolLoop)
+    samples, metrics = h.run_worker(worker)
+    groups = [m for m in metrics if "completions/clipped_ratio" in m]
+    assert len(groups) == 2 and len(samples) == 4
+    assert all(m["completions/clipped_ratio"] == 1.0 and m["rollout/turns_max"] == 1
+               for m in groups)
 
 
 def test_a_stalled_tool_fails_its_rollout_naming_it(long_server, tokenizer):
@@ -751,3 +871,18 @@ def test_eval_prompts_run_tools_and_environments_and_a_failed_one_is_counted(lon
     assert line["eval/rewards/tool_used_reward/mean"] == 1.0       # add ran in every rollout
     assert line["eval/rewards/Counter/mean"] == 1.0                # the environment counted it
     assert line["eval/reward"] == 2.5 and line["eval/pass@1"] == 1.0   # 1 + 1 + (0 or 1)
+
+
+def test_an_eval_prompt_too_long_is_a_failed_eval_prompt_not_a_skipped_training_one(
+        small_kv_server, tokenizer):
+    """Eval prompts pass the same check (generate_one_turn): one too long for max_model_len is
+    sent nowhere and counted in eval/failed_prompts; training's count of skipped prompts and its
+    untrained rule never see it."""
+    eval_rows = [{"prompt": [{"role": "user", "content": "1+1="}]},
+                 {"prompt": [{"role": "user", "content": "1" * 300}]}]
+    worker = RolloutWorker(h.config_for(small_kv_server), toy.make_dataset(2), [h.rank_reward],
+                           tokenizer, eval_dataset=eval_rows)
+    samples, (line,) = evaluated(worker)
+    assert len(samples) == 4 and line["eval/prompts"] == 1 and line["eval/failed_prompts"] == 1
+    metrics = worker.drain_metrics()
+    assert metrics and not any("rollout/prompts_too_long_total" in m for m in metrics)

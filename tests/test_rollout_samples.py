@@ -84,12 +84,17 @@ def test_a_pending_group_builds_the_specs_group_in_rollout_order():
 
 def test_check_turn_refuses_what_cannot_be_trained_on():
     """Ids in the vocabulary, log-probs finite and <= 0 up to LOGPROB_SLACK (rounding: 5e-5 passes,
-    2e-4 fails), the model asked for, one log-prob a token and no more than max_tokens."""
+    2e-4 fails), the model asked for, one log-prob a token, no more than max_tokens, and a stop
+    id (2 or 3 here) only as the last token: the tokens after one would be trained."""
     def check(ids=(5, 6), logprobs=(-1.0, 5e-5), model="policy-v3", max_tokens=4):
         check_turn(TurnRecord([1], list(ids), list(logprobs)), model, "policy-v3", max_tokens,
-                   vocab_size=10)
+                   vocab_size=10, stop_ids=[2, 3])
     check()
-    for bad, message in [(dict(ids=(5, 10)), r"token ids \[10\] lie outside the tokenizer's "
+    check(ids=(5, 3), logprobs=(-1.0, -1.0))                       # the turn ends on one
+    for bad, message in [(dict(ids=(2, 6)), "the reply goes on past stop token 2 at 0"),
+                         (dict(ids=(5, 3, 3), logprobs=(-1.0,) * 3),
+                          "the reply goes on past stop token 3 at 1"),
+                         (dict(ids=(5, 10)), r"token ids \[10\] lie outside the tokenizer's "
                                              "vocabulary of 10"),
                          (dict(ids=(-1, 6)), r"token ids \[-1\]"),
                          (dict(logprobs=(-1.0, 2e-4)), r"log-probs \[0.0002\] are not finite"),

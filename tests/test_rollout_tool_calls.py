@@ -68,7 +68,7 @@ def test_environment_factory_dict_picks_by_row_and_exposes_its_tools():
         assert [t.__name__ for t in environment_tools(env)] == ["add"]
         env.add(1, 2)
         assert asyncio.run(environment_reward(env, pool))[0] == (h.Counter, 1.0)
-        with pytest.raises(ValueError, match="'environment' is 'chess'"):
+        with pytest.raises(ValueError, match="environment 'chess' is not among the environments"):
             chess = row | {"environment": "chess"}
             asyncio.run(start_environment(environments, chess, pool))
 

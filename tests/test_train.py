@@ -9,6 +9,7 @@ spec's positional order and refusals, callbacks, trainer.state and save_model.
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from rollout_helpers import CurriculumConfig, CurriculumRolloutLoop
 from config import AsyncGRPOConfig
 from loss import StepTotals
 from train import AsyncGRPOTrainer
-from train_helpers import ROOT, SERVER_ARGS, SMALL, cli, lines, newest_checkpoint
+from test_rollout_worker import family
+from train_helpers import LAUNCHED, ROOT, SERVER_ARGS, SMALL, cli, lines, newest_checkpoint
 from trie_pack import Planner
 from weight_sync import free_port, full_tensor, language_parameters
 
@@ -217,6 +219,33 @@ def test_a_dying_server_or_rollout_process_stops_the_trainer_cleanly(start_serve
     assert not alive()
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(os.path.join(out, f"checkpoint-{newest_checkpoint(out)}"))
+
+
+def test_the_embedded_servers_exit_is_said_with_its_code_and_log(tmp_path):
+    """`python train.py` starts its own server (local_vllm); killed mid-run, the run stops saying
+    that this server exited, with its exit code, the end of its log and the log's path (it said
+    "is it running? Restart it, or remove it from vllm_server_base_url", for a URL the user
+    never gave)."""
+    out = tmp_path / "toy"
+    with open(tmp_path / "output", "w") as output:
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "train.py"), "--output_dir", str(out),
+             "--max_steps", "1000", "--save_strategy", "no", "--disable_tqdm", "true"],
+            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=output, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    LAUNCHED.append(proc)                       # killed after the test if it outlives it
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, "no first step"
+        time.sleep(0.2)
+    server, = [pid for pid in family(proc.pid)
+               if "local_vllm.server" in open(f"/proc/{pid}/cmdline").read()]
+    os.kill(server, signal.SIGKILL)
+    assert proc.wait(timeout=120) != 0
+    said = (tmp_path / "output").read_text()
+    assert re.search(r"RuntimeError: local_vllm.server at http://127.0.0.1:\d+, started by this "
+                     r"process, exited with code -9; its log \(" + re.escape(str(out)) +
+                     r"/serve_local.log\) ends:\n", said), said[-3000:]
 
 
 def test_a_vision_language_model_trains_and_syncs_only_its_language_model(tmp_path):

@@ -19,6 +19,7 @@ import rollout_helpers as h
 import toy
 import train
 from rollout import AsyncRolloutLoop
+from tools import plot
 from tools.plot import load_completions
 from train_helpers import ROOT, SERVER_ARGS, SMALL
 from weight_sync import free_port
@@ -72,6 +73,12 @@ def test_a_step_whose_loss_is_not_finite_is_skipped_and_the_run_goes_on(start_se
     skipped = [r for r in records if "loss" in r and r["loss"] is None]
     assert len(skipped) == 1 and skipped[0]["grad_norm"] is None
     assert f"step {skipped[0]['step']}: the loss or gradient norm is not finite" in caplog.text
+    fig = plot.figure(str(out))                 # the run plots: a gap at the skipped step
+    loss = next(ax for ax in fig.axes if ax.get_title() == "loss")
+    for line in loss.lines[:2]:                 # raw and smoothed
+        gap = [math.isnan(y) for y in line.get_ydata()]
+        assert gap == [r["step"] == skipped[0]["step"] for r in records if "loss" in r]
+    fig.savefig(out / "metrics.png")
     assert records[-1]["skipped_steps_total"] == 1 and math.isfinite(records[-1]["loss"])
     trained, base = weights(out / "checkpoint-3"), weights(toy_dir)
     assert all(torch.isfinite(t).all() for t in trained.values())
@@ -123,25 +130,43 @@ def test_non_finite_steps_in_a_row_stop_the_run_with_the_weights_untouched(start
 # ── nothing to train ────────────────────────────────────────────────────────────────────────
 
 
-@pytest.mark.slow
-def test_a_max_steps_run_whose_every_group_is_dropped_says_why_and_stops(start_server, toy_dir,
-                                                                         tmp_path, capfd):
-    """Equal rewards: every group is dropped (the spec), so no sample ever comes. The windows are
-    logged all the same (every WAITING_LINE_S, and at the end), the rollout process warns naming
-    frac_reward_zero_std, and after rollout_worker_timeout the run stops instead of waiting."""
+def test_a_max_steps_run_whose_every_group_is_dropped_stops_after_one_pass(start_server, toy_dir,
+                                                                           tmp_path, capfd):
+    """Equal rewards: every group is dropped (the spec), so no sample ever comes, and with nothing
+    trained the policy cannot change. The run stops once a whole pass over the prompts (8) has
+    scored with none kept: on that evidence, not after a time (rollout_worker_timeout, the limit
+    for a hung process, is far above the test's length). The windows are logged all the same, and
+    the rollout process warns naming frac_reward_zero_std."""
     server = start_server(*SERVER_ARGS)
     out = tmp_path / "out"
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"max_steps=5 would wait forever: no group kept for "
-                                           r"\d+s: the \d+ scored since had equal rewards"):
-        run(server, toy_dir, out, reward=h.constant_reward, max_steps=5, untrained_warning_s=2,
-            rollout_worker_timeout=30)      # also the heartbeat's: generous on a busy machine
-    assert time.monotonic() - start < 150
+    with pytest.raises(RuntimeError, match=r"max_steps=5 would wait forever: a whole pass over "
+                                           r"the prompts \(8\) trained nothing: no group kept "
+                                           r"for \d+s: the 8 scored since had equal rewards"):
+        run(server, toy_dir, out, reward=h.constant_reward, dataset=toy.make_dataset(8),
+            max_steps=5, untrained_warning_s=1, rollout_worker_timeout=3600)
+    assert time.monotonic() - start < 600
     warned = capfd.readouterr().err
     assert "frac_reward_zero_std 1" in warned and "partial credit in the reward" in warned
     records = strict_lines(out)
     assert records and all(r["frac_reward_zero_std"] == 1.0 and r["step"] == 0 for r in records)
     assert records[-1]["reward"] == 0.0 and records[-1]["sample/dropped_stale_total"] == 0
+
+
+def test_a_max_steps_run_whose_every_prompt_is_too_long_stops_with_their_error(
+        start_server, toy_dir, tmp_path):
+    """A pass over prompts that each fill the server's context (max_model_len 128) is a pass that
+    trained nothing: the run stops with the too-long error, naming the row, the length and the
+    limit, not with equal rewards."""
+    server = start_server(*SERVER_ARGS)
+    rows = [{"prompt": [{"role": "user", "content": "1" * 200}]}] * 3
+    with pytest.raises(RuntimeError, match=r"max_steps=5 would wait forever: a whole pass over "
+                                           r"the prompts \(3\) trained nothing: 3 prompts were "
+                                           r"too long, the last dataset row \d: its prompt of 219 "
+                                           r"tokens leaves no room in max_model_len=128") as info:
+        run(server, toy_dir, tmp_path / "out", dataset=Dataset.from_list(rows), max_steps=5,
+            rollout_worker_timeout=3600)
+    assert "equal rewards" not in str(info.value)
 
 
 def test_an_epochs_run_whose_every_group_is_dropped_says_why(start_server, toy_dir, tmp_path):
@@ -185,22 +210,26 @@ ROWS = [{"prompt": [{"role": "user", "content": "1+1="}], "environment": "counte
 
 
 @pytest.mark.parametrize("kwargs, error", [
-    (dict(train_dataset=None), "no train_dataset: pass a dataset"),
+    (dict(train_dataset=None), "`train_dataset` is required"),
     (dict(train_dataset=None, reward_funcs=None, environment_factory=h.PromptEnv),
      "set max_steps > 0"),
     (dict(train_dataset=None, environment_factory={"counter": h.Counter}),
-     "one factory, not a dict"),
+     "requires a `train_dataset`"),
     (dict(train_dataset=Dataset.from_list(ROWS + [dict(ROWS[0], environment="chess")]),
           environment_factory={"counter": h.Counter}),
-     r"dataset row 2: environment 'chess' is not one of environment_factory's \['counter'\]"),
+     r"dataset row 2: environment 'chess' is not among the environments \['counter'\]"),
     (dict(train_dataset=Dataset.from_list([{"prompt": "1+1="}, {"prompt": None}])),
      "dataset row 1: the prompt is None"),
     (dict(train_dataset=Dataset.from_list([{"prompt": "1+1="}, {"prompt": ""}])),
      "dataset row 1: the prompt is ''"),
+    (dict(reward_funcs=None, train_dataset=toy.make_dataset(2)), "No reward source provided"),
 ], ids=["no dataset", "environment data without max_steps", "dict factory without dataset",
-        "unknown environment", "None prompt", "empty prompt"])
+        "unknown environment", "None prompt", "empty prompt", "no reward source"])
 def test_input_errors_are_refused_at_construction_naming_the_row(kwargs, error):
-    """AsyncGRPOTrainer refuses them before any model is loaded (the model here does not exist)."""
+    """AsyncGRPOTrainer refuses them before any model is loaded (the model here does not exist).
+    Where TRL's own constructor tests (AsyncGRPOTrainer's, GRPOTrainer's) match a phrase, the
+    error holds it: "`train_dataset` is required", "max_steps", "requires a `train_dataset`",
+    "not among the environments", "No reward source provided"."""
     kwargs = dict(reward_funcs=h.rank_reward) | kwargs
     with pytest.raises(ValueError, match=error):
         train.AsyncGRPOTrainer("no/such/model", **kwargs)

@@ -127,6 +127,30 @@ def test_full_sync_lands_exactly_every_time(vllm_servers, toy_dir):
         restore(vllm_servers, toy_dir)
 
 
+def test_replies_end_on_their_stop_token_and_a_prompt_at_the_context_limit(any_server,
+                                                                            tokenizer):
+    """What the limits' checks read from a server's real replies. Stop ids (the end of turn and
+    the digits, so that most replies stop on one): a stopped reply ends on its stop token and has
+    none before it, so samples.check_turn passes every one and the trained tokens hold a stop id
+    only last. max_model_len (256): a plain-text prompt of 255 tokens is sent with max_tokens 1
+    and answered; a chat prompt of 319 is skipped, sent nowhere, and counted."""
+    stops = [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(list("0123456789"))]
+    rows = [{"prompt": [{"role": "user", "content": c}]} for c in ("1+1=", "1" * 300, "2+3=")]
+    rows.append({"prompt": "1+" * 127 + "1"})                 # 255 tokens: one left to generate
+    assert len(tokenizer(rows[-1]["prompt"])["input_ids"]) == 255
+    config = h.config_for(any_server, max_completion_length=16, vllm_server_timeout=120.0,
+                          num_sampler_logprobs=2)
+    worker = RolloutWorker(config, rows, [h.rank_reward], tokenizer, eos_token_ids=stops)
+    samples, metrics = h.run_worker(worker, timeout=120)
+    assert sorted({s.row_index for s in samples}) == [0, 2, 3]
+    assert [m["rollout/prompts_too_long_total"] for m in metrics
+            if "rollout/prompts_too_long_total" in m] == [1]
+    assert {int(s.completion_mask.sum()) for s in samples if s.row_index == 3} == {1}
+    trained = [s.input_ids[s.completion_mask == 1].tolist() for s in samples]
+    assert all(t not in stops for ids in trained for t in ids[:-1])
+    assert sum(ids[-1] in stops for ids in trained) >= len(trained) // 2
+
+
 def test_the_prefix_cache_never_serves_kv_of_old_weights(any_server, toy_dir):
     """A prompt computed (and cached) before a sync: after it, the same prompt's log-probs are the
     new weights' (the sync's pause clears the prefix cache)."""

@@ -30,7 +30,8 @@ FEATURES = {
     "run safety": [
         ("checkpoint.py", "settings"), ("checkpoint.py", "check_resume"),
         ("checkpoint.py", "claim"), ("checkpoint.py", "fsync*"), ("metrics.py", "cut_back"),
-        ("checkpoint.py", "hold"), ("checkpoint.py", "open_run")],
+        ("checkpoint.py", "hold"), ("checkpoint.py", "open_run"), ("checkpoint.py", "read"),
+        ("checkpoint.py", "damaged_in")],
     "peft variants": [
         ("lora_sync.py", "MergedSync"), ("lora_sync.py", "Delta"), ("lora_sync.py", "merge_plan"),
         ("lora_sync.py", "merge_refusal"), ("lora_sync.py", "merged"),
@@ -39,6 +40,7 @@ FEATURES = {
         ("rollout/scoring.py", "checked_column"), ("rollout/samples.py", "check_turn"),
         ("train.py", "count_skipped"), ("train.py", "check_skipped"),
         ("rollout/loop.py", "AsyncRolloutLoop._untrained"),
+        ("rollout/loop.py", "AsyncRolloutLoop._too_long"),
         ("rollout/loop.py", "AsyncRolloutLoop._failed"),
         ("rollout/tool_calls.py", "call_maybe_async")],
     "KV cap": [

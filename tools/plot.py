@@ -9,8 +9,10 @@ PNG beside them, outside the trainer (metrics.py writes the files; spec: 記録�
     reward by prompt_index                  │ completion length by step     (completions.jsonl)
 
 Each curve is its raw points, faint, under the dashboards' smoothing of them (smooth); the title is
-the run directory's name. A line a kill cut is left out, as a resume does (metrics.whole_lines).
+the run directory's name. A line a kill cut is left out, as a resume does (metrics.whole_lines). A
+step whose optimizer step was skipped (not finite: "loss": null) is a gap in both curves.
 """
+import math
 import os
 import sys
 
@@ -39,19 +41,26 @@ def mean_by(lines: list[dict], key: str, value: str) -> dict:
     return {k: float(np.mean(v)) for k, v in sorted(groups.items())}
 
 
-def smooth(values: list[float], weight: float = 0.6) -> list[float]:
+def smooth(values: list[float | None], weight: float = 0.6) -> list[float]:
     """The dashboards' smoothing: an exponential moving average, debiased so the first points
     are not pulled to 0. Worked, weight 0.5: [1, 3, 3] → EMAs 0.5, 1.75, 2.375 over debias
-    factors 0.5, 0.75, 0.875 → [1.0, 2.333, 2.714]."""
-    out, ema = [], 0.0
-    for i, v in enumerate(values):
+    factors 0.5, 0.75, 0.875 → [1.0, 2.333, 2.714]. A missing point (None or NaN) stays missing
+    (NaN: a gap in the line) and the average goes on over it: [1, None, 3, 3] → [1.0, nan, 2.333,
+    2.714]."""
+    out, ema, seen = [], 0.0, 0
+    for v in values:
+        if v is None or math.isnan(v):
+            out.append(math.nan)
+            continue
+        seen += 1
         ema = weight * ema + (1 - weight) * v
-        out.append(ema / (1 - weight ** (i + 1)))
+        out.append(ema / (1 - weight ** seen))
     return out
 
 
 def _curve(ax, x: list, y: list, label: str) -> None:
-    """The raw points faint, the smoothed line over them in the same colour."""
+    """The raw points faint, the smoothed line over them in the same colour (a None: a gap)."""
+    y = [math.nan if v is None else v for v in y]
     raw, = ax.plot(x, y, alpha=0.25, linewidth=1)
     ax.plot(x, smooth(y), color=raw.get_color(), linewidth=1.8, label=label)
 
