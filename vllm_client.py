@@ -1,4 +1,4 @@
-"""The vLLM HTTP contract (reference/vllm_api.md), client side; 概要 (Overview): the server the
+"""The vLLM HTTP contract (docs/vllm_api.md), client side; 概要 (Overview): the server the
 trainer and the rollout process talk to. The one place that talks HTTP to a vLLM server
 (endpoints, timeouts, retries): every other module calls a method here instead of building a URL.
 One `VLLMClient` talks to one server; `server_urls` splits `vllm_server_base_url`
@@ -32,7 +32,7 @@ plain http to a host that is not loopback, a warning says so).
 What a server must be started with for a route to exist is ENABLED_BY; a 404 from one names it.
 Retries (spec: vllm_server_timeout bounds every wait and call): the table is on _next_delay.
 
-Departures from TRL's client (reference/trl_async_grpo_notes.md §2, §6.6), one line each:
+Departures from TRL 1.16's client and the retries of its rollout worker, one line each:
 - 4xx is never retried: a bad request stays bad, and its message reaches the user at once.
 - HTTP through libraries: a requests.Session for the trainer's control calls, an aiohttp session
   per event loop for the rollout's; one retry policy over both (errors mapped by _failure).

@@ -23,11 +23,12 @@ WeightSync.push, in the order of vLLM's weight-transfer API (POST /pause ... /re
     POST /reset_prefix_cache ───────► no KV of the old weights is kept (vLLM 0.33: not by /pause)
     POST /resume  (on every exit path, SIGTERM's included)             perf/weight_sync_resume_s
 
-Only one bucket (buckets()) is held at a time, never the whole model. From real vLLM 0.32: a
-refused update leaves its model on the meta device and the next forward kills the engine, so
-nothing is sent that the server could refuse (check_served); uvicorn closes a connection after a
-500, so the closing /resume after a failure never reuses a pooled one; a broadcast a server never
-took holds the trainer's exit for vllm_server_timeout unless the group is torn down (_ungroup).
+Only one bucket (buckets()) is held at a time, never the whole model. From real vLLM 0.32
+(docs/vllm_cpu.md): a refused update leaves its model on the meta device and the next forward
+kills the engine, so nothing is sent that the server could refuse (check_served); uvicorn closes
+a connection after a 500, so the closing /resume after a failure never reuses a pooled one; a
+broadcast a server never took holds the trainer's exit for vllm_server_timeout unless the group
+is torn down (_ungroup).
 
 Replicas come and go (Members): one that fails a call and /health is taken out and the group
 re-formed over the rest (one that dies mid-transfer: the sync is sent once more); back on /health,

@@ -1,4 +1,4 @@
-"""The embedded vLLM stand-in (reference/vllm_api.md): a small vLLM-compatible server on
+"""The embedded vLLM stand-in (docs/vllm_api.md): a small vLLM-compatible server on
 transformers, run as a process. The trainer, the tools and the tests import only `launch` (the
 standard library only); nothing here imports the trainer side.
 

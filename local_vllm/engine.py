@@ -1,4 +1,4 @@
-"""The vLLM HTTP contract (reference/vllm_api.md), the engine behind it: continuous batching on a
+"""The vLLM HTTP contract (docs/vllm_api.md), the engine behind it: continuous batching on a
 transformers model for local_vllm/server.py. `Engine` holds the model, the scheduler queues, the
 loaded LoRA adapters and the weight-transfer group. `APIError` lives here because the engine refuses
 some requests itself (an unknown adapter, a paused server, a bad adapter or weight update).

@@ -1,4 +1,4 @@
-"""The vLLM HTTP contract (reference/vllm_api.md), request side: what local_vllm/server.py accepts,
+"""The vLLM HTTP contract (docs/vllm_api.md), request side: what local_vllm/server.py accepts,
 checked before anything reaches the engine, and refused in vLLM's JSON error shape (a 400).
 
     {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0.7, "logprobs": 2}

@@ -1,4 +1,4 @@
-"""The vLLM HTTP contract (reference/vllm_api.md; 概要 (Overview) for the server flags): a small
+"""The vLLM HTTP contract (docs/vllm_api.md; 概要 (Overview) for the server flags): a small
 vLLM-compatible server on transformers, the embedded default where vLLM cannot run. It speaks the
 subset of vLLM 0.33's API this project uses, so the rollout process, weight sync and adapter sync
 run unchanged on a CPU laptop, in CI and in tests.

@@ -1,4 +1,4 @@
-"""The vLLM HTTP contract (reference/vllm_api.md), its transport; 概要 (Overview): the server that
+"""The vLLM HTTP contract (docs/vllm_api.md), its transport; 概要 (Overview): the server that
 the demo starts. A threaded HTTP/1.1 server for local_vllm/server.py that survives any request.
 
 The server knows nothing of vLLM's routes (server.py hands it a route table); it frames and

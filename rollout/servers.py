@@ -1,7 +1,7 @@
-"""The vLLM servers the rollout process generates from (spec: 並行性 (Concurrency); the seed 003
-note's replicas without a proxy): one `Replica` per URL, its live concurrency cap, the checks at
-start (`connect_all`), routing (`pick`), the /metrics polls (`poll_all`) and a replica's way out and
-back (`Replica.down`, `serves`).
+"""The vLLM servers the rollout process generates from (spec: 並行性 (Concurrency); the replicas
+of the adapter-sync note, docs/lora_adapter_sync.md, without its proxy): one `Replica` per URL,
+its live concurrency cap, the checks at start (`connect_all`), routing (`pick`), the /metrics polls
+(`poll_all`) and a replica's way out and back (`Replica.down`, `serves`).
 
     config.vllm_server_base_url = "http://a:8000,http://b:8000"      (server_urls splits it)
         └─ Replica a, Replica b: each its VLLMClient, its ConcurrencyCap (bound: the replica's share

@@ -162,3 +162,21 @@ def test_the_fast_tier_fails_a_test_that_starts_a_process_or_reaches_a_server():
     assert subprocess.run(["true"]).returncode == 0
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", 9), timeout=1)
+
+
+def test_every_document_the_code_cites_is_in_the_repository():
+    """A fork has the repository only: every docs/*.md that a module, test, tool or document names
+    exists, and nothing cites the notes the project was built from (reference/..., seeds/...)."""
+    kinds = (".py", ".sh", ".md", ".ini", ".txt", ".toml")
+    paths = [p for folder in ("",) + FOLDERS + ("tests", "docs", ".ci")
+             for p in glob.glob(os.path.join(ROOT, folder, "*")) if p.endswith(kinds)
+             or os.path.basename(p) == "run"]
+    cited = 0
+    for path in paths:
+        text = open(path, encoding="utf-8").read()
+        name = os.path.relpath(path, ROOT)
+        assert not re.search(r"\breference/\w+\.md|\bseeds?/\d|\bseed \d{3}\b", text), name
+        for doc in re.findall(r"\bdocs/(\w+\.md)", text):
+            cited += 1
+            assert os.path.isfile(os.path.join(ROOT, "docs", doc)), f"{name} cites docs/{doc}"
+    assert cited >= 10

@@ -1,4 +1,4 @@
-"""local_vllm/server.py, the contract (reference/vllm_api.md), end to end: every route's
+"""local_vllm/server.py, the contract (docs/vllm_api.md), end to end: every route's
 documented shape, the flags a client reads (/server_info) and their defaults, the dev routes
 only VLLM_SERVER_DEV_MODE=1 has, a bad /pause mode, weight-sync calls out of order (500s in
 vLLM's words), the CLI's one-line error for a missing model, and a bounded soak.

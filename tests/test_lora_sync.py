@@ -154,7 +154,7 @@ def test_adapter_refusals_name_the_problem_and_the_flags():
     assert "v serves no LoRA" in adapter_refusal([lora, none], ["u", "v"], plain, 4)
     assert "--max-lora-rank 64" in adapter_refusal([lora], ["u"], LoraConfig(r=48), 4)
     assert "DoRA" in adapter_refusal([lora], ["u"], LoraConfig(r=8, use_dora=True), 4)
-    data_parallel = lora | {"parallel_config": {"data_parallel_size": 2}}   # the spec refuses
+    data_parallel = lora | {"parallel_config": {"data_parallel_size": 2}}  # the LoRA note's refusal
     assert "v runs --data-parallel-size 2" in adapter_refusal([lora, data_parallel], ["u", "v"],
                                                               plain, 4)
     whole = LoraConfig(r=8, modules_to_save=["lm_head"])

@@ -70,7 +70,7 @@ def test_every_python_m_module_and_script_exists():
 
 
 def test_every_file_of_the_table_exists():
-    table = README.split("## Files and the spec sections they implement")[1]
+    table = README.split("## Files and the spec sections they implement")[1].split("\n## ")[0]
     paths = re.findall(r"^\| `([\w/.]+)`", table, re.M)
     assert len(paths) >= 20
     for path in paths:
@@ -79,3 +79,29 @@ def test_every_file_of_the_table_exists():
     rollout = {f"rollout/{f}" for f in os.listdir(os.path.join(ROOT, "rollout"))
                if f.endswith(".py") and f != "__init__.py"}
     assert top | rollout <= set(paths), sorted(top | rollout - set(paths))
+
+
+def test_the_first_screen_is_the_learners_map():
+    """What this is, the two commands with the fast tier named, the file map and one step
+    top-down come before any other section; results are stated without run logs."""
+    sections = re.findall(r"^## (.+)$", README, re.M)
+    assert sections[:2] == ["Files and the spec sections they implement", "One step, top-down"]
+    opening = README.split("\n## ", 1)[0]
+    assert "python train.py" in opening and "python -m pytest -n 2" in opening
+    assert "pytest -m fast" in opening
+    assert not re.search(r"`[0-9a-f]{7,40}`", README) and "this round" not in README
+
+
+def test_every_relative_link_of_the_documents_resolves():
+    docs = ["README.md", "WALKTHROUGH.md"] + [os.path.join("docs", f) for f in
+                                              os.listdir(os.path.join(ROOT, "docs"))]
+    links = 0
+    for doc in docs:
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        for target in re.findall(r"\]\(([^)#\s]+)\)", text):
+            if "://" in target:
+                continue
+            links += 1
+            path = os.path.join(ROOT, os.path.dirname(doc), target)
+            assert os.path.exists(path), f"{doc} links to {target}, which is not in the repository"
+    assert links >= 10

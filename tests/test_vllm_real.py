@@ -4,7 +4,7 @@
 
 Two servers start once for the session (conftest.vllm_servers); every test leaves them serving,
 resumed and without adapters of its own, except the last, which kills the second one. What real
-vLLM does that the stand-in did not is asserted here: a refused update, the
+vLLM does that the stand-in did not (docs/vllm_cpu.md) is asserted here: a refused update, the
 resume after a 500, adapter names of earlier runs, pause semantics, the CPU's remedies. Tests on
 `any_server` run against the stand-in too (conftest: one fixture, two parameters).
 """

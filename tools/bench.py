@@ -151,7 +151,7 @@ def packing(argv):
 
     Both sides build their masks inside the timed step. The FLOP bound is linear 6·params·tokens +
     attention 14·head_dim·heads·layers·pairs + LM head 6·hidden·vocab·trained, as in
-    reference/tree_flex_probe_results.md (× 8/6 on the first two with --checkpointing, which
+    the H200 probe in docs/LOG.md (× 8/6 on the first two with --checkpointing, which
     recomputes each decoder layer's forward in backward, on both sides). Without CUDA a tiny model
     runs instead: correctness only. Layouts gpu_check.py runs: the defaults (4 prompts of 1024
     tokens, 8 rollouts of 256) and the long prompt `--groups 1 --prompt 8192 --completion 128

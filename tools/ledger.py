@@ -1,6 +1,6 @@
 """The core's line ledger (README: What the core's lines buy): each feature beyond the spec with the
 code lines of the functions that carry it, and the core's total, in the budget's unit (code lines:
-no docstrings, comments or blank lines, as ../shared/tools/code_lines.py counts them).
+no docstrings, comments or blank lines, as the project's budget counts them).
 
     python -m tools.ledger          # one line per feature, then the core's total
 

