@@ -68,7 +68,7 @@ import verify_sync
 from checkpoint import full_tensor
 from config import AsyncGRPOConfig, dtype_name   # the spec imports the first from here
 from loss import (MOE_EXPERT_FIELDS, StepTotals, compute_loss, extreme, finalize_metrics,
-                  reduce_metrics, router_aux_loss_coef, row_logprobs, token_logprobs)
+                  reduce_metrics, router_aux_loss_coef, row_logprobs)
 from rollout import (AsyncRolloutLoop, Rollout, RolloutGroup,  # noqa: F401 (the spec's records)
                      RolloutSample, TurnRecord)
 from rollout.prompts import check_eval_source, check_prompt_source
@@ -309,19 +309,23 @@ class Policy(torch.nn.Module):
                                  sampler_logprobs=np.zeros(len(p) + len(t), np.float32),
                                  model_version=0) for p, t in sequences]
         row = build_row(samples).pack()
-        softcap = getattr(tree_attention.text_config(self.model), "final_logit_softcapping", None)
         training = self.training
         self.eval()
         try:
             with torch.no_grad():
-                hidden = self(row).last_hidden_state[0]                               # [N, H]
-                head = self.head()
-                device = head.weight.device
-                lp = token_logprobs(hidden, head.weight, head.bias, row.token_index.to(device),
-                                    row.targets.to(device), final_logit_softcapping=softcap)
+                lp = self.logprobs(row)                                               # [M]
         finally:
             self.train(training)
-        return list(lp.target.float().cpu().split([len(t) for _, t in sequences]))  # [T] each
+        return list(lp.float().cpu().split([len(t) for _, t in sequences]))  # [T] each
+
+    def logprobs(self, row, temperature: float = 1.0) -> torch.Tensor:
+        """[M] log π at a packed row's loss terms (loss.row_logprobs: at `temperature`, over the
+        row's candidate sets), from this policy's forward and LM head."""
+        head = self.head()
+        softcap = getattr(tree_attention.text_config(self.model), "final_logit_softcapping", None)
+        hidden = self(row).last_hidden_state[0]                                    # [N, H]
+        row = to_device(row, head.weight.device)
+        return row_logprobs(hidden, head.weight, head.bias, row, temperature, softcap).target
 
 
 def shard(policy: Policy, config, device: torch.device) -> Policy:
@@ -344,7 +348,7 @@ def shard(policy: Policy, config, device: torch.device) -> Policy:
 
 def reference_policy(model, config, processing_class, peft_config, device):
     """The reference of beta > 0's KL: a function (policy, packed row) → log π_ref at the row's
-    loss terms [M] (loss.row_logprobs), run without gradients; None when beta is 0 (no reference
+    loss terms [M] (Policy.logprobs), run without gradients; None when beta is 0 (no reference
     forward, no reference weights). Under LoRA the reference is the policy with its adapter
     disabled, the base: no second copy. Otherwise it is a frozen copy of the starting `model`,
     loaded (or copied) before training changes it, in the compute dtype and sharded with FSDP2 like
@@ -363,7 +367,7 @@ def reference_policy(model, config, processing_class, peft_config, device):
             for layer in tuners:
                 layer._disable_adapters = True
             try:
-                return head_logprobs(policy, row, config)
+                return policy.logprobs(row, config.temperature)
             finally:
                 for layer in tuners:
                     layer._disable_adapters = False
@@ -377,19 +381,10 @@ def reference_policy(model, config, processing_class, peft_config, device):
 
     @torch.no_grad()
     def start(policy, row):
-        logprobs = head_logprobs(reference, row, config)
+        logprobs = reference.logprobs(row, config.temperature)
         reference.reshard()                 # the root keeps its gathered weights after a forward
         return logprobs
     return start
-
-
-def head_logprobs(policy: Policy, row, config) -> torch.Tensor:
-    """[M] log π at a packed row's loss terms, from `policy`'s forward and LM head."""
-    head = policy.head()
-    softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
-    hidden = policy(row).last_hidden_state[0]                                  # [N, H]
-    row = to_device(row, head.weight.device)
-    return row_logprobs(hidden, head.weight, head.bias, row, config, softcap).target
 
 
 def build_optimizer(policy: Policy, config):
