@@ -268,14 +268,9 @@ class AdapterSync:
         """Rank 0: out of the syncs (the last one: the sync raises), and of routing: the adapter
         unloaded there (rollout.servers.drop_unverified)."""
         failed = [(c, refused[c.base_url]) for c in self.members.live if c.base_url in refused]
-        self.members.take_out_failed(failed, f"failed the probe of {name}, loaded twice,",
-                                     f"LoRA sync: {name} did not load as trained, loaded twice")
-        for c, _ in failed:
-            try:
-                unload(c, name)
-            except (VLLMError, TimeoutError) as e:     # out of the syncs already: said, not raised
-                log.warning("LoRA sync: %s keeps %s loaded (%s): the rollout process may still "
-                            "generate from it", c.base_url, name, e)
+        self.members.take_out_all(failed, f"failed the probe of {name}, loaded twice,",
+                                  f"LoRA sync: {name} did not load as trained, loaded twice",
+                                  lambda c: unload(c, name))
 
     def _retire(self) -> None:
         """Rank 0: unload the versions that left the staleness window (the new one is in)."""
@@ -321,19 +316,13 @@ class BaseSync(FullSync):
         super().__init__(policy, clients, config, verifier)
         self.plan = merge_plan(policy.model)
 
-    def specs(self) -> list[tuple[str, torch.Size]]:
-        return [(name, base.shape) for name, base, _ in self.plan]
-
-    def tensors(self) -> Iterator[torch.Tensor]:
-        return (full_tensor(base) for _, base, _ in self.plan)
-
 
 class MergedSync(BaseSync):
     """A full sync of the merged weights W + s·B·A under the base names: every sync of a LoRA run
     whose servers cannot load its adapter."""
 
-    def tensors(self) -> Iterator[torch.Tensor]:
-        return (merged(base, delta) for _, base, delta in self.plan)
+    def tensor(self, base: torch.Tensor, delta: "Delta | None") -> torch.Tensor:
+        return merged(base, delta)
 
 
 @dataclasses.dataclass

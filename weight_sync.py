@@ -120,14 +120,22 @@ class FullSync:
         self.weights = WeightSync(clients, config.vllm_server_timeout)
         self.verifier = verifier             # verify_sync.Verifier, or None: syncs unverified
         self.worker_kwargs: dict = {}        # RolloutWorker's: rollouts ask for the base card
+        # (server name, tensor, what is merged into it: lora_sync.Delta) of what every sync sends
+        self.plan = [(name, p, None) for name, p in language_parameters(policy.model)]
 
     def specs(self) -> list[tuple[str, torch.Size]]:
         """(name, shape) of what every sync sends, in order: the server's names."""
-        return [(name, p.shape) for name, p in language_parameters(self.policy.model)]
+        return [(name, p.shape) for name, p, _ in self.plan]
 
-    def tensors(self) -> Iterator[torch.Tensor]:
-        """What every sync sends, whole, in specs() order (every rank: the all-gathers)."""
-        return (full_tensor(p) for _, p in language_parameters(self.policy.model))
+    def tensors(self, only: set[str] | None = None) -> Iterator[torch.Tensor]:
+        """What every sync sends (those named in `only`, if given), whole, in specs() order
+        (every rank: the all-gathers)."""
+        return (self.tensor(p, delta) for name, p, delta in self.plan
+                if only is None or name in only)
+
+    def tensor(self, p: torch.Tensor, delta) -> torch.Tensor:
+        """The tensor sent for `p`: p whole (lora_sync.MergedSync merges `delta` into it)."""
+        return full_tensor(p)
 
     def connect(self) -> None:
         """Rank 0: join the servers, every name and shape checked first (WeightSync.connect)."""
@@ -143,12 +151,17 @@ class FullSync:
         """Nothing to release: the servers keep the last weights sent."""
 
     def push(self, version: int) -> dict[str, float]:
-        """Every rank: the weights to every server (WeightSync.push), checked there by
-        verification when it is on (verify_sync: a server that holds other bytes is taken out)."""
-        check = self.verifier.full_check(self.specs(), version, self.weights.members) \
-            if self.verifier else None
-        stats = self.weights.push(self.specs(), self.tensors, version, check)
-        return stats.metrics() | (check.metrics() if check else {})
+        """Every rank: the weights to every server (WeightSync.push); with verification on, the
+        servers that hold other bytes than were sent (verify_sync) are taken out."""
+        stats = self.weights.push(self.specs(), self.tensors, version).metrics()
+        if self.verifier is None:
+            return stats
+        failed, figures = self.verifier.check_full(self, version)
+        on_rank0(lambda: self.weights.members.take_out_all(
+            failed, "failed the sync's verification",
+            f"weight sync to version {version} did not land as sent",
+            lambda c: c.update_weight_version(f"{UNVERIFIED}{version}")), FAILED)
+        return stats | figures
 
 
 # ── at start: is the served model the one we train, and how must the servers be started? ─────
@@ -303,14 +316,12 @@ class WeightSync:
         self._regroup()
 
     def push(self, specs: list[tuple[str, torch.Size]],
-             tensors: Callable[[], Iterator[torch.Tensor]], version: int, check=None) -> SyncStats:
+             tensors: Callable[[], Iterator[torch.Tensor]], version: int) -> SyncStats:
         """Send the tensors as `specs` names and shapes, in that order, and publish `version`.
         Every rank calls it and iterates `tensors()` (FSDP2's gathers are collectives); rank 0
         talks to the servers. Each phase ends in one agreement (agree: rank 0's error reaches
         every rank and all raise together), so no rank is left waiting in a collective. The
-        servers are resumed on every way out, a stop (SystemExit, KeyboardInterrupt) included.
-        `check` (verify_sync's, or None) fingerprints what is sent (check.record) and, the servers
-        running again, names those that hold other bytes (check.failed), which are taken out."""
+        servers are resumed on every way out, a stop (SystemExit, KeyboardInterrupt) included."""
         stats = SyncStats()
         with stats.timed("s"):
             try:
@@ -319,9 +330,9 @@ class WeightSync:
                 with stats.timed("barrier_s"):
                     agree(error, FAILED)        # every rank waits for rank 0's pause: the barrier
                 try:
-                    self._transfer(stats, specs, tensors, check, resend=False)
+                    self._transfer(stats, specs, tensors, resend=False)
                 except _Lost:                   # a server died or restarted mid-transfer:
-                    self._transfer(stats, specs, tensors, check, resend=True)   # to the rest
+                    self._transfer(stats, specs, tensors, resend=True)      # to the rest
                 with stats.timed("finish_s"):
                     on_rank0(lambda: self.members.call(
                         lambda c: c.finish_weight_update(str(version))), FAILED)
@@ -336,9 +347,6 @@ class WeightSync:
                     if still := [why for c in self.members.live if (why := c.resume_confirmed())]:
                         raise RuntimeError(f"weight sync to version {version} landed, but "
                                            f"{'; '.join(still)}")
-        if check is not None:               # verification (verify_sync.py): act on its findings
-            on_rank0(lambda: self._take_out_unverified(check.failed(self.members), version),
-                     FAILED)
         return stats
 
     def _pause(self) -> None:
@@ -379,7 +387,7 @@ class WeightSync:
         if still:
             log.warning("weight sync: %s", "; ".join(still))
 
-    def _transfer(self, stats: SyncStats, specs, tensors, check, resend: bool) -> None:
+    def _transfer(self, stats: SyncStats, specs, tensors, resend: bool) -> None:
         """Every rank gathers every tensor; rank 0 first opens the update on every server
         (_begin), then broadcasts the buckets while they receive. A failure while sending stops
         the sending, never the gathering; the group is then torn down (_ungroup), and the
@@ -395,8 +403,6 @@ class WeightSync:
                 it = iter(tensors())
                 for chunk in buckets(sizes, self.buffer_bytes):
                     parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]
-                    if check is not None:
-                        check.record([specs[i][0] for i in chunk], parts)
                     if self.rank == 0 and error is None:
                         flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])  # [Σ B]
                         error = _attempt(lambda: self._broadcast(flat, update))
@@ -449,16 +455,6 @@ class WeightSync:
             if u.done():
                 _attempt(c.shutdown_weight_transfer_engine)
         self.group, self.grouped = None, []
-
-    def _take_out_unverified(self, failed: list[tuple[VLLMClient, str]], version: int) -> None:
-        """Rank 0: each (server, why) that verification found holding other bytes than were sent
-        is taken out of the syncs (if it was the last one, the sync raises) and of routing: its
-        weight version says so (rollout.servers.drop_unverified); the next sync that reaches it
-        (back on /health) gives it the weights again."""
-        self.members.take_out_failed(failed, "failed the sync's verification",
-                                     f"weight sync to version {version} did not land as sent")
-        for c, _ in failed:
-            _attempt(lambda: c.update_weight_version(f"{UNVERIFIED}{version}"))
 
     def _regroup(self) -> None:
         """Rank 0: one group with the workers of every live server (at connect, and after a
@@ -566,9 +562,10 @@ class Members:
         log.warning("%s: %s %s and is taken out (the run goes on with %d of %d); %s", self.what,
                     client.base_url, failure, len(self.live), len(self.clients), why)
 
-    def take_out_failed(self, failed: list[tuple[VLLMClient, str]], failure: str,
-                        last: str) -> None:
-        """Take out each (server, why) of `failed` (take_out: `failure` is what it did); if they
+    def take_out_all(self, failed: list[tuple[VLLMClient, str]], failure: str, last: str,
+                     then: Callable[[VLLMClient], object]) -> None:
+        """Take out each (server, why) of `failed` (take_out: `failure` is what it did), then(it)
+        on each, its error ignored (rollout.servers.drop_unverified routes around it); if they
         are every live server, none is: RuntimeError("<last>: <url>: <why>; ...") instead."""
         if failed and len(failed) == len(self.live):
             whys = "; ".join(f"{c.base_url}: {why}" for c, why in failed)
@@ -576,6 +573,9 @@ class Members:
                                "checkpoint")
         for c, why in failed:
             self.take_out(c, why, failure)
+            if error := _attempt(lambda: then(c)):
+                log.warning("%s: %s is taken out, but the rollout process may still route to "
+                            "it (%s)", self.what, c.base_url, error)
 
     def call(self, call: Callable[[VLLMClient], object], what: str | None = None,
              only: set[str] | None = None) -> dict[VLLMClient, object]:

@@ -197,7 +197,7 @@ def test_a_wrong_api_key_fails_at_once_with_a_clear_401(start_server, tokenizer,
 def test_a_replica_whose_sync_failed_verification_leaves_routing_until_a_later_one_lands(
         start_server):
     """The trainer labels a server whose weights failed its verification "unverified-N"
-    (WeightSync._take_out_unverified); the rollout process takes it out of routing before a group
+    (FullSync.push, Members.take_out_all); the rollout process takes it out of routing before a group
     starts at that version (drop_unverified), and readmit brings it back once a later sync gives
     it a numbered version again."""
     import asyncio
