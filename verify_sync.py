@@ -108,9 +108,9 @@ class Verifier:
 
     # ── full sync ──
 
-    def check_full(self, sync, version: int) -> tuple[list, dict[str, float]]:
+    def check_full(self, sync, version: int) -> tuple[dict[str, str], dict[str, float]]:
         """Every rank, after a full sync to `version` (weight_sync.FullSync), the servers running
-        again: ([(server, why)] of those that hold other bytes than were sent, on rank 0; the
+        again: ({url: why} of those that hold other bytes than were sent, on rank 0; the
         sync's figures). Rank 0 picks the tensors (tensors_to_verify; none where no server can
         show what it holds), every rank gathers them once more (sync.tensors), rank 0
         fingerprints them in the wire's dtype and compares each server's. Then the probe is
@@ -126,7 +126,7 @@ class Verifier:
             if weights.rank == 0:
                 sent[name] = fingerprint(t.to(weights.dtype))
         failed, verified = on_rank0(lambda: self._compared(sent, weights.members),
-                                    FAILED) or ([], 0)
+                                    FAILED) or ({}, 0)
         return failed, {"sync/verify_s": time.perf_counter() - start,
                         "sync/verified_tensors": float(verified)}
 
@@ -146,26 +146,26 @@ class Verifier:
         return tensors_to_verify([n for n, _ in specs], version, self.every, self.always,
                                  not self.checks)
 
-    def _compared(self, sent: dict[str, str], members) -> tuple[list, int]:
-        """Rank 0: ([(server, why)] of those that hold other bytes than `sent`, named with the
+    def _compared(self, sent: dict[str, str], members) -> tuple[dict[str, str], int]:
+        """Rank 0: ({url: why} of those that hold other bytes than `sent`, named with the
         tensors and both fingerprints; the fewest tensors a server was verified in). Tensors a
         server cannot read back exactly are said once and not counted. Then the probe is asked
         of the others, in the background."""
         names = list(sent)
         showing = {url for url, yes in self.showing.items() if yes}
         shown = members.call(lambda c: served_digests(c, names), only=showing) if names else {}
-        failed, verified = [], []
+        failed, verified = {}, []
         for c, (served, excluded) in shown.items():
             if excluded and c.base_url not in self.unreadable:
                 self.unreadable.add(c.base_url)
                 log.warning("weight sync: %s cannot read back %d tensor(s) exactly, which are "
                             "not verified: %s", c.base_url, len(excluded), excluded)
             if wrong := mismatches(sent, served, excluded):
-                failed.append((c, f"it holds other bytes than were sent in {len(wrong)} of "
-                                  f"{len(names)} verified tensors: {'; '.join(wrong[:3])}"))
+                failed[c.base_url] = (f"it holds other bytes than were sent in {len(wrong)} of "
+                                      f"{len(names)} verified tensors: {'; '.join(wrong[:3])}")
             else:
                 verified.append(len(names) - len(excluded))
-        good = {c.base_url for c in members.live} - {c.base_url for c, _ in failed}
+        good = {c.base_url for c in members.live} - set(failed)
         self.probe_reply = in_background(lambda: ask(self.policy, members, base_card, good))
         return failed, min(verified, default=0)
 
