@@ -252,15 +252,29 @@ class AsyncGRPOConfig:
         # the rules that several fields share, each written once
         for name in ("temperature", "max_completion_length", "queue_maxsize",
                      "vllm_server_timeout", "rollout_worker_timeout", "reward_tool_timeout",
-                     "untrained_warning_s"):
+                     "untrained_warning_s", "ddp_timeout"):
             need(getattr(self, name) > 0, name, "must be > 0")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                     "weight_sync_steps"):
+                     "weight_sync_steps", "per_device_eval_batch_size"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in ("learning_rate", "max_staleness", "weight_sync_verify_every"):
+        for name in ("num_generations_eval", "max_concurrent_rollouts", "torch_empty_cache_steps",
+                     "save_total_limit"):
+            need(getattr(self, name) is None or getattr(self, name) >= 1, name,
+                 "must be >= 1 (or None)")
+        for name in ("learning_rate", "max_staleness", "weight_sync_verify_every", "beta",
+                     "eval_delay"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards,
+                                                                self.scale_rewards)  # TRL's bools
         for name, allowed in (("optim", OPTIMIZERS), ("lr_scheduler_type", SCHEDULES),
-                              ("log_level", LOG_LEVELS), ("log_level_replica", LOG_LEVELS)):
+                              ("log_level", LOG_LEVELS), ("log_level_replica", LOG_LEVELS),
+                              ("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS),
+                              ("importance_sampling_level", ("token", "sequence")),
+                              ("eval_strategy", ("no", "steps", "epoch")),
+                              ("dtype", ("auto", "bfloat16", "float16", "float32")),
+                              ("tree_attention_backend", (None, "sdpa", "flex", "flash")),
+                              ("ddp_backend", (None, "nccl", "gloo")),
+                              ("save_strategy", ("steps", "no"))):
             need(getattr(self, name) in allowed, name, f"must be one of {allowed}")
         # generation and the objective
         need(self.num_generations >= 2, "num_generations",
@@ -282,12 +296,6 @@ class AsyncGRPOConfig:
              "need clip_min < 1 < clip_max")
         need(self.num_sampler_logprobs >= 1 or not self.score_centering, "num_sampler_logprobs",
              "score centering needs >= 1 sampler log-probs per token")
-        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards,
-                                                                self.scale_rewards)  # TRL's bools
-        for name, allowed in (("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS),
-                              ("importance_sampling_level", ("token", "sequence"))):
-            need(getattr(self, name) in allowed, name, f"must be one of {allowed}")
-        need(self.beta >= 0, "beta", "must be >= 0 (0: no reference model)")
         need(not self.score_centering or (self.loss_type != "cispo"
                                           and self.importance_sampling_level == "token"),
              "score_centering", "is derived for the token-level clipped surrogate (loss.py's "
@@ -297,18 +305,9 @@ class AsyncGRPOConfig:
             warnings.warn("AsyncGRPOConfig(loss_type='cispo'): the importance weight is capped at "
                           f"epsilon_high, unset, so at epsilon={self.epsilon}; CISPO's ε_max is "
                           "usually 5.0 (set epsilon_high)", stacklevel=3)
-        # evaluation
-        need(self.eval_strategy in ("no", "steps", "epoch"), "eval_strategy",
-             "must be 'no', 'steps' or 'epoch'")
-        need(self.eval_delay >= 0, "eval_delay", "must be >= 0")
-        need(self.per_device_eval_batch_size >= 1, "per_device_eval_batch_size", "must be >= 1")
-        need(self.num_generations_eval is None or self.num_generations_eval >= 1,
-             "num_generations_eval", "must be >= 1 (or None: num_generations)")
         # the asynchronous pipeline
         need(self.num_train_epochs > 0 or self.max_steps > 0, "num_train_epochs",
              "must be > 0 (or set max_steps > 0)")
-        need(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1,
-             "max_concurrent_rollouts", "must be >= 1 (or None for the default)")
         # training
         need(self.lr_scheduler_type.startswith("constant") or self.max_steps > 0,
              "lr_scheduler_type",
@@ -323,18 +322,8 @@ class AsyncGRPOConfig:
             import torch
             need(torch.cuda.is_available(), "tf32", "needs a CUDA device, and none is visible: on "
                  "a CPU leave it unset")
-        need(self.torch_empty_cache_steps is None or self.torch_empty_cache_steps >= 1,
-             "torch_empty_cache_steps", "must be >= 1 (or None: never)")
-        need(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
-             "must be auto, bfloat16, float16 or float32")
-        need(self.tree_attention_backend in (None, "sdpa", "flex", "flash"),
-             "tree_attention_backend",
-             "must be sdpa, flex or flash (or None for the device's default)")
         need(self.train_sampling_strategy in ("random", "sequential"), "train_sampling_strategy",
              "must be 'random' or 'sequential': rows are packed by tokens, not grouped by length")
-        need(self.ddp_backend in (None, "nccl", "gloo"), "ddp_backend",
-             "must be nccl (CUDA), gloo (CPU) or None (the device's)")
-        need(self.ddp_timeout > 0, "ddp_timeout", "must be > 0 seconds")
         in_force = self.process_group_timeout()
         if self.ddp_timeout != type(self).ddp_timeout and self.ddp_timeout < in_force:
             warnings.warn(f"AsyncGRPOConfig.ddp_timeout={self.ddp_timeout} has no effect: the "
@@ -348,13 +337,10 @@ class AsyncGRPOConfig:
              "or 'none' (metrics.jsonl is written whatever it is)")
         need(self.logging_strategy in ("steps", "no"), "logging_strategy",
              "must be 'steps' or 'no': an epoch's number of steps is not known in advance")
-        need(self.save_strategy in ("steps", "no"), "save_strategy", "must be 'steps' or 'no'")
         for name in ("logging_steps", "save_steps", "eval_steps"):
             value = getattr(self, name)           # eval_steps None: logging_steps
             need(value is None or value >= 1 or (0 < value < 1 and self.max_steps > 0), name,
                  "must be >= 1 (steps), or a fraction in (0, 1) of max_steps when max_steps > 0")
-        need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit",
-             "must be >= 1")
 
     @property
     def truncated_sampling(self) -> bool:

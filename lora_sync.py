@@ -3,8 +3,9 @@ weights; chosen once at start, with the servers' checks (choose).
 
 Spec: LoRA (LoRA adapters) and the adapter-sync note (docs/lora_adapter_sync.md,
 アダプタだけを同期する仕組み: how only the adapter is synced):
-"アダプタを <output_dir>/.vllm_lora/trl-policy-v{N} に保存し、原子的なリネームで公開" (save the adapter there, publish it by an atomic
-rename), then the path goes to /v1/load_lora_adapter. Chosen once at start, on rank 0, from every server's /server_info:
+"アダプタを <output_dir>/.vllm_lora/trl-policy-v{N} に保存し、原子的なリネームで公開"
+(save the adapter there, publish it by an atomic rename), then the path goes to
+/v1/load_lora_adapter. Chosen once at start, on rank 0, from every server's /server_info:
 
     every server has runtime LoRA, max_lora_rank >= r (and rank_pattern's), max_loras >=
     max_staleness + 2, and vLLM loads the adapter (vllm_refusal: no DoRA, lora_bias,

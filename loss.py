@@ -408,12 +408,12 @@ def mismatch_metrics(log_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
             "sampling/mismatch_tokens": count}
 
 
-def row_logprobs(hidden, weight, bias, row, config, final_logit_softcapping=None,
-                 top_ids=None) -> TokenLogProbs:
-    """token_logprobs at a packed row's loss terms, at the config's temperature, over the row's
-    candidate sets: the policy's (compute_loss) and the reference's (beta > 0) alike."""
+def row_logprobs(hidden, weight, bias, row, temperature: float,
+                 final_logit_softcapping=None, top_ids=None) -> TokenLogProbs:
+    """token_logprobs at a packed row's loss terms, at `temperature`, over the row's candidate
+    sets: the policy's (compute_loss), the reference's (beta > 0) and the probe's alike."""
     return token_logprobs(hidden, weight, bias, row.token_index, row.targets,
-                          temperature=config.temperature, top_ids=top_ids,
+                          temperature=temperature, top_ids=top_ids,
                           candidate_ids=getattr(row, "candidate_ids", None),
                           candidate_offsets=getattr(row, "candidate_offsets", None),
                           final_logit_softcapping=final_logit_softcapping)
@@ -434,7 +434,8 @@ def compute_loss(hidden, weight, bias, row, config, totals: StepTotals,
         raise ValueError("AsyncGRPOConfig.score_centering: the samples carry no sampler top "
                          "log-probs; set num_sampler_logprobs >= 1 or score_centering=False")
     top_ids = getattr(row, "top_ids", None) if config.score_centering else None
-    lp = row_logprobs(hidden, weight, bias, row, config, final_logit_softcapping, top_ids)
+    lp = row_logprobs(hidden, weight, bias, row, config.temperature, final_logit_softcapping,
+                      top_ids)
     versions = getattr(row, "model_versions", None)
     fresh = None if version is None or versions is None else versions == version
     return policy_loss(lp, row.sampler_logprobs, row.advantages, row.sample_ids, totals, config,

@@ -344,7 +344,10 @@ class MetricsLog:
             rows.append((prompt, completion_text(s.completion), float(s.reward)))
         return rows
 
-    def close(self) -> None:
+    def close(self, state=None) -> None:
+        """The run's end (its TrainState): a run that logged no line says why (waiting)."""
+        if state is not None:
+            self.waiting(state, final=True)
         self.bar.close()
         self.file.close()
         if self.completions_file is not None:

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from transformers import set_seed
 
 import checkpoint
 import lora_sync
@@ -67,7 +68,7 @@ import verify_sync
 from checkpoint import full_tensor
 from config import AsyncGRPOConfig, dtype_name   # the spec imports the first from here
 from loss import (MOE_EXPERT_FIELDS, StepTotals, compute_loss, extreme, finalize_metrics,
-                  reduce_metrics, router_aux_loss_coef, row_logprobs, token_logprobs)
+                  reduce_metrics, router_aux_loss_coef, row_logprobs)
 from rollout import (AsyncRolloutLoop, Rollout, RolloutGroup,  # noqa: F401 (the spec's records)
                      RolloutSample, TurnRecord)
 from rollout.prompts import check_eval_source, check_prompt_source
@@ -84,8 +85,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
           resume_from_checkpoint=None, hooks=None, eval_dataset=None) -> dict:
     """Train `model` with asynchronous GRPO until the prompts run out (num_train_epochs) or
     max_steps; every rank calls it (torchrun). `hooks`: the callbacks and the TrainerState they
-    see (Hooks); eval_dataset: the prompts eval_strategy evaluates on. Returns the last logged
-    metrics (rank 0; {} on the other ranks)."""
+    see (Hooks). Returns the last logged metrics (rank 0; {} on the other ranks)."""
     check_main_guard(config, dataset, reward_funcs, processing_class, tools, environment_factory,
                      loop_cls, eval_dataset)    # what the rollout process will be handed
     check_eval_source(config, dataset, eval_dataset)
@@ -96,17 +96,14 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             output_dir, config, dataset, resume_from_checkpoint, rank0=rank0, say=rank0))
         rank, world, device = setup_distributed(config)
         stack.callback(dist.destroy_process_group)
-        set_log_level(config, rank)
         hooks = hooks or Hooks([], config)
-        from transformers import set_seed
         set_seed(config.seed)   # random, numpy, torch on every rank: the weights agree to shard
         reference = reference_policy(model, config, processing_class, peft_config, device)
         model, tokenizer = load_model(model, config, processing_class, peft_config, device)
         aux_coef = router_aux_loss_coef(model.config, config.router_aux_loss_coef)
         policy = shard(Policy(model), config, device)
         optimizer, scheduler = build_optimizer(policy, config)
-        # fp16: loss scaling (bf16 needs none); the scaler's default device, "cuda", is off on CPU
-        scaler = ShardedGradScaler(device=device.type) if config.fp16 else None
+        scaler = ShardedGradScaler(device=device.type) if config.fp16 else None  # loss scaling
         if resume:
             state = replace(checkpoint.load(resume, policy, optimizer, scheduler),
                             settings=state.settings)    # the next checkpoint records this run's
@@ -114,12 +111,9 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
         clients = [VLLMClient(url, timeout=config.vllm_server_timeout)
                    for url in server_urls(config)]
         stack.callback(lambda: [c.close() for c in clients])
-        # verify_sync.py, the proof that each sync landed: optional (weight_sync_verify_every)
         verifier = verify_sync.Verifier(policy, config) if config.weight_sync_verify_every else None
-        # full weights (weight_sync.py), or LoRA adapter-only or merged (lora_sync.py): chosen
-        # once the servers answer and pass the start checks
         sync = lora_sync.choose(policy, clients, config, tokenizer, peft_config, output_dir,
-                                verifier)
+                                verifier)   # full weights, or LoRA's adapter or merged weights
         stack.callback(sync.close)              # LoRA: the servers unload this run's adapters
         sync.start(state.model_version)         # the servers may hold another run's weights
         if rank == 0:                           # rank 0's end of the rollout queue
@@ -136,8 +130,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
                                      rollout_metrics=worker.drain_metrics, evaluator=worker,
                                      on_log=lambda line: hooks.event("on_log", logs=line),
                                      on_evaluate=lambda m: hooks.event("on_evaluate", metrics=m))
-            stack.callback(log.close)
-            stack.callback(log.waiting, state, final=True)   # a run that logged nothing: why
+            stack.callback(log.close, state)    # a run that logged nothing says why
             feed = Feed(worker, planner, config.gradient_accumulation_steps, state,
                         on_wait=lambda: log.waiting(state))
             stack.callback(worker.stop)
@@ -156,10 +149,9 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
             # a callback's stop (control.should_training_stop): no step, which ends every rank
             plans = rank == 0 and not hooks.control.should_training_stop
             step = plan_step(feed, state.model_version, config.max_staleness) if plans else None
-            mine = scatter_rows(step, rank, world)
-            if mine is None:                    # the prompts are done
+            rows, totals = scatter_rows(step, rank, world)
+            if rows is None:                    # the prompts are done
                 break
-            rows, totals = mine
             hooks.event("on_step_begin")
             if verifier is not None:            # the last sync's probe, before the weights change
                 verifier.score_probe()
@@ -201,8 +193,9 @@ def is_rank0() -> bool:
 
 
 def setup_distributed(config) -> tuple[int, int, torch.device]:
-    """(rank, world size, device). Under torchrun: nccl on CUDA, gloo on CPU; alone: a group of one,
-    so FSDP2 and torch.distributed.checkpoint run the same code."""
+    """(rank, world size, device), with this rank's log level (set_log_level). Under torchrun:
+    nccl on CUDA, gloo on CPU; alone: a group of one, so FSDP2 and torch.distributed.checkpoint
+    run the same code."""
     cuda = torch.cuda.is_available()
     if cuda and config.tf32 is not None:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.tf32
@@ -225,6 +218,7 @@ def setup_distributed(config) -> tuple[int, int, torch.device]:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0,   # no store to listen
                                     world_size=1, timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    set_log_level(config, dist.get_rank())
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -315,19 +309,23 @@ class Policy(torch.nn.Module):
                                  sampler_logprobs=np.zeros(len(p) + len(t), np.float32),
                                  model_version=0) for p, t in sequences]
         row = build_row(samples).pack()
-        softcap = getattr(tree_attention.text_config(self.model), "final_logit_softcapping", None)
         training = self.training
         self.eval()
         try:
             with torch.no_grad():
-                hidden = self(row).last_hidden_state[0]                               # [N, H]
-                head = self.head()
-                device = head.weight.device
-                lp = token_logprobs(hidden, head.weight, head.bias, row.token_index.to(device),
-                                    row.targets.to(device), final_logit_softcapping=softcap)
+                lp = self.logprobs(row)                                               # [M]
         finally:
             self.train(training)
-        return list(lp.target.float().cpu().split([len(t) for _, t in sequences]))  # [T] each
+        return list(lp.float().cpu().split([len(t) for _, t in sequences]))  # [T] each
+
+    def logprobs(self, row, temperature: float = 1.0) -> torch.Tensor:
+        """[M] log π at a packed row's loss terms (loss.row_logprobs: at `temperature`, over the
+        row's candidate sets), from this policy's forward and LM head."""
+        head = self.head()
+        softcap = getattr(tree_attention.text_config(self.model), "final_logit_softcapping", None)
+        hidden = self(row).last_hidden_state[0]                                    # [N, H]
+        row = to_device(row, head.weight.device)
+        return row_logprobs(hidden, head.weight, head.bias, row, temperature, softcap).target
 
 
 def shard(policy: Policy, config, device: torch.device) -> Policy:
@@ -350,7 +348,7 @@ def shard(policy: Policy, config, device: torch.device) -> Policy:
 
 def reference_policy(model, config, processing_class, peft_config, device):
     """The reference of beta > 0's KL: a function (policy, packed row) → log π_ref at the row's
-    loss terms [M] (loss.row_logprobs), run without gradients; None when beta is 0 (no reference
+    loss terms [M] (Policy.logprobs), run without gradients; None when beta is 0 (no reference
     forward, no reference weights). Under LoRA the reference is the policy with its adapter
     disabled, the base: no second copy. Otherwise it is a frozen copy of the starting `model`,
     loaded (or copied) before training changes it, in the compute dtype and sharded with FSDP2 like
@@ -369,7 +367,7 @@ def reference_policy(model, config, processing_class, peft_config, device):
             for layer in tuners:
                 layer._disable_adapters = True
             try:
-                return head_logprobs(policy, row, config)
+                return policy.logprobs(row, config.temperature)
             finally:
                 for layer in tuners:
                     layer._disable_adapters = False
@@ -383,19 +381,10 @@ def reference_policy(model, config, processing_class, peft_config, device):
 
     @torch.no_grad()
     def start(policy, row):
-        logprobs = head_logprobs(reference, row, config)
+        logprobs = reference.logprobs(row, config.temperature)
         reference.reshard()                 # the root keeps its gathered weights after a forward
         return logprobs
     return start
-
-
-def head_logprobs(policy: Policy, row, config) -> torch.Tensor:
-    """[M] log π at a packed row's loss terms, from `policy`'s forward and LM head."""
-    head = policy.head()
-    softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
-    hidden = policy(row).last_hidden_state[0]                                  # [N, H]
-    row = to_device(row, head.weight.device)
-    return row_logprobs(hidden, head.weight, head.bias, row, config, softcap).target
 
 
 def build_optimizer(policy: Policy, config):
@@ -521,9 +510,9 @@ def plan_step(feed: Feed, version: int, max_staleness: int) -> Step | None:
 
 def scatter_rows(step: Step | None, rank: int, world: int, error: str | None = None):
     """Rank 0 sends rank r its row of each micro-batch and the step's counts (`step`:
-    Feed.next_step's). Returns this rank's ([GA] PackedRow, StepTotals), or None when the prompts
-    are done (`step` None). Every rank leaves together: a failure on rank 0 (`error`) raises on the
-    others."""
+    Feed.next_step's). Returns this rank's ([GA] PackedRow, StepTotals), or (None, None) when the
+    prompts are done (`step` None). Every rank leaves together: a failure on rank 0 (`error`)
+    raises on the others."""
     if rank == 0:
         if step is None:
             payload = [{"error": error}] * world
@@ -537,7 +526,7 @@ def scatter_rows(step: Step | None, rank: int, world: int, error: str | None = N
     if "rows" not in mine:
         if mine["error"] is not None and rank != 0:
             raise RuntimeError(f"rank 0 stopped: {mine['error']}")
-        return None
+        return None, None
     return mine["rows"], mine["totals"]
 
 

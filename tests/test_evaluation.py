@@ -123,7 +123,7 @@ def test_each_objective_trains_through_train(train_server, toy_dir, tmp_path, ki
                              loss_type="dapo" if gspo else kind, epsilon_high=5.0 if kind == "cispo"
                              else None, importance_sampling_level="sequence" if gspo else "token",
                              score_centering=False, beta=0.05, **SMALL)
-    last = train.train(config, toy.make_dataset(16), [toy.sum_reward], model=toy_dir)
+    last = train.train(config, toy.make_dataset(16), [rank_reward], model=toy_dir)  # never flat
     steps = [r for r in lines(str(tmp_path / kind)) if "loss" in r]
     assert len(steps) == 2 and all(r["loss"] is not None for r in steps)
     assert last["kl"] >= 0 and "grad_norm" in last

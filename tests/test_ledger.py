@@ -27,7 +27,7 @@ def test_a_function_counts_from_its_decorators_without_its_docstring_comments_or
             def get(self):
                 return 1
         '''))
-    assert ledger.feature_lines([("m.py", "cached")], str(tmp_path)) == 5   # @, def, y = (2), return
+    assert ledger.feature_lines([("m.py", "cached")], str(tmp_path)) == 5  # @, def, y = (2), return
     assert ledger.feature_lines([("m.py", "Box.get")], str(tmp_path)) == 2
     assert ledger.feature_lines([("m.py", "c*"), ("m.py", "Box")], str(tmp_path)) == 8
     assert ledger.feature_lines([("m.py", "*")], str(tmp_path)) == 9        # + the import

@@ -712,6 +712,6 @@ def test_the_reference_kl_is_trls_estimator_over_the_candidate_set():
     ids, offsets = packed_sets(sets)
     sub = SimpleNamespace(token_index=torch.arange(3), targets=torch.tensor([2, 9, 5]),
                           candidate_ids=ids, candidate_offsets=offsets)
-    got = loss.row_logprobs(hidden, weight, None, sub, config(temperature=0.7)).target
+    got = loss.row_logprobs(hidden, weight, None, sub, 0.7).target
     _, want, _ = naive(hidden, weight, None, torch.arange(3), sub.targets, T=0.7, sets=sets)
     assert torch.allclose(got, want, atol=1e-5)

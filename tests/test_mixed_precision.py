@@ -105,7 +105,7 @@ def test_the_reference_is_the_starting_model_while_the_policy_trains(lora, bf16,
     untrained = model(0)                                  # the same seed: the starting weights
     tree_attention.install(untrained, "sdpa")
     row = pack(samples(4))
-    want = train.head_logprobs(train.Policy(untrained), row, config)                     # [M]
+    want = train.Policy(untrained).logprobs(row, config.temperature)                      # [M]
     tolerance = 3e-2 if bf16 else 1e-5
     kls = []
     for _ in range(3):
@@ -116,7 +116,7 @@ def test_the_reference_is_the_starting_model_while_the_policy_trains(lora, bf16,
                                config, 1, 0.0, reference=reference)
         kls.append(out["kl"])
     with torch.no_grad():
-        moved = train.head_logprobs(policy, row, config)
+        moved = policy.logprobs(row, config.temperature)
     assert (moved - want).abs().max() > 10 * tolerance   # the policy did move
     assert kls[0] <= 1e-3 and kls[-1] > 1e-3 and all(math.isfinite(k) for k in kls)
 

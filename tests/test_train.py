@@ -81,7 +81,7 @@ def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
     rows, totals = train.scatter_rows(step, rank=0, world=1)
     assert rows[0] is packed[0][0] and (totals.tokens, totals.samples, totals.rows) == (4, 2, 1)
     assert feed.next_step(version=1, max_staleness=0) is None
-    assert train.scatter_rows(None, rank=0, world=1) is None
+    assert train.scatter_rows(None, rank=0, world=1) == (None, None)
     assert (state.num_tokens, state.dropped_stale_total) == (100 + packed[0][0].unique_tokens, 3)
 
 

@@ -63,7 +63,7 @@ FEATURES = {
     "objectives": [
         ("loss.py", "StepTotals"), ("loss.py", "sample_mean"), ("loss.py", "normalized")],
     "reference KL": [
-        ("train.py", "reference_policy"), ("train.py", "head_logprobs"),
+        ("train.py", "reference_policy"), ("train.py", "Policy.logprobs"),
         ("loss.py", "row_logprobs")],
     "hashed trie": [
         ("trie_pack.py", "node_keys"), ("trie_pack.py", "_mix"),
