@@ -54,7 +54,7 @@ import torch.distributed as dist
 from checkpoint import exported, full_tensor
 from vllm_client import VLLMError
 from weight_sync import (FAILED, FullSync, Members, SyncStats, check_servers, from_rank0,
-                         language_parameters, on_rank0)
+                         language_parameters, on_rank0, take_out_unverified)
 
 PREFIX = "policy"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values
@@ -185,7 +185,7 @@ class AdapterSync:
         self.root = os.path.join(os.path.abspath(output_dir), ".vllm_lora")
         self.prefix = f"{PREFIX}-{secrets.token_hex(3)}"    # this run's names: policy-<run>-v<N>
         self.worker_kwargs = {"lora_name": self.prefix}     # rollouts ask for policy-<run>-v<N>
-        self.loaded: list[int] = []                    # versions loaded on every server, oldest 1st
+        self.loaded: list[str] = []              # adapters loaded on every server, oldest first
 
     def start(self, version: int) -> None:
         """Every rank, before generation starts: the adapters' directory (rank 0; what is there
@@ -204,19 +204,16 @@ class AdapterSync:
         (BaseSync), where they have weight transfer. A probed server whose base differs and that
         has none stops the run; unprobed servers are sent it only if all of them have it."""
         differ = self.verifier.check_bases(self.members) if self.verifier else None
-        transfer = from_rank0(on_rank0(lambda: {c.base_url: bool(c.server_info().get(
-            "weight_transfer_config")) for c in self.members.clients}))
-        if stuck := [url for url in differ or {} if not transfer[url]]:
-            raise ValueError(f"LoRA sync: {stuck[0]} serves another base model than the trained "
-                             f"one: {differ[stuck[0]]}, and an adapter cannot fix the base, nor "
-                             f"can this run send it (no --weight-transfer-config): serve the "
-                             f"checkpoint the trainer loads "
+        targets = [c for c in self.members.clients if differ is None or c.base_url in differ]
+        lacking = from_rank0(on_rank0(lambda: [c.base_url for c in targets if not c.server_info()
+                                               .get("weight_transfer_config")]))
+        if lacking and differ:
+            raise ValueError(f"LoRA sync: {lacking[0]} serves another base model than the "
+                             f"trained one: {differ[lacking[0]]}, and an adapter cannot fix the "
+                             f"base, nor can this run send it (no --weight-transfer-config): "
+                             f"serve the checkpoint the trainer loads "
                              f"({self.policy.model.config._name_or_path})")
-        if differ is None:                      # unprobed: to every server, or to none
-            targets = self.members.clients if all(transfer.values()) else []
-        else:
-            targets = [c for c in self.members.clients if c.base_url in differ]
-        if not targets:
+        if lacking or not targets:              # unprobed: to every server, or to none
             return
         if dist.get_rank() == 0:
             log.warning("LoRA sync: sending the trained base model to %s (%s), once, by a full "
@@ -229,76 +226,57 @@ class AdapterSync:
     def push(self, version: int) -> dict[str, float]:
         """Every rank: gather the adapter; rank 0 writes it and loads it on every live replica
         (_publish); with verification on, each load is proven and a replica that fails, loaded
-        twice, is taken out (_take_out); rank 0 unloads the version that left the staleness
+        twice, is taken out (take_out_unverified); rank 0 unloads the version that left the staleness
         window. An error on rank 0 is raised on every rank together."""
         state = exported(self.policy, self.config)      # the adapter, as a checkpoint's
         stats, figures = SyncStats(), {}
         name = f"{self.prefix}-v{version}"
         with stats.timed("s"):
-            path = on_rank0(lambda: self._publish(name, version, state, stats))
+            on_rank0(lambda: self._publish(name, state, stats))
             if self.verifier is not None:     # verification (verify_sync.py): act on its verdict
                 refused, figures = self.verifier.check_adapter(
-                    name, self.members, lambda only: on_rank0(lambda: self._load(
-                        name, path, only), FAILED))
-                on_rank0(lambda: self._take_out(name, refused))
-            on_rank0(self._retire)
+                    name, self.members, lambda again: on_rank0(lambda: self._load(name, again),
+                                                               FAILED))
+                on_rank0(lambda: take_out_unverified(     # and of routing: unloaded there
+                    self.members, refused, f"failed the probe of {name}, loaded twice,",
+                    f"LoRA sync: {name} did not load as trained, loaded twice",
+                    lambda c: unload(c, name)))
+            on_rank0(lambda: self._unload(keep=self.config.max_staleness + 1))
         return stats.metrics() | figures
 
-    def _publish(self, name: str, version: int, state: dict[str, torch.Tensor],
-                 stats: SyncStats) -> str:
-        """Rank 0: write the adapter (atomically), load it on every live replica; its path."""
-        final = os.path.join(self.root, name)
+    def _publish(self, name: str, state: dict[str, torch.Tensor], stats: SyncStats) -> None:
+        """Rank 0: write the adapter (atomically), load it on every live replica."""
         tmp = os.path.join(self.root, f".{name}.tmp")     # neither is there: a run's own names
         self.policy.model.save_pretrained(tmp, state_dict=state)
-        os.rename(tmp, final)
-        stats.bytes = os.path.getsize(os.path.join(final, "adapter_model.safetensors"))
+        os.rename(tmp, os.path.join(self.root, name))
+        stats.bytes = os.path.getsize(os.path.join(self.root, name, "adapter_model.safetensors"))
         with stats.timed("transfer_s"):
             self.members.readmit_healthy()          # back since the last sync: it gets this one
-            self._load(name, final)
-        self.loaded.append(version)
-        return final
+            self._load(name)
+        self.loaded.append(name)
 
-    def _load(self, name: str, path: str, again: set[str] | None = None) -> None:
+    def _load(self, name: str, again: set[str] | None = None) -> None:
         """Rank 0: load adapter `name` on every live replica, or once more, in place, on those
         whose URLs are `again`."""
-        what = f"loading {name}" + (" again" if again else "")
-        self.members.call(lambda c: c.load_lora_adapter(name, path, again is not None), what,
-                          only=again)
+        path = os.path.join(self.root, name)
+        self.members.call(lambda c: c.load_lora_adapter(name, path, again is not None),
+                          f"loading {name}" + (" again" if again else ""), only=again)
 
-    def _take_out(self, name: str, refused: dict[str, str]) -> None:
-        """Rank 0: out of the syncs (the last one: the sync raises), and of routing: the adapter
-        unloaded there (rollout.servers.drop_unverified)."""
-        failed = [(c, refused[c.base_url]) for c in self.members.live if c.base_url in refused]
-        self.members.take_out_failed(failed, f"failed the probe of {name}, loaded twice,",
-                                     f"LoRA sync: {name} did not load as trained, loaded twice")
-        for c, _ in failed:
-            try:
-                unload(c, name)
-            except (VLLMError, TimeoutError) as e:     # out of the syncs already: said, not raised
-                log.warning("LoRA sync: %s keeps %s loaded (%s): the rollout process may still "
-                            "generate from it", c.base_url, name, e)
-
-    def _retire(self) -> None:
-        """Rank 0: unload the versions that left the staleness window (the new one is in)."""
-        while len(self.loaded) > self.config.max_staleness + 1:
-            self._unload(self.loaded.pop(0))
-
-    def _unload(self, version: int) -> None:
-        old = f"{self.prefix}-v{version}"
-        self.members.call(lambda c: unload(c, old), f"unloading {old}")
-        shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
+    def _unload(self, keep: int) -> None:
+        """Rank 0: unload the oldest adapters (and delete their files) until `keep` are loaded."""
+        while len(self.loaded) > keep:
+            old = self.loaded.pop(0)
+            self.members.call(lambda c: unload(c, old), f"unloading {old}")
+            shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
 
     def close(self) -> None:
         """Rank 0, at the end of the run (also after a failure): unload this run's adapters from
         every server that still answers; a server that does not is warned about, not waited for."""
-        if dist.get_rank() != 0:
-            return
-        for version in self.loaded:
+        while dist.get_rank() == 0 and self.loaded:     # one by one: a failure stops no other
             try:
-                self._unload(version)
+                self._unload(keep=len(self.loaded) - 1)
             except RuntimeError as e:
                 log.warning("%s", e)
-        self.loaded = []
 
 
 def unload(client, name: str) -> None:
@@ -322,19 +300,13 @@ class BaseSync(FullSync):
         super().__init__(policy, clients, config, verifier)
         self.plan = merge_plan(policy.model)
 
-    def specs(self) -> list[tuple[str, torch.Size]]:
-        return [(name, base.shape) for name, base, _ in self.plan]
-
-    def tensors(self) -> Iterator[torch.Tensor]:
-        return (full_tensor(base) for _, base, _ in self.plan)
-
 
 class MergedSync(BaseSync):
     """A full sync of the merged weights W + s·B·A under the base names: every sync of a LoRA run
     whose servers cannot load its adapter."""
 
-    def tensors(self) -> Iterator[torch.Tensor]:
-        return (merged(base, delta) for _, base, delta in self.plan)
+    def tensor(self, base: torch.Tensor, delta: "Delta | None") -> torch.Tensor:
+        return merged(base, delta)
 
 
 @dataclasses.dataclass

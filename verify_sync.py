@@ -9,10 +9,10 @@ call it at one point each, and act on what it finds:
     when                        how                                         the finding
     start (lora_sync.choose:    one 1-token completion of the trained       ValueError: it
     check_start)                tokenizer's largest id (check_vocab)        serves another one
-    every full sync (FullSync:  rank 0 fingerprints the tensors             a server that holds
-    WeightSync.push, check)     tensors_to_verify() picks as it sends       other bytes, named
-                                them, then each server those it holds       with the tensor and
-                                (our worker extension, vllm_plugin/)        both: taken out
+    every full sync, after     every rank gathers again the tensors        a server that holds
+    it (FullSync.push:          tensors_to_verify() picks, rank 0           other bytes, named
+    check_full)                 fingerprints them, then each server those   with the tensor and
+                                it holds (our extension, vllm_plugin/)      both: taken out
     then, as the servers run    the probe: each server samples              sync/probe_kl, scored
                                 PROBE_TOKENS with their log-probs (ask);    before the next step
                                 every rank scores them with the policy      (score_probe)
@@ -27,9 +27,9 @@ bit-exact on CPU and CUDA, one read of its bytes. Which tensors (tensors_to_veri
 1/N (N: weight_sync_verify_every, 16) plus the embedding and LM head every sync, every tensor on a
 run's first. The arithmetic for an H200: a 4B model is 8 GB in bf16; one read at ~4 TB/s of HBM
 is ~2 ms, while NCCL moves the same bytes to a vLLM GPU at ~300 GB/s over NVLink (~27 ms) or
-~50 GB/s through one 400 Gb/s NIC. Fingerprinting all of them in the send loop would add ~7% to
-an NVLink transfer: over the 5% goal, hence the rotation (1/16: ~0.5%). `python -m tools.bench
-sync` measures the share (CPU).
+~50 GB/s through one 400 Gb/s NIC. Reading all of them again after each sync would add ~7% to
+an NVLink transfer (and, sharded over several ranks, an all-gather of as many bytes): over the 5%
+goal, hence the rotation (1/16: ~0.5%). `python -m tools.bench sync` measures the share (CPU).
 
 The probe's scoring is the policy's own forward (train.Policy.token_logprobs): no copy of the
 policy, the loss's own log-probs. The adapter verdict (refusal) holds in bf16 because it is
@@ -80,7 +80,7 @@ class Verifier:
     previous adapter (each rank its shards).
 
         verifier = Verifier(policy, config)                  # train.py, every rank
-        check = verifier.full_check(specs, version, members) # FullSync.push → WeightSync.push
+        failed, figures = verifier.check_full(sync, version)  # FullSync.push, after the sync
         refused, figures = verifier.check_adapter(name, members, reload)   # AdapterSync.push
         verifier.score_probe()                               # train.py: before each step
         verifier.probe_kl                                    # train.py: every step's figure
@@ -108,28 +108,66 @@ class Verifier:
 
     # ── full sync ──
 
-    def full_check(self, specs: list[tuple[str, torch.Size]], version: int,
-                   members) -> "FullCheck":
-        """Every rank, before a full sync to `version`: its check. Rank 0 fingerprints the
-        tensors tensors_to_verify picks, none where no server can show what it holds (each
-        server is asked once; one that cannot is said once, with how to enable it)."""
-        def chosen() -> set[str]:
-            for c in members.live:
-                if c.base_url not in self.showing:
-                    why = cannot_show(c)
-                    self.showing[c.base_url] = why is None
-                    if why:
-                        log.warning("weight sync: %s cannot show the weights it holds (%s), so "
-                                    "syncs to it are not verified; %s", c.base_url, why, ENABLE)
-            if not any(self.showing.values()):
-                return set()
-            names = [n for n, _ in specs]
-            return set(tensors_to_verify(names, version, self.every, self.always, not self.checks))
-
-        names = on_rank0(chosen, FAILED) or set()
+    def check_full(self, sync, version: int) -> tuple[dict[str, str], dict[str, float]]:
+        """Every rank, after a full sync to `version` (weight_sync.FullSync), the servers running
+        again: ({url: why} of those that hold other bytes than were sent, on rank 0; the
+        sync's figures). Rank 0 picks the tensors (tensors_to_verify; none where no server can
+        show what it holds), every rank gathers them once more (sync.tensors), rank 0
+        fingerprints them in the wire's dtype and compares each server's. Then the probe is
+        asked of the others, in the background (scored by score_probe)."""
+        start = time.perf_counter()
+        weights = sync.weights
+        names = from_rank0(on_rank0(lambda: self._picked(sync.specs(), version, weights.members),
+                                    FAILED))
         self.checks += 1
         self.probe_waiting = True
-        return FullCheck(self, names)
+        sent = {}
+        for name, t in zip(names, sync.tensors(set(names))):     # every rank: the all-gathers
+            if weights.rank == 0:
+                sent[name] = fingerprint(t.to(weights.dtype))
+        failed, verified = on_rank0(lambda: self._compared(sent, weights.members),
+                                    FAILED) or ({}, 0)
+        return failed, {"sync/verify_s": time.perf_counter() - start,
+                        "sync/verified_tensors": float(verified)}
+
+    def _picked(self, specs: list[tuple[str, torch.Size]], version: int, members) -> list[str]:
+        """Rank 0: the names a sync to `version` verifies (tensors_to_verify), none where no
+        server can show what it holds (each is asked once; one that cannot is said once, with
+        how to enable it)."""
+        for c in members.live:
+            if c.base_url not in self.showing:
+                why = cannot_show(c)
+                self.showing[c.base_url] = why is None
+                if why:
+                    log.warning("weight sync: %s cannot show the weights it holds (%s), so "
+                                "syncs to it are not verified; %s", c.base_url, why, ENABLE)
+        if not any(self.showing.values()):
+            return []
+        return tensors_to_verify([n for n, _ in specs], version, self.every, self.always,
+                                 not self.checks)
+
+    def _compared(self, sent: dict[str, str], members) -> tuple[dict[str, str], int]:
+        """Rank 0: ({url: why} of those that hold other bytes than `sent`, named with the
+        tensors and both fingerprints; the fewest tensors a server was verified in). Tensors a
+        server cannot read back exactly are said once and not counted. Then the probe is asked
+        of the others, in the background."""
+        names = list(sent)
+        showing = {url for url, yes in self.showing.items() if yes}
+        shown = members.call(lambda c: served_digests(c, names), only=showing) if names else {}
+        failed, verified = {}, []
+        for c, (served, excluded) in shown.items():
+            if excluded and c.base_url not in self.unreadable:
+                self.unreadable.add(c.base_url)
+                log.warning("weight sync: %s cannot read back %d tensor(s) exactly, which are "
+                            "not verified: %s", c.base_url, len(excluded), excluded)
+            if wrong := mismatches(sent, served, excluded):
+                failed[c.base_url] = (f"it holds other bytes than were sent in {len(wrong)} of "
+                                      f"{len(names)} verified tensors: {'; '.join(wrong[:3])}")
+            else:
+                verified.append(len(names) - len(excluded))
+        good = {c.base_url for c in members.live} - set(failed)
+        self.probe_reply = in_background(lambda: ask(self.policy, members, base_card, good))
+        return failed, min(verified, default=0)
 
     def score_probe(self) -> None:
         """Every rank, before the weights change again (train.py: before each step): the last
@@ -206,54 +244,6 @@ class Verifier:
                 theirs[what] = self.policy.token_logprobs(sequences)
         return [Probe(url, torch.tensor(served), ours[i], {w: t[i] for w, t in theirs.items()},
                       index, several) for i, (url, index, several, _, served) in enumerate(replies)]
-
-
-@dataclass
-class FullCheck:
-    """One full sync's verification (rank 0; no names on the others): the fingerprints of the
-    chosen tensors as they were sent, then what each server that can show them now holds."""
-    verifier: Verifier
-    names: set[str]
-    fingerprints: dict[str, str] = field(default_factory=dict)   # name → fingerprint, as sent
-    seconds: float = 0.0                                          # sync/verify_s
-    verified: int = 0                                             # sync/verified_tensors
-
-    def record(self, names: list[str], tensors: list[torch.Tensor]) -> None:
-        """The chosen ones of `names`, fingerprinted as they are sent (the wire's dtype)."""
-        for name, t in zip(names, tensors):
-            if name in self.names:
-                start = time.perf_counter()
-                self.fingerprints[name] = fingerprint(t)
-                self.seconds += time.perf_counter() - start
-
-    def failed(self, members) -> list[tuple[object, str]]:
-        """Rank 0, the servers running again: [(server, why)] of those that hold other bytes than
-        were sent, named with the tensors and both fingerprints. Tensors a server cannot read
-        back exactly are said once and not counted. Then the probe is asked of the others, in
-        the background (scored by Verifier.score_probe)."""
-        start = time.perf_counter()
-        verifier, names = self.verifier, list(self.fingerprints)
-        showing = {url for url, yes in verifier.showing.items() if yes}
-        shown = members.call(lambda c: served_digests(c, names), only=showing) if names else {}
-        failed, verified = [], []
-        for c, (served, excluded) in shown.items():
-            if excluded and c.base_url not in verifier.unreadable:
-                verifier.unreadable.add(c.base_url)
-                log.warning("weight sync: %s cannot read back %d tensor(s) exactly, which are "
-                            "not verified: %s", c.base_url, len(excluded), excluded)
-            if wrong := mismatches(self.fingerprints, served, excluded):
-                failed.append((c, f"it holds other bytes than were sent in {len(wrong)} of "
-                                  f"{len(names)} verified tensors: {'; '.join(wrong[:3])}"))
-            else:
-                verified.append(len(names) - len(excluded))
-        self.verified = min(verified, default=0)
-        self.seconds += time.perf_counter() - start
-        good = {c.base_url for c in members.live} - {c.base_url for c, _ in failed}
-        verifier.probe_reply = in_background(lambda: ask(verifier.policy, members, base_card, good))
-        return failed
-
-    def metrics(self) -> dict[str, float]:
-        return {"sync/verify_s": self.seconds, "sync/verified_tensors": float(self.verified)}
 
 
 # ── fingerprints ─────────────────────────────────────────────────────────────────────────────

@@ -36,8 +36,8 @@ it rejoins and is given the weights. One that restarted on its URL shows the wei
 fresh vLLM reports ("default"), not the one this run published: it is regrouped at the next sync,
 or, mid-transfer, the transfer is sent once more.
 
-Verification is optional and lives in verify_sync.py: FullSync hands its check to push, which
-fingerprints what streams by and takes out a server that then holds other bytes.
+Verification is optional and lives in verify_sync.py: FullSync.push calls it once, after the
+sync (Verifier.check_full), and takes out a server that holds other bytes than were sent.
 lora_sync.MergedSync, a FullSync, sends W + s·B·A.
 
 Departures from the spec, one line each:
@@ -120,14 +120,22 @@ class FullSync:
         self.weights = WeightSync(clients, config.vllm_server_timeout)
         self.verifier = verifier             # verify_sync.Verifier, or None: syncs unverified
         self.worker_kwargs: dict = {}        # RolloutWorker's: rollouts ask for the base card
+        # (server name, tensor, what is merged into it: lora_sync.Delta) of what every sync sends
+        self.plan = [(name, p, None) for name, p in language_parameters(policy.model)]
 
     def specs(self) -> list[tuple[str, torch.Size]]:
         """(name, shape) of what every sync sends, in order: the server's names."""
-        return [(name, p.shape) for name, p in language_parameters(self.policy.model)]
+        return [(name, p.shape) for name, p, _ in self.plan]
 
-    def tensors(self) -> Iterator[torch.Tensor]:
-        """What every sync sends, whole, in specs() order (every rank: the all-gathers)."""
-        return (full_tensor(p) for _, p in language_parameters(self.policy.model))
+    def tensors(self, only: set[str] | None = None) -> Iterator[torch.Tensor]:
+        """What every sync sends (those named in `only`, if given), whole, in specs() order
+        (every rank: the all-gathers)."""
+        return (self.tensor(p, delta) for name, p, delta in self.plan
+                if only is None or name in only)
+
+    def tensor(self, p: torch.Tensor, delta) -> torch.Tensor:
+        """The tensor sent for `p`: p whole (lora_sync.MergedSync merges `delta` into it)."""
+        return full_tensor(p)
 
     def connect(self) -> None:
         """Rank 0: join the servers, every name and shape checked first (WeightSync.connect)."""
@@ -143,12 +151,17 @@ class FullSync:
         """Nothing to release: the servers keep the last weights sent."""
 
     def push(self, version: int) -> dict[str, float]:
-        """Every rank: the weights to every server (WeightSync.push), checked there by
-        verification when it is on (verify_sync: a server that holds other bytes is taken out)."""
-        check = self.verifier.full_check(self.specs(), version, self.weights.members) \
-            if self.verifier else None
-        stats = self.weights.push(self.specs(), self.tensors, version, check)
-        return stats.metrics() | (check.metrics() if check else {})
+        """Every rank: the weights to every server (WeightSync.push); with verification on, the
+        servers that hold other bytes than were sent (verify_sync) are taken out."""
+        stats = self.weights.push(self.specs(), self.tensors, version).metrics()
+        if self.verifier is None:
+            return stats
+        failed, figures = self.verifier.check_full(self, version)
+        on_rank0(lambda: take_out_unverified(
+            self.weights.members, failed, "failed the sync's verification",
+            f"weight sync to version {version} did not land as sent",
+            lambda c: c.update_weight_version(f"{UNVERIFIED}{version}")), FAILED)
+        return stats | figures
 
 
 # ── at start: is the served model the one we train, and how must the servers be started? ─────
@@ -158,35 +171,26 @@ class FullSync:
 
 def check_servers(clients, config, device) -> None:
     """Rank 0, at start, before anything reads the servers: each one healthy (within
-    vllm_server_timeout); one a dead run left paused resumed (a warning); its dtype is the
-    trainer's compute dtype (a warning, spec: dtype)."""
+    vllm_server_timeout); one that is paused resumed, with a warning (a run killed between /pause
+    and /resume by SIGKILL, OOM or a lost node leaves it so: in keep mode every request waits,
+    forever, this run's first one included); its dtype is the trainer's compute dtype (a
+    warning, spec: dtype). A server without the dev routes (no VLLM_SERVER_DEV_MODE: a LoRA-only
+    run's) cannot have been paused by a run; weight sync says what it lacks."""
     for c in clients:
         c.wait_for_health()
     for c in clients:
-        resume_leftover_pause(c)
         try:
-            info = c.server_info()
-        except VLLMError:                       # no dev mode: weight sync says what is missing
-            continue
+            paused, info = c.is_paused(), c.server_info()
+        except VLLMError as e:
+            if e.status == 404:
+                continue
+            raise
+        if paused:
+            log.warning("the vLLM server at %s was paused before this run started (a run that "
+                        "stopped during a weight sync leaves it so): resuming it", c.base_url)
+            c.resume()
         if why := dtype_warning(c.base_url, info, config.compute_dtype(device)):
             log.warning(why)
-
-
-def resume_leftover_pause(client) -> None:
-    """Resume a server that is paused before this run paused it, with a warning.
-    A run killed between /pause and /resume (SIGKILL, OOM, a lost node) leaves its servers paused:
-    in keep mode every request waits, forever, including this run's first one. A server without
-    the RL routes (no VLLM_SERVER_DEV_MODE: a LoRA-only run's) cannot have been paused by a run."""
-    try:
-        if not client.is_paused():
-            return
-    except VLLMError as e:
-        if e.status == 404:
-            return
-        raise
-    log.warning("the vLLM server at %s was paused before this run started (a run that stopped "
-                "during a weight sync leaves it so): resuming it", client.base_url)
-    client.resume()
 
 
 def served_dtype(info: dict) -> str | None:
@@ -226,13 +230,13 @@ def check_served(specs: list[tuple[str, torch.Size]], model: str, url: str) -> N
 
 
 def transfer_flags() -> str:
-    """The server flags full sync needs, with the backend this trainer's hardware can use."""
-    flags = "`--weight-transfer-config '{{\"backend\":\"{}\"}}'` and VLLM_SERVER_DEV_MODE=1"
+    """The server flags full sync needs, with the backend this trainer's hardware can use: no
+    vLLM backend runs without CUDA but ours (vllm_plugin/, tools/vllm_cpu_venv.sh)."""
+    flags = "`--weight-transfer-config '{\"backend\":\"%s\"}'` and VLLM_SERVER_DEV_MODE=1"
     if torch.cuda.is_available():
-        return flags.format("nccl")
-    # no vLLM backend runs without CUDA: ours (vllm_plugin/, tools/vllm_cpu_venv.sh)
-    return flags.format("gloo") + (" (vLLM on a CPU: `bash tools/vllm_cpu_venv.sh DIR` makes an "
-                                   "environment with our gloo backend)")
+        return flags % "nccl"
+    return flags % "gloo" + (" (vLLM on a CPU: `bash tools/vllm_cpu_venv.sh DIR` makes an "
+                             "environment with our gloo backend)")
 
 
 # ── the transfer ────────────────────────────────────────────────────────────────────────────
@@ -303,14 +307,12 @@ class WeightSync:
         self._regroup()
 
     def push(self, specs: list[tuple[str, torch.Size]],
-             tensors: Callable[[], Iterator[torch.Tensor]], version: int, check=None) -> SyncStats:
+             tensors: Callable[[], Iterator[torch.Tensor]], version: int) -> SyncStats:
         """Send the tensors as `specs` names and shapes, in that order, and publish `version`.
         Every rank calls it and iterates `tensors()` (FSDP2's gathers are collectives); rank 0
         talks to the servers. Each phase ends in one agreement (agree: rank 0's error reaches
         every rank and all raise together), so no rank is left waiting in a collective. The
-        servers are resumed on every way out, a stop (SystemExit, KeyboardInterrupt) included.
-        `check` (verify_sync's, or None) fingerprints what is sent (check.record) and, the servers
-        running again, names those that hold other bytes (check.failed), which are taken out."""
+        servers are resumed on every way out, a stop (SystemExit, KeyboardInterrupt) included."""
         stats = SyncStats()
         with stats.timed("s"):
             try:
@@ -319,9 +321,9 @@ class WeightSync:
                 with stats.timed("barrier_s"):
                     agree(error, FAILED)        # every rank waits for rank 0's pause: the barrier
                 try:
-                    self._transfer(stats, specs, tensors, check, resend=False)
+                    self._transfer(stats, specs, tensors, resend=False)
                 except _Lost:                   # a server died or restarted mid-transfer:
-                    self._transfer(stats, specs, tensors, check, resend=True)   # to the rest
+                    self._transfer(stats, specs, tensors, resend=True)      # to the rest
                 with stats.timed("finish_s"):
                     on_rank0(lambda: self.members.call(
                         lambda c: c.finish_weight_update(str(version))), FAILED)
@@ -336,9 +338,6 @@ class WeightSync:
                     if still := [why for c in self.members.live if (why := c.resume_confirmed())]:
                         raise RuntimeError(f"weight sync to version {version} landed, but "
                                            f"{'; '.join(still)}")
-        if check is not None:               # verification (verify_sync.py): act on its findings
-            on_rank0(lambda: self._take_out_unverified(check.failed(self.members), version),
-                     FAILED)
         return stats
 
     def _pause(self) -> None:
@@ -379,7 +378,7 @@ class WeightSync:
         if still:
             log.warning("weight sync: %s", "; ".join(still))
 
-    def _transfer(self, stats: SyncStats, specs, tensors, check, resend: bool) -> None:
+    def _transfer(self, stats: SyncStats, specs, tensors, resend: bool) -> None:
         """Every rank gathers every tensor; rank 0 first opens the update on every server
         (_begin), then broadcasts the buckets while they receive. A failure while sending stops
         the sending, never the gathering; the group is then torn down (_ungroup), and the
@@ -395,8 +394,6 @@ class WeightSync:
                 it = iter(tensors())
                 for chunk in buckets(sizes, self.buffer_bytes):
                     parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]
-                    if check is not None:
-                        check.record([specs[i][0] for i in chunk], parts)
                     if self.rank == 0 and error is None:
                         flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])  # [Σ B]
                         error = _attempt(lambda: self._broadcast(flat, update))
@@ -449,16 +446,6 @@ class WeightSync:
             if u.done():
                 _attempt(c.shutdown_weight_transfer_engine)
         self.group, self.grouped = None, []
-
-    def _take_out_unverified(self, failed: list[tuple[VLLMClient, str]], version: int) -> None:
-        """Rank 0: each (server, why) that verification found holding other bytes than were sent
-        is taken out of the syncs (if it was the last one, the sync raises) and of routing: its
-        weight version says so (rollout.servers.drop_unverified); the next sync that reaches it
-        (back on /health) gives it the weights again."""
-        self.members.take_out_failed(failed, "failed the sync's verification",
-                                     f"weight sync to version {version} did not land as sent")
-        for c, _ in failed:
-            _attempt(lambda: c.update_weight_version(f"{UNVERIFIED}{version}"))
 
     def _regroup(self) -> None:
         """Rank 0: one group with the workers of every live server (at connect, and after a
@@ -566,17 +553,6 @@ class Members:
         log.warning("%s: %s %s and is taken out (the run goes on with %d of %d); %s", self.what,
                     client.base_url, failure, len(self.live), len(self.clients), why)
 
-    def take_out_failed(self, failed: list[tuple[VLLMClient, str]], failure: str,
-                        last: str) -> None:
-        """Take out each (server, why) of `failed` (take_out: `failure` is what it did); if they
-        are every live server, none is: RuntimeError("<last>: <url>: <why>; ...") instead."""
-        if failed and len(failed) == len(self.live):
-            whys = "; ".join(f"{c.base_url}: {why}" for c, why in failed)
-            raise RuntimeError(f"{last}: {whys}; restart the server(s) and resume from the last "
-                               "checkpoint")
-        for c, why in failed:
-            self.take_out(c, why, failure)
-
     def call(self, call: Callable[[VLLMClient], object], what: str | None = None,
              only: set[str] | None = None) -> dict[VLLMClient, object]:
         """call(c) on every live server (whose URL is in `only`, if given) in parallel: {server:
@@ -584,18 +560,16 @@ class Members:
         taken out; the first failure of one that answers is raised (as RuntimeError("<what>:
         ...") with `what`); none left: RuntimeError."""
         live = [c for c in self.live if only is None or c.base_url in only]
-        with ThreadPoolExecutor(max(1, len(live))) as pool:
-            futures = [pool.submit(call, c) for c in live]
-            failures = [_attempt(lambda: _result(f, self.timeout, f"{self.what} with {c.base_url}"))
-                        for c, f in zip(live, futures)]
         values, real = {}, []
-        for c, f, e in zip(live, futures, failures):
-            if e is None:
-                values[c] = f.result()
-            elif c.healthy():
-                real.append(e)
-            else:
-                self.take_out(c, str(e))
+        with ThreadPoolExecutor(max(1, len(live))) as pool:
+            for c, f in [(c, pool.submit(call, c)) for c in live]:
+                try:
+                    values[c] = _result(f, self.timeout, f"{self.what} with {c.base_url}")
+                except Exception as e:           # noqa: BLE001 (raised below, or taken out)
+                    if c.healthy():
+                        real.append(e)
+                    else:
+                        self.take_out(c, str(e))
         if not self.live:
             whys = "; ".join(f"{url}: {why}" for url, why in self.out.items())
             raise RuntimeError(f"{self.what}: no vLLM server is left ({whys}); restart them, "
@@ -605,6 +579,24 @@ class Members:
         if real:
             raise real[0]
         return values
+
+
+def take_out_unverified(members: Members, failed: dict[str, str], failure: str, last: str,
+                        then: Callable[[VLLMClient], object]) -> None:
+    """Rank 0, after verification (verify_sync) refused some servers: take out each live one of
+    `failed` (URL → why; Members.take_out: `failure` is what it did), then(it) on each, its
+    error only said (rollout.servers.drop_unverified routes around it); if they are every live
+    server, none is: RuntimeError("<last>: <url>: <why>; ...") instead."""
+    out = [c for c in members.live if c.base_url in failed]
+    if out and len(out) == len(members.live):
+        whys = "; ".join(f"{c.base_url}: {failed[c.base_url]}" for c in out)
+        raise RuntimeError(f"{last}: {whys}; restart the server(s) and resume from the last "
+                           "checkpoint")
+    for c in out:
+        members.take_out(c, failed[c.base_url], failure)
+        if error := _attempt(lambda: then(c)):
+            log.warning("%s: %s is taken out, but the rollout process may still route to it "
+                        "(%s)", members.what, c.base_url, error)
 
 
 def begin_update(client: VLLMClient, resend: bool = False) -> None:
@@ -638,13 +630,10 @@ def agree(error: BaseException | None, failed: str | None = None, lost: bool = F
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(message, src=0)
     said, lost = message
-    if said is None:
-        return
-    if failed is not None:
-        raise (_Lost if lost else RuntimeError)(f"{failed}: {said}") from error
-    if error is not None:
+    if said is not None and (error is None or failed is not None):
+        raise (_Lost if lost else RuntimeError)(f"{failed or 'rank 0 stopped'}: {said}") from error
+    if said is not None:
         raise error
-    raise RuntimeError(f"rank 0 stopped: {said}")
 
 
 def on_rank0(fn: Callable[[], object], failed: str | None = None):

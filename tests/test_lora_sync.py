@@ -78,7 +78,7 @@ def served_at_close(monkeypatch, servers) -> list[dict]:
 
     def snapshot(sync):
         names = [adapter_cards(s) for s in servers]
-        newest = f"{sync.prefix}-v{sync.loaded[-1]}"
+        newest = sync.loaded[-1]
         seen.append({"prefix": sync.prefix, "cards": names, "disk": sorted(os.listdir(sync.root)),
                      "served": [served_logprobs(s, newest) for s in servers]})
         close(sync)

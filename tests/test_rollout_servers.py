@@ -197,7 +197,7 @@ def test_a_wrong_api_key_fails_at_once_with_a_clear_401(start_server, tokenizer,
 def test_a_replica_whose_sync_failed_verification_leaves_routing_until_a_later_one_lands(
         start_server):
     """The trainer labels a server whose weights failed its verification "unverified-N"
-    (WeightSync._take_out_unverified); the rollout process takes it out of routing before a group
+    (FullSync.push, take_out_unverified); the rollout process takes it out of routing before a group
     starts at that version (drop_unverified), and readmit brings it back once a later sync gives
     it a numbered version again."""
     import asyncio
@@ -222,7 +222,7 @@ def test_a_replica_whose_sync_failed_verification_leaves_routing_until_a_later_o
 def test_a_replica_whose_adapter_failed_its_probe_leaves_routing_until_a_later_one_lands(
         start_server, toy_dir, tmp_path):
     """Adapter sync: the trainer unloads an adapter whose probe failed on a replica
-    (lora_sync.AdapterSync._take_out, lora_sync.unload); that replica lists no card for the
+    (lora_sync: take_out_unverified, unload); that replica lists no card for the
     current adapter, so the rollout process takes it out of routing before a group starts under
     it, and readmit brings it back once a later adapter loads there. Unloading an adapter a
     server never held is not an error (a replica back since it was loaded)."""

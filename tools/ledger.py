@@ -18,8 +18,8 @@ import tokenize
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FEATURES = {
     "verification": [
-        ("verify_sync.py", "*"), ("weight_sync.py", "WeightSync._take_out_unverified"),
-        ("lora_sync.py", "AdapterSync._take_out"), ("rollout/servers.py", "drop_unverified")],
+        ("verify_sync.py", "*"), ("weight_sync.py", "take_out_unverified"),
+        ("rollout/servers.py", "drop_unverified")],
     "replicas": [
         ("weight_sync.py", "Members"), ("weight_sync.py", "WeightSync._regroup"),
         ("weight_sync.py", "WeightSync._restarted"), ("weight_sync.py", "WeightSync._lost"),
