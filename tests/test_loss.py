@@ -715,3 +715,15 @@ def test_the_reference_kl_is_trls_estimator_over_the_candidate_set():
     got = loss.row_logprobs(hidden, weight, None, sub, 0.7).target
     _, want, _ = naive(hidden, weight, None, torch.arange(3), sub.targets, T=0.7, sets=sets)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_k3_is_never_negative_where_rounding_near_ratio_one_would_make_it_so():
+    """(r - 1) - log r at log-ratios 1e-8 and -1e-4 rounds below 0 in fp32 (e^1e-8 is 1.0 there): k3
+    clamps each token at 0, so the logged parity figures are never negative; a real gap keeps its
+    value."""
+    x = torch.tensor([1e-8, -1e-4, 0.0, 0.5])
+    raw = x.exp() - 1 - x
+    assert (raw[:2] < 0).all()                                   # what the clamp is for
+    got = loss.k3(x)
+    assert (got >= 0).all() and got[:3].abs().max() == 0
+    assert got[3].item() == pytest.approx(math.exp(0.5) - 1.5, rel=1e-6)
