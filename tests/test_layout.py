@@ -180,3 +180,29 @@ def test_every_document_the_code_cites_is_in_the_repository():
             cited += 1
             assert os.path.isfile(os.path.join(ROOT, "docs", doc)), f"{name} cites docs/{doc}"
     assert cited >= 10
+
+
+def test_the_import_graph_is_at_most_six_deep():
+    """Over the nodes a reader sees (each top-level file, each top-level folder as one), the longest
+    chain of imports is at most 6 modules: a reader climbs no further to reach the bottom."""
+    nodes = {module_name(p): module_name(p).split(".")[0] for p in
+             CORE + [p for d in FOLDERS for p in glob.glob(os.path.join(ROOT, d, "*.py"))]}
+    graph: dict[str, set[str]] = {}
+    for module, edges in import_graph().items():
+        graph.setdefault(nodes[module], set()).update(nodes[t] for t in edges)
+    graph = {node: edges - {node} for node, edges in graph.items()}
+    memo: dict[str, int] = {}
+
+    def depth(node: str) -> int:
+        if node not in memo:
+            memo[node] = 1 + max((depth(t) for t in graph[node]), default=0)
+        return memo[node]
+
+    assert max(map(depth, graph)) <= 6, {n: depth(n) for n in graph}
+
+
+def test_train_reads_in_at_most_a_hundred_lines():
+    """train(), the spine a reader follows first, is at most 100 lines, docstring included."""
+    tree = ast.parse(open(os.path.join(ROOT, "train.py")).read())
+    (spine,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train"]
+    assert spine.end_lineno - spine.lineno + 1 <= 100
