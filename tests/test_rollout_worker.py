@@ -124,7 +124,7 @@ print("the script runs")
 from toy import make_dataset, sum_reward
 from train import AsyncGRPOConfig, AsyncGRPOTrainer      # trl.experimental.async_grpo in the spec
 {defines}
-dataset = make_dataset(16)
+dataset = make_dataset(64)
 
 trainer = AsyncGRPOTrainer(
     model={model!r},
