@@ -52,9 +52,10 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import exported, full_tensor
+from ranks import from_rank0, on_rank0
 from vllm_client import VLLMError
-from weight_sync import (FAILED, FullSync, Members, SyncStats, check_servers, from_rank0,
-                         language_parameters, on_rank0, take_out_unverified)
+from weight_sync import (FAILED, FullSync, Members, SyncStats, check_servers, language_parameters,
+                         take_out_unverified)
 
 PREFIX = "policy"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values

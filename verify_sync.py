@@ -52,9 +52,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ranks import from_rank0, on_rank0
 from vllm_client import VLLMError
 from vllm_plugin.weight_digests import fingerprint
-from weight_sync import FAILED, from_rank0, in_background, on_rank0, served_dtype
+from weight_sync import FAILED, in_background, served_dtype
 
 log = logging.getLogger(__name__)
 EXTENSION = "weight_digests.WeightDigests"       # vllm serve --worker-extension-cls (vllm_plugin/)

@@ -50,11 +50,9 @@ import math
 import socket
 import threading
 import time
-import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Callable, Iterator
 
 import torch
@@ -62,7 +60,9 @@ import torch.distributed as dist
 
 from checkpoint import full_tensor
 from config import dtype_name
+from ranks import agree, on_rank0
 from vllm_client import UNVERIFIED, VLLMClient, VLLMError
+from vllm_plugin.weight_group import free_port, host_ip, weight_group
 from vllm_plugin.weight_packing import buckets, checkpoint_shapes
 
 log = logging.getLogger(__name__)
@@ -242,23 +242,6 @@ def transfer_flags() -> str:
 # ── the transfer ────────────────────────────────────────────────────────────────────────────
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def host_ip(server_url: str) -> str:
-    """An address of this host that the server can reach (the route the OS picks towards it)."""
-    host = urllib.parse.urlsplit(server_url).hostname or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((socket.gethostbyname(host), 9))     # UDP connect sends nothing
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
 class WeightSync:
     """The trainer's end of the weight-transfer group (state is real: the group joined, and the
     version it was last given).
@@ -346,22 +329,23 @@ class WeightSync:
         back, or restarted (it no longer holds the version the group was given): re-form the
         group. The caches are reset after the update (/reset_prefix_cache), not by /pause:
         vLLM 0.33 ignores clear_cache in keep mode."""
-        def pause(client: VLLMClient) -> str:
-            client.pause(mode="keep", clear_cache=False)
-            return client.weight_info()
-
         self.members.readmit_healthy()
         self.paused = self.members.live     # resumed whatever happens (one dead since: named)
-        held = self.members.call(pause)
-        restarted = [c for c in self.grouped if self._restarted(c, held.get(c))]
+        self.members.call(lambda c: c.pause(mode="keep", clear_cache=False))
+        restarted = [c for c in self.grouped if self._restarted(c)]
         if restarted or self.grouped != self.members.live:
             self._regroup()
 
-    def _restarted(self, client: VLLMClient, held: str | None) -> bool:
+    def _restarted(self, client: VLLMClient) -> bool:
         """Rank 0: whether a grouped server restarted since the group was given its weights: it
-        reports another weight version (a fresh vLLM: "default"), and so no longer has the
-        group; said with a warning. Before a first version was published, never."""
-        if held is None or self.published is None or held == self.published:
+        reports another weight version (GET /weight_info; a fresh vLLM: "default"), and so no
+        longer has the group; said with a warning. Before a first version was published, or
+        where it does not answer (its own failure is the one reported), never."""
+        try:
+            held = client.weight_info()
+        except Exception:          # noqa: BLE001 (the sync's own error is the one reported)
+            return False
+        if self.published is None or held == self.published:
             return False
         log.warning("weight sync: %s restarted (it reports weight version %r, not %r): it "
                     "rejoins the group and is given the weights", client.base_url, held,
@@ -409,7 +393,7 @@ class WeightSync:
             if error is not None:
                 lost = not resend and self._lost()
                 self._ungroup(update)
-        agree(error, FAILED, lost)
+        agree(error, FAILED, _Lost if lost else RuntimeError)
 
     def _begin(self, specs, resend: bool) -> list:
         """Rank 0: open the update on every live server (begin_update), re-form the group if one
@@ -433,7 +417,7 @@ class WeightSync:
                 self.members.take_out(c, "it stopped answering during the weight transfer")
                 lost = True
             else:
-                lost |= self._restarted(c, _weight_version(c))
+                lost |= self._restarted(c)
         return lost and bool(self.members.live)
 
     def _ungroup(self, update: list | None) -> None:
@@ -469,28 +453,15 @@ class WeightSync:
     def _join(self, info: dict):
         """Rank 0's side of the rendezvous. Real vLLM (NCCL, vllm importable): vLLM's own
         nccl_common.trainer_init and packed producer. local_vllm and our gloo plugin: both ends
-        make a torch.distributed group from the same init_info over a TCPStore that rank 0 owns
-        (gloo on CPU, NCCL where vllm is not installed), created with the vllm_server_timeout.
-        The store and gloo listen on master_address only, the address the servers reach: for
-        a local server, loopback (TCPStore alone listens on every interface: it is handed a
-        socket bound here, master_listen_fd)."""
+        make one from the same init_info (vllm_plugin/weight_group.py: gloo on CPU, NCCL where
+        vllm is not installed), with the vllm_server_timeout, listening on master_address only,
+        the address the servers reach (for a local server, loopback)."""
         if self.vllm_group:
             from vllm.distributed.weight_transfer.nccl_common import trainer_init
             return trainer_init(info | {"rank_offset": 0})
-        timeout = timedelta(seconds=self.timeout)
-        address = info["master_address"]
-        listener = socket.create_server((address, info["master_port"]))
-        store = dist.TCPStore(address, info["master_port"], info["world_size"], is_master=True,
-                              timeout=timeout, master_listen_fd=listener.detach())
-        store = dist.PrefixStore("weight_transfer", store)
-        if self.backend == "gloo":
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-            return dist.ProcessGroupGloo(store, 0, info["world_size"], options)
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, 0, info["world_size"], options)
+        listener = socket.create_server((info["master_address"], info["master_port"]))
+        return weight_group(info["master_address"], info["master_port"], info["world_size"], 0,
+                            self.backend, self.timeout, listen_fd=listener.detach())
 
     def _broadcast(self, flat: torch.Tensor, update: list) -> None:
         """Send one bucket and wait for it, polling: a server that refused the update (its POST
@@ -617,44 +588,7 @@ def begin_update(client: VLLMClient, resend: bool = False) -> None:
         client.start_weight_update()
 
 
-# ── rank 0 acts, every rank raises together ─────────────────────────────────────────────────
-
-
-def agree(error: BaseException | None, failed: str | None = None, lost: bool = False) -> None:
-    """One collective: rank 0's failure (`error`, or None; the other ranks pass None) reaches
-    every rank, and all raise together, or none does, so no rank is left waiting in a collective
-    for one that left. With `failed`, every rank raises RuntimeError("<failed>: <the error>"), or
-    _Lost where rank 0 says `lost`; without, rank 0 raises the error itself and the others a
-    RuntimeError("rank 0 stopped: <the error>")."""
-    message = [None if error is None else f"{type(error).__name__}: {error}", lost]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(message, src=0)
-    said, lost = message
-    if said is not None and (error is None or failed is not None):
-        raise (_Lost if lost else RuntimeError)(f"{failed or 'rank 0 stopped'}: {said}") from error
-    if said is not None:
-        raise error
-
-
-def on_rank0(fn: Callable[[], object], failed: str | None = None):
-    """fn() on rank 0, and its failure (or none) raised on every rank together (agree, with
-    `failed`); its value on rank 0, None on the others."""
-    value, error = None, None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            value = fn()
-        except Exception as e:                  # noqa: BLE001 (raised by agree, on every rank)
-            error = e
-    agree(error, failed)
-    return value
-
-
-def from_rank0(value):
-    """Rank 0's `value` on every rank (a picklable object; the other ranks pass anything)."""
-    box = [value]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
+# ── threads and deadlines ───────────────────────────────────────────────────────────────────
 
 
 def in_background(fn: Callable[[], object]) -> Future:
@@ -677,14 +611,6 @@ def _result(future, timeout: float, what: str):
         raise TimeoutError(f"{what}: no answer within vllm_server_timeout={timeout:g}s") from e
     except Exception as e:
         raise RuntimeError(f"{what} failed: {e}") from e
-
-
-def _weight_version(client: VLLMClient) -> str | None:
-    """GET /weight_info, or None where the server does not answer it."""
-    try:
-        return client.weight_info()
-    except Exception:          # noqa: BLE001 (the sync's own error is the one reported)
-        return None
 
 
 def _attempt(fn: Callable[[], object]) -> BaseException | None:

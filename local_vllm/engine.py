@@ -40,12 +40,12 @@ import traceback
 from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from vllm_plugin.weight_digests import fingerprint
+from vllm_plugin.weight_group import weight_group
 
 FAULT = "ASYNC_GRPO_FAULT_NOISE"    # the fault switch: a tensor name (vllm_plugin/ reads it too)
 
@@ -529,22 +529,13 @@ class Engine:
 
     # weight transfer
     def join_group(self, info: dict) -> None:
-        """Join the trainer's weight-transfer group: the trainer (rank 0) owns a TCPStore at
-        master_address:master_port; this server joins as rank `rank_offset` through
-        PrefixStore("weight_transfer", store) and a ProcessGroupGloo (CPU) or ProcessGroupNCCL
-        ("backend": "nccl", CUDA). vLLM uses its own NCCL communicator instead; the HTTP sequence
+        """Join the trainer's weight-transfer group as rank `rank_offset`, gloo (CPU) or NCCL
+        ("backend": "nccl", CUDA), as our gloo plugin joins it (vllm_plugin/weight_group.py). vLLM uses its own NCCL communicator instead; the HTTP sequence
         and the packed chunk layout are the same."""
         try:
-            store = dist.TCPStore(info["master_address"], info["master_port"],
-                                  info["world_size"], is_master=False,
-                                  timeout=timedelta(seconds=300))
-            store = dist.PrefixStore("weight_transfer", store)
-            rank = info["rank_offset"]
-            size = info["world_size"]
-            if self.args.weight_transfer_config["backend"] == "gloo":
-                self.group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=300))
-            else:
-                self.group = dist.ProcessGroupNCCL(store, rank, size)
+            self.group = weight_group(info["master_address"], info["master_port"],
+                                      info["world_size"], info["rank_offset"],
+                                      self.args.weight_transfer_config["backend"], 300)
         except (RuntimeError, ValueError) as e:    # no trainer there (DistNetworkError, ...)
             raise APIError(400, f"Could not join the weight-transfer group at "
                            f"{info['master_address']}:{info['master_port']}: {e}",

@@ -49,11 +49,11 @@ import inspect
 import math
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from weight_group import weight_group
 from weight_packing import buckets, checkpoint_shapes
 
 try:
@@ -142,12 +142,9 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         self.fault = os.environ.get(FAULT)      # the fault switch: None (off) or a tensor name
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        timeout = timedelta(seconds=init_info.timeout_s)
-        store = dist.TCPStore(init_info.master_address, init_info.master_port,
-                              init_info.world_size, is_master=False, timeout=timeout)
-        store = dist.PrefixStore("weight_transfer", store)
         rank = init_info.rank_offset + self.parallel_config.rank
-        self.group = dist.ProcessGroupGloo(store, rank, init_info.world_size, timeout)
+        self.group = weight_group(init_info.master_address, init_info.master_port,
+                                  init_info.world_size, rank, BACKEND, init_info.timeout_s)
         self.info = init_info
 
     def start_weight_update(self) -> None:
