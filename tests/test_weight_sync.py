@@ -394,6 +394,7 @@ def test_a_sigterm_mid_sync_leaves_no_server_paused_and_ends_the_run_at_once(sta
     run syncs to it."""
     server = start_server(*SERVER_ARGS)
     argv = ["--model", toy_dir, "--vllm_server_base_url", server.url, "--max_steps", "20",
+            "--reward", "toy:sum_reward",     # partial credit: an untrained toy's groups differ
             "--output_dir", str(tmp_path / "out"), "--save_strategy", "no",
             *[f"--{k}={v}" for k, v in SMALL.items()]]
     done = subprocess.run([sys.executable, "-c", SIGTERM_RUN.format(root=ROOT, argv=argv)],
