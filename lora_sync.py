@@ -227,8 +227,8 @@ class AdapterSync:
     def push(self, version: int) -> dict[str, float]:
         """Every rank: gather the adapter; rank 0 writes it and loads it on every live replica
         (_publish); with verification on, each load is proven and a replica that fails, loaded
-        twice, is taken out (take_out_unverified); rank 0 unloads the version that left the staleness
-        window. An error on rank 0 is raised on every rank together."""
+        twice, is taken out (take_out_unverified); rank 0 unloads the version that left the
+        staleness window. An error on rank 0 is raised on every rank together."""
         state = exported(self.policy, self.config)      # the adapter, as a checkpoint's
         stats, figures = SyncStats(), {}
         name = f"{self.prefix}-v{version}"

@@ -530,8 +530,9 @@ class Engine:
     # weight transfer
     def join_group(self, info: dict) -> None:
         """Join the trainer's weight-transfer group as rank `rank_offset`, gloo (CPU) or NCCL
-        ("backend": "nccl", CUDA), as our gloo plugin joins it (vllm_plugin/weight_group.py). vLLM uses its own NCCL communicator instead; the HTTP sequence
-        and the packed chunk layout are the same."""
+        ("backend": "nccl", CUDA), as our gloo plugin joins it (vllm_plugin/weight_group.py).
+        vLLM uses its own NCCL communicator instead; the HTTP sequence and the packed chunk
+        layout are the same."""
         try:
             self.group = weight_group(info["master_address"], info["master_port"],
                                       info["world_size"], info["rank_offset"],
