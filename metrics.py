@@ -475,11 +475,19 @@ def open_tensorboard(config, output_dir: str, run_name: str) -> Dashboard:
 
 
 def open_wandb(config, output_dir: str, run_name: str) -> Dashboard:
-    """A wandb run in <output_dir> (WANDB_MODE=offline: its files only, `wandb sync` later)."""
+    """A wandb run in <output_dir> (WANDB_MODE=offline: its files only, `wandb sync` later). Its
+    x-axis is train/global_step, as transformers' WandbCallback's: wandb drops a line logged at a
+    step below its last, and an evaluation's line comes at the step that asked for it, after the
+    lines of the steps trained meanwhile."""
     import wandb
     run = wandb.init(project=os.environ.get("WANDB_PROJECT", config.project), name=run_name,
                      config=config_dict(config), dir=output_dir)
-    return _wandb_like("wandb", run.log, wandb.Table, run.finish)
+    run.define_metric("train/global_step")
+    run.define_metric("*", step_metric="train/global_step", step_sync=True)
+
+    def log(metrics: dict, step: int) -> None:
+        run.log(metrics | {"train/global_step": step})
+    return _wandb_like("wandb", log, wandb.Table, run.finish)
 
 
 def open_trackio(config, output_dir: str, run_name: str) -> Dashboard:

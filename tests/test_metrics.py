@@ -183,6 +183,7 @@ for step in (1, 2):
         board.log({"reward": 0.25 * step, "rollout/backpressure_s": 1.5}, step)
 for board in boards:
     board.table(2, [("1+1=", "2", 1.0)])
+    board.log({"eval/pass@1": 0.75}, 1)      # an evaluation asked at step 1, done after step 2
     board.close()
 """
 
@@ -201,6 +202,7 @@ def test_tensorboard_gets_the_metrics_names_steps_and_completions(tmp_path):
     events = EventAccumulator(str(tmp_path / "runs" / "surface-run"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("reward")] == [(1, 0.25), (2, 0.5)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/pass@1")] == [(1, 0.75)]
     assert "rollout/backpressure_s" in events.Tags()["scalars"]
     texts = events.Tags()["tensors"]
     assert any("completions" in t for t in texts) and any("config" in t for t in texts)
@@ -208,13 +210,16 @@ def test_tensorboard_gets_the_metrics_names_steps_and_completions(tmp_path):
 
 def test_wandb_offline_run_holds_the_metrics_config_and_table(tmp_path):
     """The offline run's record log (run-*.wandb, protobuf records) holds the metric names, the run
-    name and the config; the completions table is written as its media file."""
+    name and the config, and the evaluation's line logged at a step below the last (wandb drops
+    such a line at its own step: the x-axis is train/global_step); the completions table is
+    written as its media file."""
     pytest.importorskip("wandb", reason="wandb is not installed")
     log_offline(tmp_path, "wandb")
     run_dir, = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     record, = glob.glob(os.path.join(run_dir, "run-*.wandb"))
     data = open(record, "rb").read()
-    for text in (b"reward", b"rollout/backpressure_s", b"surface-run", b"max_staleness"):
+    for text in (b"reward", b"rollout/backpressure_s", b"surface-run", b"max_staleness",
+                 b"eval/pass@1", b"train/global_step"):
         assert text in data, text
     table, = glob.glob(os.path.join(run_dir, "files", "media", "table", "completions_2_*.json"))
     with open(table) as f:
@@ -231,6 +236,7 @@ def test_trackio_local_store_holds_the_metrics(tmp_path):
                          capture_output=True, text=True, timeout=120).stdout
     logs = json.loads(out.strip().splitlines()[-1])
     assert [row["reward"] for row in logs if "reward" in row] == [0.25, 0.5]
+    assert [row["eval/pass@1"] for row in logs if "eval/pass@1" in row] == [0.75]
     assert any("completions" in row for row in logs)
 
 
