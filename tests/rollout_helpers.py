@@ -347,6 +347,12 @@ def stuck_reward(prompts, completions, **kwargs) -> list[float]:
     return rank_reward(prompts, completions)
 
 
+def spinning_reward(prompts, completions, **kwargs) -> list[float]:
+    """Never returns, spinning in Python: its thread takes the GIL back at every switch."""
+    while True:
+        pass
+
+
 def slow_add(a: int, b: int) -> int:
     """Add two integers, slowly.
 

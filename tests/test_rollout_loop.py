@@ -650,22 +650,24 @@ def test_a_stalled_reward_function_fails_its_group_and_the_run_goes_on(small_kv_
             "slow_reward did not return within reward_tool_timeout=1s") in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("stuck", [h.stuck_reward, h.spinning_reward], ids=["waits", "spins"])
 def test_a_stuck_reward_function_is_named_and_its_process_ends_at_once(small_kv_server,
-                                                                      tokenizer):
-    """A reward function that never returns: each group's call gives up after reward_tool_timeout,
-    naming it, and FAILED_GROUPS_TO_STOP such groups end the run with its name, long before
-    rollout_worker_timeout. Its threads do not hold the process: it ends within seconds of
-    stop(). (In asyncio's own executor they did: asyncio.run joins it on the way out, so the
-    error never left the child, and the trainer called it hung, naming nothing.)"""
+                                                                      tokenizer, stuck):
+    """A reward function that never returns (waiting, or spinning in Python): each group's call
+    gives up after reward_tool_timeout, naming it, and FAILED_GROUPS_TO_STOP such groups end the
+    run with its name, long before rollout_worker_timeout. Its threads do not hold the process:
+    it ends within seconds of stop(). (In asyncio's own executor they did: asyncio.run joins it on
+    the way out, so the error never left the child, and the trainer called it hung, naming
+    nothing.)"""
     config = h.config_for(small_kv_server, reward_tool_timeout=1.0, rollout_worker_timeout=300,
                           num_train_epochs=10)
-    worker = RolloutWorker(config, toy.make_dataset(8), [h.stuck_reward], tokenizer)
+    worker = RolloutWorker(config, toy.make_dataset(8), [stuck], tokenizer)
     start = time.monotonic()
     worker.start()
     pid = worker.process.pid
     try:
         with pytest.raises(RuntimeError, match="rollouts failed in a row.*CallTimeout: "
-                                               "stuck_reward did not return within "
+                                               f"{stuck.__name__} did not return within "
                                                "reward_tool_timeout=1s"):
             while worker.get(timeout=300) is not None:
                 pass
