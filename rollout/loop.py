@@ -534,19 +534,21 @@ class AsyncRolloutLoop:
 
     async def _score_eval(self, group: PendingGroup) -> None:
         """An eval group done: its rewards and figures (scoring.eval_result), or None's mark of a
-        failed one (counted as eval/failed_prompts); its environments go back to the pool."""
+        failed one (counted as eval/failed_prompts); its environments go back to the pool, unless
+        its scoring timed out (as a training group's: the stuck reward function may still read
+        them)."""
         try:
             if not group.failed:
                 built = group.build()
                 columns = await score_rewards(self.reward_funcs, built,
                                               self.config.reward_tool_timeout, self.tool_pool)
                 group.result = eval_result(built, columns, self.eos_token_ids)
+            self._give_back(group.slots)
         except CallTimeout as e:
             log.error("scoring eval prompt %d failed: %s", group.row_index, e)
         finally:
             group.result = group.result or {"failed": True}
             self.evaluating -= 1
-            self._give_back(group.slots)
 
     async def _score_loop(self) -> None:
         """Per complete group: score_group (rollout/scoring.py) → its samples on the rollout queue;
