@@ -113,12 +113,9 @@ def parse_turn(tokenizer, fmt: str | None, text: str, prompt_ids: list[int],
     except Exception as e:            # the output does not fit the template: one malformed call
         reason = f"the response does not parse ({type(e).__name__}: {e})"
         return text, [{"error": f"invalid tool call: {reason}"}]
-    requested = []
-    for call in message.get("tool_calls") or []:
-        try:        # {"type": "function", "function": {...}}, or the function's fields alone
-            requested.append(checked_call(call.get("function", call)))
-        except (ValueError, AttributeError, RecursionError) as e:
-            requested.append({"error": f"invalid tool call {str(call)[:200]!r}: {e}"})
+    # each {"type": "function", "function": {...}}, or the function's fields alone
+    requested = [checked_call(call.get("function", call) if isinstance(call, dict) else call)
+                 for call in message.get("tool_calls") or []]
     content = message.get("content")
     return content if isinstance(content, str) else "", requested
 
@@ -133,10 +130,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     content = []
     last = 0
     for match in TOOL_CALL.finditer(text):
-        try:
-            requested.append(checked_call(json.loads(match[1])))
-        except (ValueError, AttributeError, RecursionError) as e:   # RecursionError: too deep
-            requested.append({"error": f"invalid tool call {match[1].strip()[:200]!r}: {e}"})
+        requested.append(checked_call(match[1].strip()))
+        if "error" in requested[-1]:
             continue
         content.append(text[last:match.start()])
         last = match.end()
@@ -144,15 +139,20 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     return "".join(content), requested
 
 
-def checked_call(call: dict) -> dict:
-    """A parsed call as {"name": str, "arguments": dict} (arguments may come as a JSON string, or
-    be left out: none); ValueError, or AttributeError for a call that is not an object, if not."""
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments)
-    if not (isinstance(call.get("name"), str) and isinstance(arguments, dict)):
-        raise ValueError('expected {"name": <string>, "arguments": <object>}')
-    return {"name": call["name"], "arguments": arguments}
+def checked_call(call: dict | str) -> dict:
+    """A call, parsed or its JSON text, as {"name": str, "arguments": dict} (arguments may come as
+    a JSON string, or be left out: none); else {"error": why}, a malformed call (not JSON, not
+    an object, nested too deep for the parser, or other fields)."""
+    try:
+        parsed = json.loads(call) if isinstance(call, str) else call
+        arguments = parsed.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        if not (isinstance(parsed.get("name"), str) and isinstance(arguments, dict)):
+            raise ValueError('expected {"name": <string>, "arguments": <object>}')
+    except (ValueError, AttributeError, RecursionError) as e:
+        return {"error": f"invalid tool call {str(call)[:200]!r}: {e}"}
+    return {"name": parsed["name"], "arguments": arguments}
 
 
 async def run_tool_calls(requested: list[dict], tools: dict[str, Callable], executor: Executor,
