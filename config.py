@@ -245,6 +245,7 @@ class AsyncGRPOConfig:
 
     def __post_init__(self):
         refuse_inapplicable(self)
+        self.output_dir = self.output_dir or "trainer_output"      # as TrainingArguments
         for name in ("lr_scheduler_kwargs", "model_init_kwargs", "chat_template_kwargs",
                      "gradient_checkpointing_kwargs"):
             if isinstance(getattr(self, name), str):
@@ -371,18 +372,14 @@ class AsyncGRPOConfig:
         wait in a collective (the defaults: max(1800, 1800 + 300) = 2100)."""
         return max(self.ddp_timeout, self.vllm_server_timeout + self.rollout_worker_timeout)
 
-    def bf16_on(self, device) -> bool:
-        """Whether forward and backward run in bf16 on `device` (bf16=None: on CUDA unless
-        fp16)."""
-        return self.bf16 if self.bf16 is not None else device.type == "cuda" and not self.fp16
-
     def compute_dtype(self, device):
-        """The dtype forward and backward run in: bf16 or fp16 under mixed precision, else fp32
-        (the master weights' dtype)."""
+        """The dtype forward and backward run in on `device`: bf16 or fp16 under mixed precision,
+        else fp32 (the master weights' dtype). bf16=None: bf16 on CUDA unless fp16."""
         import torch
         if self.fp16:
             return torch.float16
-        return torch.bfloat16 if self.bf16_on(device) else torch.float32
+        bf16 = self.bf16 if self.bf16 is not None else device.type == "cuda"
+        return torch.bfloat16 if bf16 else torch.float32
 
     def export_dtype(self, master):
         """The dtype a saved or synced model has, from one master parameter: the compute dtype

@@ -223,14 +223,9 @@ def sum_reward(prompts, completions, answer, **kwargs) -> list[float]:
         starts with it           0.5    ~1e-2
         contains it              0.2    ~0.07: ~44% of groups of 8 have unequal rewards
     """
-    out = []
-    for completion, ans in zip(completions, answer):
-        text = _text(completion).strip()
-        if text == ans:
-            out.append(1.0)
-        else:
-            out.append(0.5 if text.startswith(ans) else 0.2 if ans in text else 0.0)
-    return out
+    texts = [_text(completion).strip() for completion in completions]
+    return [1.0 if text == ans else 0.5 if text.startswith(ans) else 0.2 if ans in text else 0.0
+            for text, ans in zip(texts, answer)]
 
 
 def exact_reward(prompts, completions, answer, **kwargs) -> list[float]:

@@ -90,10 +90,12 @@ def test_values_transformers_reads_as_the_default_are_accepted():
 
 
 def test_bf16_none_means_on_cuda_only():
-    assert AsyncGRPOConfig().bf16_on(torch.device("cuda")) is True
-    assert AsyncGRPOConfig().bf16_on(torch.device("cpu")) is False
-    assert AsyncGRPOConfig(bf16=True).bf16_on(torch.device("cpu")) is True
-    assert AsyncGRPOConfig(bf16=False).bf16_on(torch.device("cuda")) is False
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert AsyncGRPOConfig().compute_dtype(cuda) == torch.bfloat16
+    assert AsyncGRPOConfig().compute_dtype(cpu) == torch.float32
+    assert AsyncGRPOConfig(bf16=True).compute_dtype(cpu) == torch.bfloat16
+    assert AsyncGRPOConfig(bf16=False).compute_dtype(cuda) == torch.float32
+    assert AsyncGRPOConfig(fp16=True).compute_dtype(cuda) == torch.float16
 
 
 @pytest.mark.parametrize("field, kwargs", [
