@@ -253,7 +253,7 @@ class AsyncGRPOConfig:
         # the rules that several fields share, each written once
         for name in ("temperature", "max_completion_length", "queue_maxsize",
                      "vllm_server_timeout", "rollout_worker_timeout", "reward_tool_timeout",
-                     "untrained_warning_s", "ddp_timeout"):
+                     "untrained_warning_s", "ddp_timeout", "epsilon"):
             need(getattr(self, name) > 0, name, "must be > 0")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps",
                      "weight_sync_steps", "per_device_eval_batch_size"):
@@ -263,7 +263,7 @@ class AsyncGRPOConfig:
             need(getattr(self, name) is None or getattr(self, name) >= 1, name,
                  "must be >= 1 (or None)")
         for name in ("learning_rate", "max_staleness", "weight_sync_verify_every", "beta",
-                     "eval_delay"):
+                     "eval_delay", "warmup_steps"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards,
                                                                 self.scale_rewards)  # TRL's bools
@@ -289,8 +289,7 @@ class AsyncGRPOConfig:
             warnings.warn("AsyncGRPOConfig.repetition_penalty != 1: the server's processed "
                           "log-probs include the penalty and the trainer's log-probs do not, so "
                           "every importance ratio is biased", stacklevel=3)
-        need(self.epsilon > 0 and (self.epsilon_high is None or self.epsilon_high > 0), "epsilon",
-             "must be > 0")
+        need(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", "must be > 0")
         clip_min = self.vllm_importance_sampling_clip_min
         clip_max = self.vllm_importance_sampling_clip_max
         need(0 <= clip_min < 1 < clip_max, "vllm_importance_sampling_clip_min/max",
@@ -315,8 +314,7 @@ class AsyncGRPOConfig:
              f"{self.lr_scheduler_type!r} decays over max_steps, which is not set: the number of "
              "optimizer steps is not known in advance (forks vary it), so set max_steps > 0 or "
              "use 'constant'")
-        fraction = 0 < self.warmup_steps < 1
-        need(self.warmup_steps >= 0 and (not fraction or self.max_steps > 0), "warmup_steps",
+        need(not 0 < self.warmup_steps < 1 or self.max_steps > 0, "warmup_steps",
              "a fraction (< 1) of max_steps needs max_steps > 0")
         need(not (self.fp16 and self.bf16), "fp16", "fp16 and bf16 are both set: pick one")
         if self.tf32:

@@ -104,10 +104,13 @@ def test_bf16_none_means_on_cuda_only():
     ("top_p", {"top_p": 0.0}),
     ("num_generations", {"num_generations": 1}),
     ("temperature", {"temperature": 0.0}),
+    ("epsilon", {"epsilon": 0.0}),
+    ("epsilon_high", {"epsilon_high": -0.1}),
     ("vllm_importance_sampling_clip_min/max", {"vllm_importance_sampling_clip_min": 1.5}),
     ("weight_sync_steps", {"weight_sync_steps": 0}),
     ("weight_sync_verify_every", {"weight_sync_verify_every": -1}),
     ("warmup_steps", {"warmup_steps": 0.5}),  # a fraction of max_steps, which is not set
+    ("warmup_steps", {"warmup_steps": -1, "max_steps": 10}),
     ("max_completion_length", {"max_completion_length": 0}),
     ("num_train_epochs", {"num_train_epochs": 0}),
     ("queue_maxsize", {"queue_maxsize": 0}),  # an unbounded mp.Queue
