@@ -263,7 +263,7 @@ class AsyncGRPOConfig:
             need(getattr(self, name) is None or getattr(self, name) >= 1, name,
                  "must be >= 1 (or None)")
         for name in ("learning_rate", "max_staleness", "weight_sync_verify_every", "beta",
-                     "eval_delay", "warmup_steps"):
+                     "eval_delay", "warmup_steps", "top_k"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards,
                                                                 self.scale_rewards)  # TRL's bools
@@ -281,7 +281,6 @@ class AsyncGRPOConfig:
         need(self.num_generations >= 2, "num_generations",
              "must be >= 2: advantages are standardised within a group")
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(self.top_k >= 0, "top_k", "must be >= 0 (0 disables top-k)")
         need(not self.truncated_sampling or self.top_k > 0, "top_k", "top_p < 1 and min_p also "
              "need top_k > 0: vLLM bounds the returned candidate set by top_k")
         need(self.min_p is None or 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")

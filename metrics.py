@@ -124,14 +124,13 @@ def batch_metrics(step, state) -> dict[str, float]:
     the step's sums, and the running total from the run's TrainState."""
     rows = [p for micro in step.packed for p in micro]              # [GA × world] PackedRow
     groups = set().union(*(row.group_ids for micro in step.rows for row in micro))
-    out = reduce_window(step.row_metrics)
-    out |= {"batch/dropped_oversize_total": float(state.dropped_oversize_total),
-            "batch/forwarded_tokens_per_step": sum(p.unique_tokens for p in rows),
-            "batch/trained_tokens_per_step": step.totals.tokens,
-            "batch/samples_per_step": step.totals.samples,
-            "batch/groups_per_step": len(groups),
-            "batch/microbatches_per_step": len(step.packed)}
-    return out
+    return reduce_window(step.row_metrics) | {
+        "batch/dropped_oversize_total": float(state.dropped_oversize_total),
+        "batch/forwarded_tokens_per_step": sum(p.unique_tokens for p in rows),
+        "batch/trained_tokens_per_step": step.totals.tokens,
+        "batch/samples_per_step": step.totals.samples,
+        "batch/groups_per_step": len(groups),
+        "batch/microbatches_per_step": len(step.packed)}
 
 
 class Timer:
@@ -187,8 +186,8 @@ class MetricsLog:
     set."""
 
     def __init__(self, config, output_dir: str, state, model, device,
-                 rollout_metrics: Callable[[], list[dict]], on_log=None, evaluator=None,
-                 on_evaluate=None):
+                 rollout_metrics: Callable[[], list[dict]], evaluator=None,
+                 on_log=lambda line: None, on_evaluate=lambda metrics: None):
         from tqdm import tqdm
         self.config = config
         self.rollout_metrics = rollout_metrics   # the rollout process's since the last call
@@ -272,8 +271,7 @@ class MetricsLog:
             self.evaluator.evaluate(step)
         for line in self.evaluator.evaluations(wait=end):
             self.write(line.pop("step"), line, rollout=False)
-            if self.on_evaluate is not None:
-                self.on_evaluate(line)
+            self.on_evaluate(line)
 
     def end(self, state) -> None:
         """The run's end: the open window's line, and its last evaluations (evaluate, end)."""
@@ -312,8 +310,7 @@ class MetricsLog:
         values = {k: v for k, v in line.items() if k not in ("step", "time") and v is not None}
         for board in self.dashboards:                  # "step" and "time" are not metrics
             board.log(values, global_step)
-        if self.on_log is not None:
-            self.on_log(line)
+        self.on_log(line)
         return line
 
     def waiting(self, state, final: bool = False) -> None:

@@ -681,7 +681,6 @@ class AsyncGRPOTrainer:
                              "weight_decay and lr_scheduler_type/lr_scheduler_kwargs instead, or "
                              "fork train.py's build_optimizer")
         self.model = model               # after train(): the trained model, read back lazily
-        self.trained_checkpoint = None   # after train(): the last checkpoint-N
         self.reward_funcs = reward_funcs
         self.args = args if args is not None else AsyncGRPOConfig()
         check_prompt_source(train_dataset, environment_factory, self.args.max_steps)  # early
@@ -718,22 +717,22 @@ class AsyncGRPOTrainer:
                         peft_config=self.peft_config, eval_dataset=self.eval_dataset,
                         resume_from_checkpoint=resume_from_checkpoint, hooks=self.hooks)
         found = checkpoint.checkpoints(self.args.output_dir)
-        self.trained_checkpoint = max(found)[1] if found else None
+        self._unread = max(found)[1] if found else None    # the last checkpoint-N, until .model
         return result
 
     @property
     def model(self):
         """The model argument; after train(), the trained model read from the last checkpoint
         (on first use, on the CPU)."""
-        if self.trained_checkpoint is not None and self._model_from != self.trained_checkpoint:
-            self._model = checkpoint.load_model(self.trained_checkpoint)
-            self._model_from = self.trained_checkpoint
+        if self._unread is not None:
+            self._model = checkpoint.load_model(self._unread)
+            self._unread = None
         return self._model
 
     @model.setter
     def model(self, value) -> None:
         self._model = value
-        self._model_from = None
+        self._unread = None             # a model set is the model, whatever was trained
 
     def save_model(self, output_dir: str | None = None) -> str:
         """Copy the trained model (the last checkpoint's model and tokenizer files: a

@@ -101,6 +101,7 @@ def test_bf16_none_means_on_cuda_only():
 @pytest.mark.parametrize("field, kwargs", [
     ("top_k", {"top_p": 0.9}),                # top-p needs a top-k bound on the candidate set
     ("top_k", {"min_p": 0.1}),
+    ("top_k", {"top_k": -1}),
     ("top_p", {"top_p": 0.0}),
     ("num_generations", {"num_generations": 1}),
     ("temperature", {"temperature": 0.0}),
