@@ -298,13 +298,11 @@ def fsync(path: str) -> None:
         os.close(fd)
 
 
-RESUME_FILES = ("fsdp", "scheduler.pt", "trainer_state.json", "rollout_state.json")
-
-
 def copy_model(path: str, output_dir: str) -> None:
-    """The model and tokenizer files of checkpoint `path` into output_dir (made if missing)."""
-    shutil.copytree(path, output_dir, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns(*RESUME_FILES, "rng_state_*"))
+    """The model and tokenizer files of checkpoint `path` into output_dir (made if missing), not
+    what only a resume reads."""
+    shutil.copytree(path, output_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+        "fsdp", "scheduler.pt", "trainer_state.json", "rollout_state.json", "rng_state_*"))
 
 
 def load_model(path: str):

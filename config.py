@@ -245,6 +245,7 @@ class AsyncGRPOConfig:
 
     def __post_init__(self):
         refuse_inapplicable(self)
+        self.output_dir = self.output_dir or "trainer_output"      # as TrainingArguments
         for name in ("lr_scheduler_kwargs", "model_init_kwargs", "chat_template_kwargs",
                      "gradient_checkpointing_kwargs"):
             if isinstance(getattr(self, name), str):
@@ -252,7 +253,7 @@ class AsyncGRPOConfig:
         # the rules that several fields share, each written once
         for name in ("temperature", "max_completion_length", "queue_maxsize",
                      "vllm_server_timeout", "rollout_worker_timeout", "reward_tool_timeout",
-                     "untrained_warning_s", "ddp_timeout"):
+                     "untrained_warning_s", "ddp_timeout", "epsilon"):
             need(getattr(self, name) > 0, name, "must be > 0")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps",
                      "weight_sync_steps", "per_device_eval_batch_size"):
@@ -262,7 +263,7 @@ class AsyncGRPOConfig:
             need(getattr(self, name) is None or getattr(self, name) >= 1, name,
                  "must be >= 1 (or None)")
         for name in ("learning_rate", "max_staleness", "weight_sync_verify_every", "beta",
-                     "eval_delay"):
+                     "eval_delay", "warmup_steps", "top_k"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards,
                                                                 self.scale_rewards)  # TRL's bools
@@ -280,7 +281,6 @@ class AsyncGRPOConfig:
         need(self.num_generations >= 2, "num_generations",
              "must be >= 2: advantages are standardised within a group")
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(self.top_k >= 0, "top_k", "must be >= 0 (0 disables top-k)")
         need(not self.truncated_sampling or self.top_k > 0, "top_k", "top_p < 1 and min_p also "
              "need top_k > 0: vLLM bounds the returned candidate set by top_k")
         need(self.min_p is None or 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
@@ -288,8 +288,7 @@ class AsyncGRPOConfig:
             warnings.warn("AsyncGRPOConfig.repetition_penalty != 1: the server's processed "
                           "log-probs include the penalty and the trainer's log-probs do not, so "
                           "every importance ratio is biased", stacklevel=3)
-        need(self.epsilon > 0 and (self.epsilon_high is None or self.epsilon_high > 0), "epsilon",
-             "must be > 0")
+        need(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", "must be > 0")
         clip_min = self.vllm_importance_sampling_clip_min
         clip_max = self.vllm_importance_sampling_clip_max
         need(0 <= clip_min < 1 < clip_max, "vllm_importance_sampling_clip_min/max",
@@ -314,8 +313,7 @@ class AsyncGRPOConfig:
              f"{self.lr_scheduler_type!r} decays over max_steps, which is not set: the number of "
              "optimizer steps is not known in advance (forks vary it), so set max_steps > 0 or "
              "use 'constant'")
-        fraction = 0 < self.warmup_steps < 1
-        need(self.warmup_steps >= 0 and (not fraction or self.max_steps > 0), "warmup_steps",
+        need(not 0 < self.warmup_steps < 1 or self.max_steps > 0, "warmup_steps",
              "a fraction (< 1) of max_steps needs max_steps > 0")
         need(not (self.fp16 and self.bf16), "fp16", "fp16 and bf16 are both set: pick one")
         if self.tf32:
@@ -371,18 +369,14 @@ class AsyncGRPOConfig:
         wait in a collective (the defaults: max(1800, 1800 + 300) = 2100)."""
         return max(self.ddp_timeout, self.vllm_server_timeout + self.rollout_worker_timeout)
 
-    def bf16_on(self, device) -> bool:
-        """Whether forward and backward run in bf16 on `device` (bf16=None: on CUDA unless
-        fp16)."""
-        return self.bf16 if self.bf16 is not None else device.type == "cuda" and not self.fp16
-
     def compute_dtype(self, device):
-        """The dtype forward and backward run in: bf16 or fp16 under mixed precision, else fp32
-        (the master weights' dtype)."""
+        """The dtype forward and backward run in on `device`: bf16 or fp16 under mixed precision,
+        else fp32 (the master weights' dtype). bf16=None: bf16 on CUDA unless fp16."""
         import torch
         if self.fp16:
             return torch.float16
-        return torch.bfloat16 if self.bf16_on(device) else torch.float32
+        bf16 = self.bf16 if self.bf16 is not None else device.type == "cuda"
+        return torch.bfloat16 if bf16 else torch.float32
 
     def export_dtype(self, master):
         """The dtype a saved or synced model has, from one master parameter: the compute dtype

@@ -108,12 +108,13 @@ def sample_metrics(step, state) -> dict[str, float]:
     if s:
         lengths = [len(x.input_ids) for x in s]
         trained = [int(x.completion_mask.sum()) for x in s]
+        staleness = [step.version - x.model_version for x in s]
         out |= {"sample/forwarded_tokens_mean": float(np.mean(lengths)),
                 "sample/forwarded_tokens_max": max(lengths),
                 "sample/trained_tokens_mean": float(np.mean(trained)),
                 "sample/time_in_queue_s": float(np.mean(step.queue_s)),
-                "sample/staleness_mean": float(np.mean(step.staleness)),
-                "sample/staleness_max": max(step.staleness)}
+                "sample/staleness_mean": float(np.mean(staleness)),
+                "sample/staleness_max": max(staleness)}
         out |= reduce_window([x.metrics for x in s])   # reward_group_std, rewards/<func>/...
     return out
 
@@ -123,14 +124,13 @@ def batch_metrics(step, state) -> dict[str, float]:
     the step's sums, and the running total from the run's TrainState."""
     rows = [p for micro in step.packed for p in micro]              # [GA × world] PackedRow
     groups = set().union(*(row.group_ids for micro in step.rows for row in micro))
-    out = reduce_window(step.row_metrics)
-    out |= {"batch/dropped_oversize_total": float(state.dropped_oversize_total),
-            "batch/forwarded_tokens_per_step": sum(p.unique_tokens for p in rows),
-            "batch/trained_tokens_per_step": step.trained_tokens,
-            "batch/samples_per_step": sum(p.num_samples for p in rows),
-            "batch/groups_per_step": len(groups),
-            "batch/microbatches_per_step": len(step.packed)}
-    return out
+    return reduce_window(step.row_metrics) | {
+        "batch/dropped_oversize_total": float(state.dropped_oversize_total),
+        "batch/forwarded_tokens_per_step": sum(p.unique_tokens for p in rows),
+        "batch/trained_tokens_per_step": step.totals.tokens,
+        "batch/samples_per_step": step.totals.samples,
+        "batch/groups_per_step": len(groups),
+        "batch/microbatches_per_step": len(step.packed)}
 
 
 class Timer:
@@ -179,14 +179,6 @@ class FlopCounter:
                          + self.head * r.trained_tokens for r in rows)
 
 
-def peak_flops(device: torch.device, bf16: bool) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    table = PEAK_FLOPS["bf16" if bf16 else "fp32"]
-    return next((v for k, v in table.items() if k in name), None)
-
-
 class MetricsLog:
     """Rank 0's metrics: per-step records, one JSONL line per logging window (logging_steps; also
     after step 1 with logging_first_step; none with logging_strategy="no"), the same line on each
@@ -194,8 +186,8 @@ class MetricsLog:
     set."""
 
     def __init__(self, config, output_dir: str, state, model, device,
-                 rollout_metrics: Callable[[], list[dict]], on_log=None, evaluator=None,
-                 on_evaluate=None):
+                 rollout_metrics: Callable[[], list[dict]], evaluator=None,
+                 on_log=lambda line: None, on_evaluate=lambda metrics: None):
         from tqdm import tqdm
         self.config = config
         self.rollout_metrics = rollout_metrics   # the rollout process's since the last call
@@ -209,7 +201,9 @@ class MetricsLog:
         self.epochs = state.prompt_index // (getattr(evaluator, "prompts_per_epoch", None) or 1)
         self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
         self.flops = FlopCounter(model)
-        self.peak = peak_flops(device, config.compute_dtype(device) != torch.float32)
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""   # no peak
+        precision = "fp32" if config.compute_dtype(device) == torch.float32 else "bf16"
+        self.peak = next((v for k, v in PEAK_FLOPS[precision].items() if k in gpu), None)
         self.world = torch.distributed.get_world_size()
         self.every = config.every("logging_steps") if config.logging_strategy == "steps" else None
         self.on_log = on_log
@@ -232,7 +226,7 @@ class MetricsLog:
                    "perf/rollout_wait_s": step.waited_s,
                    "perf/forwarded_tok_s_fwd_bwd": forwarded / max(record["perf/fwd_bwd_s"], 1e-9),
                    "perf/forwarded_tok_s_wall_clock": forwarded / record["perf/step_s"],
-                   "perf/trained_tok_s_wall_clock": step.trained_tokens / record["perf/step_s"]}
+                   "perf/trained_tok_s_wall_clock": step.totals.tokens / record["perf/step_s"]}
         if self.peak is not None:
             flops = self.flops([p for micro in step.packed for p in micro])
             flops /= self.peak * self.world
@@ -277,8 +271,7 @@ class MetricsLog:
             self.evaluator.evaluate(step)
         for line in self.evaluator.evaluations(wait=end):
             self.write(line.pop("step"), line, rollout=False)
-            if self.on_evaluate is not None:
-                self.on_evaluate(line)
+            self.on_evaluate(line)
 
     def end(self, state) -> None:
         """The run's end: the open window's line, and its last evaluations (evaluate, end)."""
@@ -317,8 +310,7 @@ class MetricsLog:
         values = {k: v for k, v in line.items() if k not in ("step", "time") and v is not None}
         for board in self.dashboards:                  # "step" and "time" are not metrics
             board.log(values, global_step)
-        if self.on_log is not None:
-            self.on_log(line)
+        self.on_log(line)
         return line
 
     def waiting(self, state, final: bool = False) -> None:

@@ -87,7 +87,7 @@ def build_model(vocab_size: int, seed: int = 0):
         vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
         rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=SPECIAL.index("<|im_end|>"), pad_token_id=0,
+        eos_token_id=SPECIAL.index("<|im_end|>"), pad_token_id=0,   # the generation config's too
     )
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(cfg)
@@ -135,7 +135,6 @@ def save(path: str, seed: int = 0, warm: bool = False) -> str:
     model = build_model(len(tokenizer), seed)
     if warm:
         warm_up(model, tokenizer, steps=200, seed=seed, standard=True, hint=WARM_HINT)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -223,14 +222,9 @@ def sum_reward(prompts, completions, answer, **kwargs) -> list[float]:
         starts with it           0.5    ~1e-2
         contains it              0.2    ~0.07: ~44% of groups of 8 have unequal rewards
     """
-    out = []
-    for completion, ans in zip(completions, answer):
-        text = _text(completion).strip()
-        if text == ans:
-            out.append(1.0)
-        else:
-            out.append(0.5 if text.startswith(ans) else 0.2 if ans in text else 0.0)
-    return out
+    texts = [_text(completion).strip() for completion in completions]
+    return [1.0 if text == ans else 0.5 if text.startswith(ans) else 0.2 if ans in text else 0.0
+            for text, ans in zip(texts, answer)]
 
 
 def exact_reward(prompts, completions, answer, **kwargs) -> list[float]:

@@ -89,7 +89,7 @@ def train(config, dataset, reward_funcs=None, *, model, processing_class=None, t
     check_main_guard(config, dataset, reward_funcs, processing_class, tools, environment_factory,
                      loop_cls, eval_dataset)    # what the rollout process will be handed
     check_eval_source(config, dataset, eval_dataset)
-    output_dir = config.output_dir or "trainer_output"
+    output_dir = config.output_dir
     rank0 = is_rank0()
     with contextlib.ExitStack() as stack:       # each release registered beside its acquisition
         resume, state = stack.enter_context(checkpoint.open_run(  # one live run per output_dir
@@ -290,6 +290,7 @@ class Policy(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
         self.model = model
+        self.softcap = getattr(tree_attention.text_config(model), "final_logit_softcapping", None)
 
     def forward(self, row, **kwargs):
         """The decoder's output for one packed row: .last_hidden_state [1, N, H] (and .router_logits
@@ -322,10 +323,9 @@ class Policy(torch.nn.Module):
         """[M] log π at a packed row's loss terms (loss.row_logprobs: at `temperature`, over the
         row's candidate sets), from this policy's forward and LM head."""
         head = self.head()
-        softcap = getattr(tree_attention.text_config(self.model), "final_logit_softcapping", None)
         hidden = self(row).last_hidden_state[0]                                    # [N, H]
         row = to_device(row, head.weight.device)
-        return row_logprobs(hidden, head.weight, head.bias, row, temperature, softcap).target
+        return row_logprobs(hidden, head.weight, head.bias, row, temperature, self.softcap).target
 
 
 def shard(policy: Policy, config, device: torch.device) -> Policy:
@@ -415,11 +415,9 @@ class Step:
     version: int                    # the policy version it trains
     rows: list                      # [GA][world] TreeRow
     packed: list                    # [GA][world] PackedRow
-    trained_tokens: int             # the step's completion tokens (loss terms)
-    totals: StepTotals              # what the loss divides by: tokens, samples, rows
+    totals: StepTotals              # what the loss divides by: tokens (trained), samples, rows
     row_metrics: list[dict]         # the planner's batch/* metrics, one dict per micro-batch
     samples: list                   # the samples accepted from the queue this step
-    staleness: list[int]            # theirs: version - model_version
     queue_s: list[float]            # their seconds in the queue
     waited_s: float                 # perf/rollout_wait_s: seconds get() blocked
     queue_size: int                 # sample/rollout_queue_size at its start
@@ -492,10 +490,9 @@ class Feed:
         packed = [[row.pack() for row in micro] for micro in rows]
         self.state.num_tokens += sum(p.unique_tokens for micro in packed for p in micro)
         totals = StepTotals.of([p for micro in packed for p in micro])
-        return Step(version, rows, packed, trained_tokens=totals.tokens, totals=totals,
+        return Step(version, rows, packed, totals=totals,
                     row_metrics=[self.planner.metrics(micro) for micro in packed],
-                    samples=samples, staleness=[version - s.model_version for s in samples],
-                    queue_s=queue_s, waited_s=waited_s, queue_size=queue_size)
+                    samples=samples, queue_s=queue_s, waited_s=waited_s, queue_size=queue_size)
 
 
 def plan_step(feed: Feed, version: int, max_staleness: int) -> Step | None:
@@ -550,7 +547,6 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, totals: StepTot
     (sampling/mismatch_*)."""
     device = policy.head().weight.device
     scaler = scaler if scaler is not None else torch.amp.GradScaler(enabled=False)
-    softcap = getattr(tree_attention.text_config(policy.model), "final_logit_softcapping", None)
     timer = metrics.Timer(device)
     parts = []                                          # loss.py's metrics, one dict per row
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -562,7 +558,7 @@ def train_step(policy: Policy, optimizer, scheduler, rows: list, totals: StepTot
             head = policy.head()
             hidden = out.last_hidden_state[0]                                   # [N, H]
             loss, terms = compute_loss(hidden, head.weight, head.bias, to_device(row, device),
-                                       config, totals, final_logit_softcapping=softcap,
+                                       config, totals, final_logit_softcapping=policy.softcap,
                                        version=version, ref_logprobs=ref)
             if aux_coef:                  # this rank's share of the step's mean router loss
                 aux = moe_aux_loss(policy.model, out.router_logits)
@@ -643,11 +639,9 @@ def moe_aux_loss(model, router_logits) -> torch.Tensor:
 def to_device(row, device):
     """The loss terms of a PackedRow on the model's device (the layout tensors move in
     Policy.forward)."""
-    if device.type == "cpu":
-        return row
     moved = {k: v.to(device, non_blocking=True) for k, v in vars(row).items()
-             if isinstance(v, torch.Tensor)}
-    return type(row)(**(vars(row) | moved))
+             if isinstance(v, torch.Tensor)}      # a tensor already there is itself
+    return replace(row, **moved)
 
 
 # ── the spec's trainer class and its callbacks ────────────────────────────────────────────────────
@@ -687,7 +681,6 @@ class AsyncGRPOTrainer:
                              "weight_decay and lr_scheduler_type/lr_scheduler_kwargs instead, or "
                              "fork train.py's build_optimizer")
         self.model = model               # after train(): the trained model, read back lazily
-        self.trained_checkpoint = None   # after train(): the last checkpoint-N
         self.reward_funcs = reward_funcs
         self.args = args if args is not None else AsyncGRPOConfig()
         check_prompt_source(train_dataset, environment_factory, self.args.max_steps)  # early
@@ -723,35 +716,34 @@ class AsyncGRPOTrainer:
                         environment_factory=self.environment_factory, loop_cls=self.loop_cls,
                         peft_config=self.peft_config, eval_dataset=self.eval_dataset,
                         resume_from_checkpoint=resume_from_checkpoint, hooks=self.hooks)
-        found = checkpoint.checkpoints(self.args.output_dir or "trainer_output")
-        self.trained_checkpoint = max(found)[1] if found else None
+        found = checkpoint.checkpoints(self.args.output_dir)
+        self._unread = max(found)[1] if found else None    # the last checkpoint-N, until .model
         return result
 
     @property
     def model(self):
         """The model argument; after train(), the trained model read from the last checkpoint
         (on first use, on the CPU)."""
-        if self.trained_checkpoint is not None and self._model_from != self.trained_checkpoint:
-            self._model = checkpoint.load_model(self.trained_checkpoint)
-            self._model_from = self.trained_checkpoint
+        if self._unread is not None:
+            self._model = checkpoint.load_model(self._unread)
+            self._unread = None
         return self._model
 
     @model.setter
     def model(self, value) -> None:
         self._model = value
-        self._model_from = None
+        self._unread = None             # a model set is the model, whatever was trained
 
     def save_model(self, output_dir: str | None = None) -> str:
         """Copy the trained model (the last checkpoint's model and tokenizer files: a
         from_pretrained directory; LoRA: the adapter) to output_dir (None: args.output_dir).
         Call it after train(); rank 0 copies. Returns output_dir."""
-        run_dir = self.args.output_dir or "trainer_output"
-        output_dir = output_dir or run_dir
-        found = checkpoint.checkpoints(run_dir)
+        found = checkpoint.checkpoints(self.args.output_dir)
         if not found:
-            raise ValueError(f"save_model: {run_dir!r} holds no checkpoint-N (train() writes one "
-                             "at its end unless save_strategy='no'): train first, with "
-                             "save_strategy='steps'")
+            raise ValueError(f"save_model: {self.args.output_dir!r} holds no checkpoint-N "
+                             "(train() writes one at its end unless save_strategy='no'): train "
+                             "first, with save_strategy='steps'")
+        output_dir = output_dir or self.args.output_dir
         if is_rank0():
             checkpoint.copy_model(max(found)[1], output_dir)
         return output_dir
@@ -943,14 +935,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("train.py: error: --reward module:function is required for a dataset "
                          "other than toy")
     rewards = [import_callable("toy:exact_reward" if r == "toy" else r) for r in reward.split(",")]
-    output_dir = config.output_dir or "trainer_output"
     server = None
     if script.serve_local and is_rank0():     # rank 0 talks to servers
         # train()'s checks first: a refused run leaves output_dir as it was, serve_local.log too
-        with checkpoint.open_run(output_dir, config, dataset, say=False):
+        with checkpoint.open_run(config.output_dir, config, dataset, say=False):
             import toy
             path = toy.ensure_saved() if script.model == "toy" else script.model
-            log_path = os.path.join(output_dir, "serve_local.log")
+            log_path = os.path.join(config.output_dir, "serve_local.log")
             from local_vllm.launch import LocalServer
             server = LocalServer(path, *local_server_args(config, peft_config), log_path=log_path)
         config.vllm_server_base_url = server.url
@@ -972,7 +963,7 @@ def main(argv: list[str] | None = None) -> None:
     if result:
         shown = {k: round(v, 4) for k, v in result.items()
                  if k in ("step", "reward", "loss", "perf/step_s") and v is not None}
-        print(f"done: {shown}; metrics in {output_dir}/metrics.jsonl", flush=True)
+        print(f"done: {shown}; metrics in {config.output_dir}/metrics.jsonl", flush=True)
 
 
 if __name__ == "__main__":

@@ -90,22 +90,28 @@ def test_values_transformers_reads_as_the_default_are_accepted():
 
 
 def test_bf16_none_means_on_cuda_only():
-    assert AsyncGRPOConfig().bf16_on(torch.device("cuda")) is True
-    assert AsyncGRPOConfig().bf16_on(torch.device("cpu")) is False
-    assert AsyncGRPOConfig(bf16=True).bf16_on(torch.device("cpu")) is True
-    assert AsyncGRPOConfig(bf16=False).bf16_on(torch.device("cuda")) is False
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert AsyncGRPOConfig().compute_dtype(cuda) == torch.bfloat16
+    assert AsyncGRPOConfig().compute_dtype(cpu) == torch.float32
+    assert AsyncGRPOConfig(bf16=True).compute_dtype(cpu) == torch.bfloat16
+    assert AsyncGRPOConfig(bf16=False).compute_dtype(cuda) == torch.float32
+    assert AsyncGRPOConfig(fp16=True).compute_dtype(cuda) == torch.float16
 
 
 @pytest.mark.parametrize("field, kwargs", [
     ("top_k", {"top_p": 0.9}),                # top-p needs a top-k bound on the candidate set
     ("top_k", {"min_p": 0.1}),
+    ("top_k", {"top_k": -1}),
     ("top_p", {"top_p": 0.0}),
     ("num_generations", {"num_generations": 1}),
     ("temperature", {"temperature": 0.0}),
+    ("epsilon", {"epsilon": 0.0}),
+    ("epsilon_high", {"epsilon_high": -0.1}),
     ("vllm_importance_sampling_clip_min/max", {"vllm_importance_sampling_clip_min": 1.5}),
     ("weight_sync_steps", {"weight_sync_steps": 0}),
     ("weight_sync_verify_every", {"weight_sync_verify_every": -1}),
     ("warmup_steps", {"warmup_steps": 0.5}),  # a fraction of max_steps, which is not set
+    ("warmup_steps", {"warmup_steps": -1, "max_steps": 10}),
     ("max_completion_length", {"max_completion_length": 0}),
     ("num_train_epochs", {"num_train_epochs": 0}),
     ("queue_maxsize", {"queue_maxsize": 0}),  # an unbounded mp.Queue

@@ -75,8 +75,8 @@ def test_feed_counts_on_the_state_it_is_given_and_packs_the_step():
     assert (state.dropped_stale_total, state.dropped_oversize_total) == (3, 2)
     assert feed.worker.stale == 1                   # told: admission's fault, not consumption
     assert state.num_tokens == 100 + packed[0][0].unique_tokens
-    assert step.trained_tokens == packed[0][0].trained_tokens == 4
-    assert (step.samples, step.staleness, step.queue_size) == (fresh, [0, 0], 5)
+    assert step.totals.tokens == packed[0][0].trained_tokens == 4
+    assert (step.samples, step.queue_size) == (fresh, 5)
     assert step.version == 1 and len(step.row_metrics) == 1
     rows, totals = train.scatter_rows(step, rank=0, world=1)
     assert rows[0] is packed[0][0] and (totals.tokens, totals.samples, totals.rows) == (4, 2, 1)

@@ -335,7 +335,8 @@ def _walk(config, tokenizer, model_dir, warm_loss, server, runner, say, section)
         f"micro-batch makes the step;",
         f"StepTotals: {totals.tokens} trained tokens, {totals.samples} samples, {totals.rows} row "
         f"(loss_type {config.loss_type} divides by the tokens);",
-        f"staleness of the samples taken: {step.staleness};",
+        f"staleness of the samples taken: "
+        f"{[step.version - s.model_version for s in step.samples]};",
         f"the resume cursor: prompt_index {state.prompt_index}, trained {state.trained} "
         f"(the held sample is not trained yet);", f"the queue holds {worker.qsize()}")
 
