@@ -47,7 +47,7 @@ import logging
 import os
 import secrets
 import shutil
-from typing import Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -55,18 +55,18 @@ import torch.distributed as dist
 from checkpoint import exported, full_tensor
 from ranks import from_rank0, on_rank0
 from vllm_client import VLLMError
-from weight_sync import (FAILED, FullSync, Members, SyncStats, check_servers, language_parameters,
+from weight_sync import (FullSync, Members, SyncStats, check_servers, language_parameters,
                          take_out_unverified)
 
 PREFIX = "policy"
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values
 
 log = logging.getLogger(__name__)
 
 
 def max_lora_rank(r: int) -> int:
-    """The smallest --max-lora-rank vLLM accepts that serves an adapter of rank r (r=4 → 8)."""
-    return next(rank for rank in LORA_RANKS if rank >= r)
+    """The smallest --max-lora-rank vLLM accepts (1, 8, 16, ..., 512) that serves an adapter of
+    rank r (r=4 → 8)."""
+    return next(rank for rank in (1, 8, 16, 32, 64, 128, 256, 320, 512) if rank >= r)
 
 
 VLLM_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")   # init_lora_weights it loads
@@ -138,8 +138,7 @@ def choose(policy, clients, config, tokenizer, peft_config, output_dir: str, ver
     """Every rank, at start: the servers checked (rank 0: weight_sync.check_servers waits for
     them first), then this run's sync: FullSync without LoRA; with it, AdapterSync when every
     server allows it, else the merged sync, a FullSync of merge_plan (rank 0 decides and says
-    why). `verifier`: verify_sync's,
-    or None (verification off)."""
+    why). `verifier`: verify_sync's, or None (verification off)."""
     def decide() -> str:
         if peft_config is not None and config.save_strategy == "no":        # spec: LoRA
             log.warning("save_strategy='no' with LoRA: this run will keep no adapter (.vllm_lora/ "
@@ -238,9 +237,8 @@ class AdapterSync:
         with stats.timed("s"):
             on_rank0(lambda: self._publish(name, state, stats))
             if self.verifier is not None:     # verification (verify_sync.py): act on its verdict
-                refused, figures = self.verifier.check_adapter(
-                    name, self.members, lambda again: on_rank0(lambda: self._load(name, again),
-                                                               FAILED))
+                refused, figures = self.verifier.check_adapter(name, self.members,
+                                                               partial(self._load, name))
                 on_rank0(lambda: take_out_unverified(     # and of routing: unloaded there
                     self.members, refused, f"failed the probe of {name}, loaded twice,",
                     f"LoRA sync: {name} did not load as trained, loaded twice",

@@ -46,7 +46,6 @@ Departures from the spec, one line each:
 """
 import importlib.util
 import logging
-import math
 import socket
 import threading
 import time
@@ -366,14 +365,14 @@ class WeightSync:
         error, lost = None, False
         with stats.timed("transfer_s"):
             try:
-                sizes = [math.prod(shape) * self.dtype.itemsize for _, shape in specs]
+                sizes = [shape.numel() * self.dtype.itemsize for _, shape in specs]
                 it = iter(tensors())
                 for chunk in buckets(sizes, self.buffer_bytes):
-                    parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]
-                    if self.rank == 0 and error is None:
-                        flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])  # [Σ B]
-                        error = _attempt(lambda: self._broadcast(flat, update))
-                        stats.bytes += flat.numel()
+                    parts = [next(it) for _ in chunk]       # every rank: the all-gathers
+                    if self.rank == 0 and error is None:     # rank 0 alone casts and sends
+                        flat = torch.cat([p.to(self.device, self.dtype).flatten() for p in parts])
+                        error = _attempt(lambda: self._broadcast(flat.view(torch.uint8), update))
+                        stats.bytes += flat.nbytes
                 if self.rank == 0:
                     for c, u in zip(self.grouped, update):   # a server's own error comes first
                         what = f"POST {c.base_url}/update_weights"
@@ -403,14 +402,11 @@ class WeightSync:
     def _lost(self) -> bool:
         """Rank 0, after a failed transfer: take out every server of the group that fails
         /health; whether any was, or any restarted, and some are left (then it is sent again)."""
-        lost = False
-        for c in self.grouped:
-            if not c.healthy():
-                self.members.take_out(c, "it stopped answering during the weight transfer")
-                lost = True
-            else:
-                lost |= self._restarted(c)
-        return lost and bool(self.members.live)
+        dead = [c for c in self.grouped if not c.healthy()]
+        for c in dead:
+            self.members.take_out(c, "it stopped answering during the weight transfer")
+        restarted = [c for c in self.grouped if c not in dead and self._restarted(c)]
+        return bool(dead or restarted) and bool(self.members.live)
 
     def _ungroup(self, update: list | None) -> None:
         """Rank 0, after a failed or stopped transfer: tear the group down now, so that neither
