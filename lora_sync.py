@@ -349,10 +349,9 @@ def merge_plan(peft_model) -> list[tuple[str, torch.Tensor, Delta | None]]:
         layer = layers.get(owner)
         delta = None
         if layer is not None and kind == "weight":
-            magnitudes = getattr(layer, "lora_magnitude_vector", {})
+            dora = layer.lora_magnitude_vector                     # DoRA's m by adapter, or empty
             delta = Delta(layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
-                          layer.scaling[adapter],
-                          magnitudes[adapter].weight if adapter in magnitudes else None,
+                          layer.scaling[adapter], dora[adapter].weight if adapter in dora else None,
                           layer.fan_in_fan_out)
         elif layer is not None and kind == "bias" and layer.lora_bias[adapter]:
             delta = Delta(None, layer.lora_B[adapter].bias, layer.scaling[adapter])

@@ -117,7 +117,6 @@ class FullSync:
     """
 
     def __init__(self, policy, clients: list[VLLMClient], config, verifier=None, plan=None):
-        self.policy = policy
         self.weights = WeightSync(clients, config.vllm_server_timeout)
         self.verifier = verifier             # verify_sync.Verifier, or None: syncs unverified
         self.worker_kwargs: dict = {}        # RolloutWorker's: rollouts ask for the base card
@@ -175,12 +174,11 @@ def check_servers(clients, config, device) -> None:
     here: every sync reads /server_info, a dev route (the client's 404 names the variable)."""
     for c in clients:
         c.wait_for_health()
-        paused, info = c.is_paused(), c.server_info()
-        if paused:
+        if c.is_paused():
             log.warning("the vLLM server at %s was paused before this run started (a run that "
                         "stopped during a weight sync leaves it so): resuming it", c.base_url)
             c.resume()
-        if why := dtype_warning(c.base_url, info, config.compute_dtype(device)):
+        if why := dtype_warning(c.base_url, c.server_info(), config.compute_dtype(device)):
             log.warning(why)
 
 
@@ -193,8 +191,7 @@ def served_dtype(info: dict) -> str | None:
 def dtype_warning(url: str, info: dict, compute_dtype) -> str | None:
     """Why the trainer's and the server's log-probs differ in precision, with the fix; None when
     they agree (or the server does not say)."""
-    served = served_dtype(info)
-    ours = dtype_name(compute_dtype)
+    served, ours = served_dtype(info), dtype_name(compute_dtype)
     if served is None or served == ours:
         return None
     return (f"the vLLM server at {url} serves {served} but the trainer computes in {ours}, so "
@@ -460,10 +457,8 @@ class WeightSync:
             done = torch.cuda.Event()
             done.record()
             finished = done.query
-        else:
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            work = self.group.broadcast([flat], opts)
+        else:                              # a torch.distributed backend: gloo, or NCCL
+            work = self.group.broadcast(flat, 0)           # from rank 0, the trainer
             finished = work.is_completed
         deadline = time.monotonic() + self.timeout
         while not finished():
