@@ -42,11 +42,11 @@ Departures from the spec, one line each:
   it is unloaded, so a second run (or a crashed one) against the same server never collides.
 - Several replicas are served without a proxy: each load and unload goes to each (TRL refuses that).
 """
-import dataclasses
 import logging
 import os
 import secrets
 import shutil
+from dataclasses import dataclass, fields
 from functools import partial
 
 import torch
@@ -100,9 +100,9 @@ def vllm_refusal(peft_config) -> str | None:
         (isinstance(init, str) and init.lower() not in VLLM_INITS,
          f"init_lora_weights={init!r} changes the base weights, which an adapter load cannot "
          "carry")]
-    refused += [(getattr(peft_config, f.name), f"vLLM would serve {f.name} as plain LoRA, which "
-                 "it is not") for f in dataclasses.fields(peft_config)
-                if f.metadata.get("is_lora_variant")]
+    variants = [f.name for f in fields(peft_config) if f.metadata.get("is_lora_variant")]
+    refused += [(getattr(peft_config, v), f"vLLM would serve {v} as plain LoRA, which it is not")
+                for v in variants]
     return next((why for bad, why in refused if bad), None)
 
 
@@ -294,7 +294,7 @@ def unload(client, name: str) -> None:
 # ── merged ──────────────────────────────────────────────────────────────────────────────────
 
 
-@dataclasses.dataclass
+@dataclass
 class Delta:
     """What peft's merge adds to one base tensor (peft/tuners/lora/layer.py, Linear.merge and
     get_delta_weight; DoraLinearVariant.merge_safe for DoRA).
