@@ -229,8 +229,7 @@ def test_merged_weights_and_biases_equal_peft_merge_and_unload(variant):
     """Every tensor the merged sync (a FullSync of merge_plan) sends equals the state dict of
     peft's merge_and_unload() (fp32, 1e-6) under the same name; the adapted ones (and a
     modules_to_save copy) differ from the model before peft (the test is not trivial); only the
-    LM head, tied to the embedding, is not
-    sent."""
+    LM head, tied to the embedding, is not sent."""
     build, peft_config = VARIANTS[variant]
     warnings.simplefilter("ignore")                         # peft: Conv1D, fan_in_fan_out notes
     model = build()
