@@ -10,7 +10,7 @@ Spec: LoRA (LoRA adapters) and the adapter-sync note (docs/lora_adapter_sync.md,
     every server has runtime LoRA, max_lora_rank >= r (and rank_pattern's), max_loras >=
     max_staleness + 2, and vLLM loads the adapter (vllm_refusal: no DoRA, lora_bias,
     modules_to_save...)                                     → AdapterSync
-    otherwise                                               → MergedSync, with why and the flags
+    otherwise                                               → merged sync, with why and the flags
 
 AdapterSync of run 3f9a1c, one sync to version 5 with max_staleness = 2 (3 versions stay loaded):
 
@@ -26,27 +26,28 @@ AdapterSync of run 3f9a1c, one sync to version 5 with max_staleness = 2 (3 versi
     lora_name), so the oldest loaded version may still be in use: max_loras needs a spare slot.
 
 At start the servers' base must be the trainer's. The start probe (verify_sync.Verifier.
-check_bases) finds a server whose base differs; only that one is sent the trained base (BaseSync, a
-full sync, said on a line) where it has weight transfer (--weight-transfer-config beside
---enable-lora, as the spec starts vLLM), else the run stops. A server that serves the trained base
-gets adapters only and joins no weight-transfer group. With verification off there is no probe:
-the base is sent wherever every server has weight transfer.
+check_bases) finds a server whose base differs; only that one is sent the trained base (a full
+sync of merge_plan's base tensors, said on a line) where it has weight transfer
+(--weight-transfer-config beside --enable-lora, as the spec starts vLLM), else the run stops. A
+server that serves the trained base gets adapters only and joins no weight-transfer group. With
+verification off there is no probe: the base is sent wherever every server has weight transfer.
 
-MergedSync is a weight_sync.FullSync of W + s·B·A (merged()) under the base model's names, as
-peft's merge_and_unload() merges it: the bias of lora_B too (lora_bias), GPT-2's transposed
-Conv1D weights (fan_in_fan_out), DoRA; what it cannot merge is refused at start (merge_plan).
+The merged sync is a weight_sync.FullSync of W + s·B·A (merge_plan, Delta.merged) under the base
+model's names, as peft's merge_and_unload() merges it: the bias of lora_B too (lora_bias), GPT-2's
+transposed Conv1D weights (fan_in_fan_out), DoRA; what it cannot merge is refused at start
+(merge_plan).
 
 Departures from the spec, one line each:
 - Adapters are named policy-<run>-v{N} (spec: trl-policy-v{N}): vLLM keeps a name registered until
   it is unloaded, so a second run (or a crashed one) against the same server never collides.
 - Several replicas are served without a proxy: each load and unload goes to each (TRL refuses that).
 """
-import dataclasses
 import logging
 import os
 import secrets
 import shutil
-from typing import Iterator
+from dataclasses import dataclass, fields
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -54,18 +55,18 @@ import torch.distributed as dist
 from checkpoint import exported, full_tensor
 from ranks import from_rank0, on_rank0
 from vllm_client import VLLMError
-from weight_sync import (FAILED, FullSync, Members, SyncStats, check_servers, language_parameters,
+from weight_sync import (FullSync, Members, SyncStats, check_servers, language_parameters,
                          take_out_unverified)
 
 PREFIX = "policy"
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's accepted --max-lora-rank values
 
 log = logging.getLogger(__name__)
 
 
 def max_lora_rank(r: int) -> int:
-    """The smallest --max-lora-rank vLLM accepts that serves an adapter of rank r (r=4 → 8)."""
-    return next(rank for rank in LORA_RANKS if rank >= r)
+    """The smallest --max-lora-rank vLLM accepts (1, 8, 16, ..., 512) that serves an adapter of
+    rank r (r=4 → 8)."""
+    return next(rank for rank in (1, 8, 16, 32, 64, 128, 256, 320, 512) if rank >= r)
 
 
 VLLM_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")   # init_lora_weights it loads
@@ -91,19 +92,17 @@ def vllm_refusal(peft_config) -> str | None:
     the LoraConfig before anything is saved, then peft's other variants (fields peft tags
     is_lora_variant), which vLLM does not read and would serve as plain LoRA, wrongly.
     rslora, rank_pattern and alpha_pattern load (PEFTHelper.get_rank_and_scaling), and so does
-    fan_in_fan_out: lora_A and lora_B keep nn.Linear's [r, in] and [out, r] layout either way."""
-    def given(field: str):
-        """The field's value, None where this peft (>= 0.17) predates the field."""
-        return getattr(peft_config, field, None)
-
-    init, bias = given("init_lora_weights"), given("bias") or "none"
-    refused = [(given(f), why) for f, why in VLLM_REFUSES.items()] + [
+    fan_in_fan_out: lora_A and lora_B keep nn.Linear's [r, in] and [out, r] layout either way.
+    A field this peft (>= 0.17) predates reads as None."""
+    init, bias = peft_config.init_lora_weights, peft_config.bias
+    refused = [(getattr(peft_config, f, None), why) for f, why in VLLM_REFUSES.items()] + [
         (bias != "none", f"vLLM refuses adapters that train base biases (bias={bias!r})"),
         (isinstance(init, str) and init.lower() not in VLLM_INITS,
          f"init_lora_weights={init!r} changes the base weights, which an adapter load cannot "
          "carry")]
-    refused += [(given(f.name), f"vLLM would serve {f.name} as plain LoRA, which it is not")
-                for f in dataclasses.fields(peft_config) if f.metadata.get("is_lora_variant")]
+    variants = [f.name for f in fields(peft_config) if f.metadata.get("is_lora_variant")]
+    refused += [(getattr(peft_config, v), f"vLLM would serve {v} as plain LoRA, which it is not")
+                for v in variants]
     return next((why for bad, why in refused if bad), None)
 
 
@@ -138,8 +137,8 @@ def adapter_refusal(infos: list[dict], urls: list[str], peft_config,
 def choose(policy, clients, config, tokenizer, peft_config, output_dir: str, verifier=None):
     """Every rank, at start: the servers checked (rank 0: weight_sync.check_servers waits for
     them first), then this run's sync: FullSync without LoRA; with it, AdapterSync when every
-    server allows it, else MergedSync (rank 0 decides and says why). `verifier`: verify_sync's,
-    or None (verification off)."""
+    server allows it, else the merged sync, a FullSync of merge_plan (rank 0 decides and says
+    why). `verifier`: verify_sync's, or None (verification off)."""
     def decide() -> str:
         if peft_config is not None and config.save_strategy == "no":        # spec: LoRA
             log.warning("save_strategy='no' with LoRA: this run will keep no adapter (.vllm_lora/ "
@@ -162,7 +161,8 @@ def choose(policy, clients, config, tokenizer, peft_config, output_dir: str, ver
     kind = from_rank0(on_rank0(decide))
     if kind == "adapter":
         return AdapterSync(policy, clients, config, output_dir, verifier)
-    return (FullSync if kind == "full" else MergedSync)(policy, clients, config, verifier)
+    plan = merge_plan(policy.model) if kind == "merged" else None
+    return FullSync(policy, clients, config, verifier, plan)
 
 
 # ── adapter only ────────────────────────────────────────────────────────────────────────────
@@ -201,9 +201,10 @@ class AdapterSync:
 
     def _send_base(self, version: int) -> None:
         """Every rank: the servers whose base is not the trained one (the start probe's finding;
-        without verification, every server, unprobed) are sent it, once, by a full sync
-        (BaseSync), where they have weight transfer. A probed server whose base differs and that
-        has none stops the run; unprobed servers are sent it only if all of them have it."""
+        without verification, every server, unprobed) are sent it, once, by a full sync of the
+        base tensors (merge_plan's, no delta merged), where they have weight transfer. A probed
+        server whose base differs and that has none stops the run; unprobed servers are sent it
+        only if all of them have it."""
         differ = self.verifier.check_bases(self.members) if self.verifier else None
         targets = [c for c in self.members.clients if differ is None or c.base_url in differ]
         lacking = from_rank0(on_rank0(lambda: [c.base_url for c in targets if not c.server_info()
@@ -220,7 +221,8 @@ class AdapterSync:
             log.warning("LoRA sync: sending the trained base model to %s (%s), once, by a full "
                         "sync", [c.base_url for c in targets],
                         "its base differs" if differ else "unprobed: verification is off")
-        BaseSync(self.policy, targets, self.config).start(version)
+        base = [(name, p, None) for name, p, _ in merge_plan(self.policy.model)]   # W: no delta
+        FullSync(self.policy, targets, self.config, plan=base).start(version)
         if differ and (still := self.verifier.check_bases(self.members, set(differ))):
             raise ValueError(f"LoRA sync: the trained base was sent, yet {still}")
 
@@ -235,9 +237,8 @@ class AdapterSync:
         with stats.timed("s"):
             on_rank0(lambda: self._publish(name, state, stats))
             if self.verifier is not None:     # verification (verify_sync.py): act on its verdict
-                refused, figures = self.verifier.check_adapter(
-                    name, self.members, lambda again: on_rank0(lambda: self._load(name, again),
-                                                               FAILED))
+                refused, figures = self.verifier.check_adapter(name, self.members,
+                                                               partial(self._load, name))
                 on_rank0(lambda: take_out_unverified(     # and of routing: unloaded there
                     self.members, refused, f"failed the probe of {name}, loaded twice,",
                     f"LoRA sync: {name} did not load as trained, loaded twice",
@@ -293,24 +294,7 @@ def unload(client, name: str) -> None:
 # ── merged ──────────────────────────────────────────────────────────────────────────────────
 
 
-class BaseSync(FullSync):
-    """A full sync of a peft model's base weights W under the base names: AdapterSync sends it at
-    start to a server whose base is not the trained one (the shards never change)."""
-
-    def __init__(self, policy, clients, config, verifier=None):
-        super().__init__(policy, clients, config, verifier)
-        self.plan = merge_plan(policy.model)
-
-
-class MergedSync(BaseSync):
-    """A full sync of the merged weights W + s·B·A under the base names: every sync of a LoRA run
-    whose servers cannot load its adapter."""
-
-    def tensor(self, base: torch.Tensor, delta: "Delta | None") -> torch.Tensor:
-        return merged(base, delta)
-
-
-@dataclasses.dataclass
+@dataclass
 class Delta:
     """What peft's merge adds to one base tensor (peft/tuners/lora/layer.py, Linear.merge and
     get_delta_weight; DoraLinearVariant.merge_safe for DoRA).
@@ -325,11 +309,25 @@ class Delta:
     magnitude: torch.Tensor | None = None  # DoRA's m [out]
     fan_in_fan_out: bool = False           # the base weight is stored [in, out]
 
+    def merged(self, base: torch.Tensor) -> torch.Tensor:
+        """The base tensor with peft's merge applied, computed in fp32 and returned in the base
+        dtype; gathered whole (every rank calls it). A Conv1D weight W [in, out] of GPT-2:
+        (Wᵀ + s·B·A)ᵀ, since B·A is [out, in]."""
+        w, b = full_tensor(base).float(), full_tensor(self.b).float()
+        if self.a is None:
+            return (w + self.scale * b).to(base.dtype)
+        w = w.T if self.fan_in_fan_out else w                                          # [out, in]
+        w = w + self.scale * (b @ full_tensor(self.a).float())
+        if self.magnitude is not None:
+            w = w * (full_tensor(self.magnitude).float() / w.norm(dim=1))[:, None]
+        return (w.T if self.fan_in_fan_out else w).to(base.dtype)
+
 
 def merge_plan(peft_model) -> list[tuple[str, torch.Tensor, Delta | None]]:
     """(base model name, base tensor, what peft's merge adds to it or None) for every language-
-    model tensor to send. Names lose peft's wrapping: base_model.model.x.base_layer.weight →
-    x.weight, x.modules_to_save.<adapter>.weight → x.weight (x.original_module.* is not sent).
+    model tensor to send: the merged sync's plan (weight_sync.FullSync). Names lose peft's
+    wrapping: base_model.model.x.base_layer.weight → x.weight, x.modules_to_save.<adapter>.weight
+    → x.weight (x.original_module.* is not sent).
     The scale is each layer's own, so rslora (alpha / √r), rank_pattern and alpha_pattern hold.
     A layer merge_refusal refuses stops the run here, at start, in one line."""
     from peft.tuners.lora import LoraLayer
@@ -351,10 +349,9 @@ def merge_plan(peft_model) -> list[tuple[str, torch.Tensor, Delta | None]]:
         layer = layers.get(owner)
         delta = None
         if layer is not None and kind == "weight":
-            magnitudes = getattr(layer, "lora_magnitude_vector", {})
+            dora = layer.lora_magnitude_vector                     # DoRA's m by adapter, or empty
             delta = Delta(layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
-                          layer.scaling[adapter],
-                          magnitudes[adapter].weight if adapter in magnitudes else None,
+                          layer.scaling[adapter], dora[adapter].weight if adapter in dora else None,
                           layer.fan_in_fan_out)
         elif layer is not None and kind == "bias" and layer.lora_bias[adapter]:
             delta = Delta(None, layer.lora_B[adapter].bias, layer.scaling[adapter])
@@ -365,10 +362,10 @@ def merge_plan(peft_model) -> list[tuple[str, torch.Tensor, Delta | None]]:
 
 
 def merge_refusal(layer, adapter: str) -> str | None:
-    """Why merged() cannot give peft's merge of this LoRA layer (None: it can): it merges peft's
-    Linear (over nn.Linear or Conv1D) with plain LoRA or DoRA, not an embedding, a convolution
-    or target_parameters, nor another variant; lora_bias needs a base bias (peft's merge raises
-    "Impossible to merge LoRA with `lora_bias=True`" without one)."""
+    """Why Delta.merged cannot give peft's merge of this LoRA layer (None: it can): it merges
+    peft's Linear (over nn.Linear or Conv1D) with plain LoRA or DoRA, not an embedding, a
+    convolution or target_parameters, nor another variant; lora_bias needs a base bias (peft's
+    merge raises "Impossible to merge LoRA with `lora_bias=True`" without one)."""
     from peft.tuners.lora import Linear
     from peft.tuners.lora.variants import DoraLinearVariant
     if not isinstance(layer, Linear):
@@ -380,19 +377,3 @@ def merge_refusal(layer, adapter: str) -> str | None:
         return "lora_bias on a layer without a bias"
     return None
 
-
-def merged(base: torch.Tensor, delta: Delta | None) -> torch.Tensor:
-    """The base tensor with peft's merge applied (Delta), computed in fp32 and returned in the base
-    dtype; gathered whole (every rank calls it). A Conv1D weight W [in, out] of GPT-2:
-    (Wᵀ + s·B·A)ᵀ, since B·A is [out, in]."""
-    w = full_tensor(base)
-    if delta is None:
-        return w
-    b = full_tensor(delta.b).float()
-    if delta.a is None:
-        return (w.float() + delta.scale * b).to(base.dtype)
-    w = w.float().T if delta.fan_in_fan_out else w.float()                           # [out, in]
-    w = w + delta.scale * (b @ full_tensor(delta.a).float())
-    if delta.magnitude is not None:
-        w = w * (full_tensor(delta.magnitude).float() / w.norm(dim=1))[:, None]
-    return (w.T if delta.fan_in_fan_out else w).to(base.dtype)

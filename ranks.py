@@ -23,10 +23,7 @@ def agree(error: BaseException | None, failed: str | None = None,
     every rank, and all raise together, or none does. With `failed`, every rank raises
     kind("<failed>: <the error>"), rank 0's `kind`; without, rank 0 raises the error itself and
     the others a RuntimeError("rank 0 stopped: <the error>")."""
-    message = [None if error is None else f"{type(error).__name__}: {error}", kind]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(message, src=0)
-    said, kind = message
+    said, kind = from_rank0([None if error is None else f"{type(error).__name__}: {error}", kind])
     if said is not None and (error is None or failed is not None):
         raise kind(f"{failed or 'rank 0 stopped'}: {said}") from error
     if said is not None:

@@ -206,8 +206,8 @@ class Verifier:
     def check_adapter(self, name: str, members, reload) -> tuple[dict[str, str], dict]:
         """Every rank, after adapter `name` was loaded: each live replica's probe under `name`
         must show the trained adapter, not a failed delivery (refusal). Those that do not are
-        loaded once more (reload(their URLs)) and probed again. Returns ({url: why} of those
-        still refused, the sync's figures: sync/verify_s)."""
+        loaded once more (reload(their URLs), on rank 0) and probed again. Returns ({url: why}
+        of those still refused, the sync's figures: sync/verify_s)."""
         start = time.perf_counter()
         others = {"the base": lambda: swapped(self.adapter)}
         if self.previous is not None:
@@ -222,7 +222,7 @@ class Verifier:
             refused = {p.url: why for p in probes if (why := refusal(p, self.noise))}
             if not refused or attempt:
                 break
-            reload(set(refused))
+            on_rank0(lambda: reload(set(refused)), FAILED)
         self.previous = [p.detach().clone() for p in self.adapter]
         return refused, {"sync/verify_s": time.perf_counter() - start}
 

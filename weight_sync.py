@@ -38,7 +38,7 @@ or, mid-transfer, the transfer is sent once more.
 
 Verification is optional and lives in verify_sync.py: FullSync.push calls it once, after the
 sync (Verifier.check_full), and takes out a server that holds other bytes than were sent.
-lora_sync.MergedSync, a FullSync, sends W + s·B·A.
+A LoRA run that cannot sync its adapter sends W + s·B·A: a FullSync of lora_sync.merge_plan.
 
 Departures from the spec, one line each:
 - On a CPU both ends form a torch.distributed gloo group (local_vllm, or vLLM with vllm_plugin/).
@@ -46,7 +46,6 @@ Departures from the spec, one line each:
 """
 import importlib.util
 import logging
-import math
 import socket
 import threading
 import time
@@ -108,34 +107,31 @@ def language_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 class FullSync:
-    """The sync of a model without LoRA: every sync sends the language model's full weights.
+    """The sync of full weights: every sync sends the tensors of its plan, by default the language
+    model's weights (a model without LoRA); lora_sync's plans send a peft model's merged weights
+    (merge_plan) or its base weights.
 
         sync = FullSync(policy, clients, config, verifier)   # every rank; verifier: None is off
         sync.start(version)                        # the group joined, this run's weights sent
         metrics = sync.push(version)               # every rank, each sync: perf/weight_sync_*
     """
 
-    def __init__(self, policy, clients: list[VLLMClient], config, verifier=None):
-        self.policy = policy
+    def __init__(self, policy, clients: list[VLLMClient], config, verifier=None, plan=None):
         self.weights = WeightSync(clients, config.vllm_server_timeout)
         self.verifier = verifier             # verify_sync.Verifier, or None: syncs unverified
         self.worker_kwargs: dict = {}        # RolloutWorker's: rollouts ask for the base card
-        # (server name, tensor, what is merged into it: lora_sync.Delta) of what every sync sends
-        self.plan = [(name, p, None) for name, p in language_parameters(policy.model)]
+        # (server name, tensor, what is merged into it: lora_sync.Delta or None) of what is sent
+        self.plan = plan or [(name, p, None) for name, p in language_parameters(policy.model)]
 
     def specs(self) -> list[tuple[str, torch.Size]]:
         """(name, shape) of what every sync sends, in order: the server's names."""
         return [(name, p.shape) for name, p, _ in self.plan]
 
     def tensors(self, only: set[str] | None = None) -> Iterator[torch.Tensor]:
-        """What every sync sends (those named in `only`, if given), whole, in specs() order
-        (every rank: the all-gathers)."""
-        return (self.tensor(p, delta) for name, p, delta in self.plan
-                if only is None or name in only)
-
-    def tensor(self, p: torch.Tensor, delta) -> torch.Tensor:
-        """The tensor sent for `p`: p whole (lora_sync.MergedSync merges `delta` into it)."""
-        return full_tensor(p)
+        """What every sync sends (those named in `only`, if given), whole, with its delta merged
+        (Delta.merged), in specs() order (every rank: the all-gathers)."""
+        return (full_tensor(p) if delta is None else delta.merged(p)
+                for name, p, delta in self.plan if only is None or name in only)
 
     def connect(self) -> None:
         """Rank 0: join the servers, every name and shape checked first (WeightSync.connect)."""
@@ -174,22 +170,15 @@ def check_servers(clients, config, device) -> None:
     vllm_server_timeout); one that is paused resumed, with a warning (a run killed between /pause
     and /resume by SIGKILL, OOM or a lost node leaves it so: in keep mode every request waits,
     forever, this run's first one included); its dtype is the trainer's compute dtype (a
-    warning, spec: dtype). A server without the dev routes (no VLLM_SERVER_DEV_MODE: a LoRA-only
-    run's) cannot have been paused by a run; weight sync says what it lacks."""
+    warning, spec: dtype). A server without the dev routes (no VLLM_SERVER_DEV_MODE) is refused
+    here: every sync reads /server_info, a dev route (the client's 404 names the variable)."""
     for c in clients:
         c.wait_for_health()
-    for c in clients:
-        try:
-            paused, info = c.is_paused(), c.server_info()
-        except VLLMError as e:
-            if e.status == 404:
-                continue
-            raise
-        if paused:
+        if c.is_paused():
             log.warning("the vLLM server at %s was paused before this run started (a run that "
                         "stopped during a weight sync leaves it so): resuming it", c.base_url)
             c.resume()
-        if why := dtype_warning(c.base_url, info, config.compute_dtype(device)):
+        if why := dtype_warning(c.base_url, c.server_info(), config.compute_dtype(device)):
             log.warning(why)
 
 
@@ -202,8 +191,7 @@ def served_dtype(info: dict) -> str | None:
 def dtype_warning(url: str, info: dict, compute_dtype) -> str | None:
     """Why the trainer's and the server's log-probs differ in precision, with the fix; None when
     they agree (or the server does not say)."""
-    served = served_dtype(info)
-    ours = dtype_name(compute_dtype)
+    served, ours = served_dtype(info), dtype_name(compute_dtype)
     if served is None or served == ours:
         return None
     return (f"the vLLM server at {url} serves {served} but the trainer computes in {ours}, so "
@@ -374,14 +362,14 @@ class WeightSync:
         error, lost = None, False
         with stats.timed("transfer_s"):
             try:
-                sizes = [math.prod(shape) * self.dtype.itemsize for _, shape in specs]
+                sizes = [shape.numel() * self.dtype.itemsize for _, shape in specs]
                 it = iter(tensors())
                 for chunk in buckets(sizes, self.buffer_bytes):
-                    parts = [next(it).to(self.device, self.dtype).contiguous() for _ in chunk]
-                    if self.rank == 0 and error is None:
-                        flat = torch.cat([p.view(-1).view(torch.uint8) for p in parts])  # [Σ B]
-                        error = _attempt(lambda: self._broadcast(flat, update))
-                        stats.bytes += flat.numel()
+                    parts = [next(it) for _ in chunk]       # every rank: the all-gathers
+                    if self.rank == 0 and error is None:     # rank 0 alone casts and sends
+                        flat = torch.cat([p.to(self.device, self.dtype).flatten() for p in parts])
+                        error = _attempt(lambda: self._broadcast(flat.view(torch.uint8), update))
+                        stats.bytes += flat.nbytes
                 if self.rank == 0:
                     for c, u in zip(self.grouped, update):   # a server's own error comes first
                         what = f"POST {c.base_url}/update_weights"
@@ -411,14 +399,11 @@ class WeightSync:
     def _lost(self) -> bool:
         """Rank 0, after a failed transfer: take out every server of the group that fails
         /health; whether any was, or any restarted, and some are left (then it is sent again)."""
-        lost = False
-        for c in self.grouped:
-            if not c.healthy():
-                self.members.take_out(c, "it stopped answering during the weight transfer")
-                lost = True
-            else:
-                lost |= self._restarted(c)
-        return lost and bool(self.members.live)
+        dead = [c for c in self.grouped if not c.healthy()]
+        for c in dead:
+            self.members.take_out(c, "it stopped answering during the weight transfer")
+        restarted = [c for c in self.grouped if c not in dead and self._restarted(c)]
+        return bool(dead or restarted) and bool(self.members.live)
 
     def _ungroup(self, update: list | None) -> None:
         """Rank 0, after a failed or stopped transfer: tear the group down now, so that neither
@@ -472,10 +457,8 @@ class WeightSync:
             done = torch.cuda.Event()
             done.record()
             finished = done.query
-        else:
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            work = self.group.broadcast([flat], opts)
+        else:                              # a torch.distributed backend: gloo, or NCCL
+            work = self.group.broadcast(flat, 0)           # from rank 0, the trainer
             finished = work.is_completed
         deadline = time.monotonic() + self.timeout
         while not finished():

@@ -21,7 +21,7 @@ import lora_sync
 import toy
 import train
 import weight_sync
-from lora_sync import adapter_refusal, max_lora_rank, merge_plan, merged
+from lora_sync import adapter_refusal, max_lora_rank, merge_plan
 from local_vllm_helpers import PROMPT, reference_logprobs
 from train import AsyncGRPOConfig
 from train_helpers import SERVER_ARGS, SMALL
@@ -226,17 +226,18 @@ def randomized(model, peft_config) -> PeftModel:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_merged_weights_and_biases_equal_peft_merge_and_unload(variant):
-    """Every tensor merged() sends equals the state dict of peft's merge_and_unload() (fp32,
-    1e-6) under the same name; the adapted ones (and a modules_to_save copy) differ from the
-    model before peft (the test is not trivial); only the LM head, tied to the embedding, is not
-    sent."""
+    """Every tensor the merged sync (a FullSync of merge_plan) sends equals the state dict of
+    peft's merge_and_unload() (fp32, 1e-6) under the same name; the adapted ones (and a
+    modules_to_save copy) differ from the model before peft (the test is not trivial); only the
+    LM head, tied to the embedding, is not sent."""
     build, peft_config = VARIANTS[variant]
     warnings.simplefilter("ignore")                         # peft: Conv1D, fan_in_fan_out notes
     model = build()
     before = {name: t.clone() for name, t in model.state_dict().items()}
     peft_model = randomized(model, peft_config)
     plan = merge_plan(peft_model)
-    sent = {name: merged(t, delta).clone() for name, t, delta in plan}
+    sync = weight_sync.FullSync(None, [], AsyncGRPOConfig(), plan=plan)
+    sent = {name: t.clone() for (name, _), t in zip(sync.specs(), sync.tensors())}
     reference = peft_model.merge_and_unload().state_dict()
     assert list(reference) == list(sent) + ["lm_head.weight"]
     for name, tensor in sent.items():
@@ -253,7 +254,8 @@ def test_merged_weights_and_biases_equal_peft_merge_and_unload(variant):
 
 @pytest.mark.parametrize("case", ["embedding", "lora_bias without a bias", "velora"])
 def test_what_merged_cannot_merge_is_refused_at_start(case):
-    """merge_plan (MergedSync's start) names the layer and why, where merged() would be wrong."""
+    """merge_plan (the merged sync's start) names the layer and why, where Delta.merged would be
+    wrong."""
     warnings.simplefilter("ignore")
     peft_config, said = {
         "embedding": (LoraConfig(r=4, target_modules=["embed_tokens"]), "Embedding layer"),

@@ -247,6 +247,7 @@ def sync(argv):
     import toy
     import train
     import verify_sync
+    import weight_sync
     from config import AsyncGRPOConfig
     from local_vllm.launch import LocalServer
     from vllm_client import VLLMClient
@@ -279,7 +280,8 @@ def sync(argv):
         client = VLLMClient(server.url, timeout=120)
         config.weight_sync_verify_every = every
         verifier = verify_sync.Verifier(policy, config)
-        syncers = {"full": lora_sync.MergedSync(policy, [client], config, verifier),
+        syncers = {"full": weight_sync.FullSync(policy, [client], config, verifier,
+                                                lora_sync.merge_plan(policy.model)),
                    "adapter": lora_sync.AdapterSync(policy, [client], config, config.output_dir,
                                                     verifier)}
         seconds, sent, share, first_share, probe_share = {}, {}, {}, {}, {}

@@ -31,9 +31,8 @@ FEATURES = {
         ("checkpoint.py", "hold"), ("checkpoint.py", "open_run"), ("checkpoint.py", "read"),
         ("checkpoint.py", "damaged_in")],
     "peft variants": [
-        ("lora_sync.py", "MergedSync"), ("lora_sync.py", "Delta"), ("lora_sync.py", "merge_plan"),
-        ("lora_sync.py", "merge_refusal"), ("lora_sync.py", "merged"),
-        ("lora_sync.py", "choose")],
+        ("lora_sync.py", "Delta"), ("lora_sync.py", "merge_plan"),
+        ("lora_sync.py", "merge_refusal"), ("lora_sync.py", "choose")],
     "signal guards": [
         ("rollout/scoring.py", "checked_column"), ("rollout/samples.py", "check_turn"),
         ("train.py", "count_skipped"), ("train.py", "check_skipped"),
