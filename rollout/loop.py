@@ -62,9 +62,6 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
                 "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK",
                 "ROLE_WORLD_SIZE")
 
-SPEC_SIX = ("rollout_buffer", "model_version_value", "heartbeat_value", "failed_event",
-            "exception_info_queue", "metrics_queue")   # the spec's inter-process arguments
-
 FAILED_GROUPS_TO_STOP = 4          # failed rollouts in a row from this many groups stop the process
 WAKE_S = 0.05                      # the loops re-check shared values at least this often
 
@@ -148,9 +145,13 @@ def spec_channels(config, rollout_buffer, model_version_value, heartbeat_value, 
                   exception_info_queue, metrics_queue) -> Channels:
     """Channels from the spec's six primitives; ours are in-process stand-ins (no trainer
     publishes a staleness window: the prior rate of one process holds)."""
-    given = (rollout_buffer, model_version_value, heartbeat_value, failed_event,
-             exception_info_queue, metrics_queue)
-    if missing := [name for name, v in zip(SPEC_SIX, given) if v is None]:
+    missing = [name for name, v in [("rollout_buffer", rollout_buffer),
+                                    ("model_version_value", model_version_value),
+                                    ("heartbeat_value", heartbeat_value),
+                                    ("failed_event", failed_event),
+                                    ("exception_info_queue", exception_info_queue),
+                                    ("metrics_queue", metrics_queue)] if v is None]
+    if missing:
         raise TypeError(f"AsyncRolloutLoop needs {', '.join(missing)} (or one `channels` record)")
     return Channels(rollout_buffer=rollout_buffer, metrics=metrics_queue, progress=queue.Queue(),
                     exception_info=exception_info_queue, model_version=model_version_value,
