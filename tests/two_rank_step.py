@@ -71,6 +71,7 @@ def main(out_path: str, precision: str = "fp32") -> None:
     weights = {n: full_tensor(p).clone() for n, p in policy.model.named_parameters()}
     if rank == 0:
         torch.save(weights, out_path)
+    torch.distributed.barrier()     # no rank tears its gloo pairs down while rank 0 still saves
     torch.distributed.destroy_process_group()
 
 
